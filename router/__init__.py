@@ -1,0 +1,1 @@
+"""Replica selection shared by the live routing service and the fleet simulator."""

@@ -1,0 +1,109 @@
+"""The one routing-policy interface, used by both hosts.
+
+The live routing service (services/routing) and the fleet simulator (sim/)
+build the same `RouteRequest` and `ReplicaView` values and call the same
+policy object, so a policy measured in simulation is the policy that runs in
+production. Policies are pure: no I/O, no clock reads. Time, when a policy
+needs it (TTL eviction), arrives as `now` in seconds on whatever clock the
+host runs (wall clock live, virtual clock in the simulator).
+
+Lifecycle, as the host drives it:
+
+    decision = policy.choose(request, views, now)   # pick a replica (or None)
+    policy.on_routed(request, decision, now)        # learn: prefix index, in-flight counts
+    ...                                             # run executes
+    policy.on_finished(request, decision.replica, now)
+    policy.on_replica_restarted(name)               # host saw start time / counters reset
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    model_version: str                  # the pool key
+    token_ids: Sequence[int]            # the tokenized prompt
+    max_output_tokens: int
+    conversation_id: str | None = None  # session affinity key, when the client sends one
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What a host knows about one replica at decision time."""
+
+    name: str
+    pool: str                           # model version served
+    block_size: int                     # KV block size in tokens (prefix hashing aligns to it)
+    kv_capacity_blocks: int             # total KV blocks of the replica
+    healthy: bool = True                # False while the circuit breaker is open
+    long_context: bool = False          # member of the long-context pool
+    waiting: int = 0                    # queued requests, as last reported by the replica
+    running: int = 0                    # active requests, as last reported
+    kv_used_blocks: int = 0             # as last reported
+    in_flight: int = 0                  # host's own count of runs sent and not finished
+    start_time: float = 0.0             # replica's reported start time; a change means a restart
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    replica: str
+    outcome: str                        # e.g. affinity_hit | balanced_away | fallback | round_robin
+    predicted_cached_tokens: int = 0    # prompt tokens the policy expects the replica to have cached
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               now: float) -> RouteDecision | None:
+        """Pick a replica among `replicas` (already filtered to the request's pool
+        and to healthy members by the host), or None when none can take it."""
+        ...
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
+        ...
+
+    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+        ...
+
+    def on_replica_restarted(self, replica: str) -> None:
+        ...
+
+
+class RoundRobin:
+    """Cycle through the candidates in name order; the foundation's policy."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               now: float) -> RouteDecision | None:
+        if not replicas:
+            return None
+        ordered = sorted(replicas, key=lambda view: view.name)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return RouteDecision(replica=chosen.name, outcome="round_robin")
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
+        return None
+
+    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+        return None
+
+    def on_replica_restarted(self, replica: str) -> None:
+        return None
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    """Factory used by both hosts; the router issue adds least_loaded and prefix_aware."""
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}; known: round_robin")
