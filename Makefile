@@ -1,0 +1,49 @@
+# Sluice: the two commands that matter are `make demo` and `make test`.
+# Every target does its own set-up, so both work on a fresh machine.
+PY      := .venv/bin/python
+PYTEST  := $(PY) -m pytest
+
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit lint bench sim plan clean
+
+setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
+	infra/setup.sh
+
+protos:                      ## regenerate sluice/v1 stubs from protos/ (setup does this too)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/sluice/v1/*.proto
+
+infra-up: setup              ## start PostgreSQL and Kafka (idempotent) and wait until healthy
+	infra/up.sh
+
+infra-down:                  ## stop PostgreSQL and Kafka (data under .sluice/ is kept)
+	infra/down.sh
+
+migrate: infra-up
+	.venv/bin/alembic upgrade head
+
+seed: migrate                ## demo tenant, API key and model
+	$(PY) -m ledger.seed
+
+demo: seed                   ## the platform end to end: stream, resume, cancel, worker loss, usage
+	$(PY) -m demo
+
+test: infra-up               ## the whole suite against real PostgreSQL, Kafka and Triton
+	$(PYTEST) -q -rfEs
+
+test-unit: setup             ## pure tests only (no servers)
+	$(PYTEST) -q -m "not integration"
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/mypy engine planner router
+
+bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
+	$(PY) -m bench
+
+sim: setup                   ## seed 003's fleet on the simulator
+	$(PY) -m sim --preset seed003
+
+plan: setup                  ## size seed 003's brief
+	$(PY) -m planner examples/briefs/seed003.yaml
+
+clean: infra-down
+	rm -rf .sluice
