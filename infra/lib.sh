@@ -1,0 +1,53 @@
+# Shared helpers for the infra scripts; sourced, never run.
+# Every path and port comes from config/sluice.toml (with SLUICE_<SECTION>__<KEY> overrides),
+# read through sluice_config so the scripts and the services can never disagree.
+
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The config loader needs only the standard library, so any python3.11 reads it; the venv
+# python is preferred because it is the one the services use.
+if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
+  PY="$REPO_ROOT/.venv/bin/python"
+else
+  PY="$(command -v python3.11 || command -v python3)"
+fi
+
+say() { printf '[%s] %s\n' "${SCRIPT_TAG:-infra}" "$*"; }
+die() { printf '[%s] ERROR: %s\n' "${SCRIPT_TAG:-infra}" "$*" >&2; exit 1; }
+
+# config_get section.key [default] -> prints the value (after env overrides).
+config_get() {
+  (cd "$REPO_ROOT" && "$PY" - "$1" "${2-}" <<'PYEOF'
+import sys
+from sluice_config import load_config, data_dir
+dotted, default = sys.argv[1], sys.argv[2]
+cfg = load_config()
+if dotted == "paths.data_dir":
+    print(data_dir(cfg)); raise SystemExit
+section, key = dotted.split(".", 1)
+value = cfg.get(section, {}).get(key, default)
+if value == "":
+    raise SystemExit(f"config key {dotted} is missing and has no default")
+print(value)
+PYEOF
+  )
+}
+
+DATA_DIR="$(config_get paths.data_dir)"
+LOG_DIR="$DATA_DIR/logs"
+
+# port_listener PORT -> prints the `ss` line of whoever listens on 127.0.0.1/any:PORT, if any.
+port_listener() {
+  ss -ltnpH "sport = :$1" 2>/dev/null || true
+}
+
+# wait_for_port PORT SECONDS -> 0 once something accepts TCP connections on 127.0.0.1:PORT.
+wait_for_port() {
+  local port="$1" deadline=$((SECONDS + $2))
+  while (( SECONDS < deadline )); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then return 0; fi
+    sleep 0.5
+  done
+  return 1
+}

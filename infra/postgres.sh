@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Local PostgreSQL 15 cluster for Sluice: loopback TCP on [database].port, socket inside .sluice.
+# Usage: infra/postgres.sh {start|wait|stop|status|reset}
+#
+# We run as root and postgres refuses to run as root, so initdb/pg_ctl run as the `postgres`
+# OS user on a data dir chowned to it.
+#
+# Durability: fsync=off is set for dev speed on a shared 2-core box. It only matters if the
+# whole machine (kernel) crashes; killing the postgres process still loses nothing committed,
+# because synchronous_commit stays at its default (on) and WAL is written before COMMIT returns.
+# Crash tests in this project kill processes, never the kernel, so their semantics hold.
+SCRIPT_TAG=postgres
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+PG_BIN="${PG_BIN:-/usr/lib/postgresql/15/bin}"
+PG_PORT="$(config_get database.port 54329)"
+PG_ROOT="$DATA_DIR/pg"
+PG_DATA="$PG_ROOT/data"
+PG_SOCK="$PG_ROOT/run"
+PG_LOG="$LOG_DIR/postgres.log"
+PG_OS_USER=postgres
+DB_NAME=sluice
+DB_USER=sluice
+DB_PASSWORD=sluice
+
+as_pg() { runuser -u "$PG_OS_USER" -- "$@"; }
+
+require_binaries() {
+  [[ -x "$PG_BIN/postgres" && -x "$PG_BIN/pg_ctl" ]] \
+    || die "PostgreSQL 15 server binaries missing in $PG_BIN (run infra/setup.sh, or: apt-get install -y postgresql-15)"
+  id "$PG_OS_USER" >/dev/null 2>&1 || die "OS user '$PG_OS_USER' missing (it comes with the postgresql-15 package)"
+}
+
+# The postgres user must be able to walk down to the data dir: give o+x to any parent lacking it.
+ensure_traversable() {
+  local dir="$PG_ROOT"
+  while [[ "$dir" != "/" ]]; do
+    dir="$(dirname "$dir")"
+    if ! as_pg test -x "$dir" 2>/dev/null; then
+      say "granting o+x on $dir so the postgres user can reach its data dir"
+      chmod o+x "$dir"
+    fi
+  done
+}
+
+is_running() { [[ -f "$PG_DATA/postmaster.pid" ]] && as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1; }
+
+psql_admin() { as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCK" -p "$PG_PORT" -d postgres "$@"; }
+
+init_cluster() {
+  say "initdb in $PG_DATA"
+  mkdir -p "$PG_ROOT" "$PG_SOCK" "$LOG_DIR"
+  ensure_traversable
+  chown "$PG_OS_USER": "$PG_ROOT" "$PG_SOCK"
+  rm -rf "$PG_DATA"
+  as_pg "$PG_BIN/initdb" -D "$PG_DATA" -U postgres --encoding=UTF8 --locale=C.UTF-8 \
+      --auth-local=peer --auth-host=scram-sha-256 >"$LOG_DIR/initdb.log" 2>&1 \
+    || { tail -n 20 "$LOG_DIR/initdb.log" >&2; die "initdb failed (full log: $LOG_DIR/initdb.log)"; }
+  cat >>"$PG_DATA/postgresql.conf" <<CONF
+
+# --- Sluice local dev settings (infra/postgres.sh) ---
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+unix_socket_directories = '$PG_SOCK'
+max_connections = 200
+fsync = off                 # dev speed; see the durability note in infra/postgres.sh
+full_page_writes = off      # only protects against torn pages on an OS crash, like fsync
+# synchronous_commit stays on (default): a COMMIT that returned is in the WAL.
+log_min_messages = warning
+CONF
+}
+
+bootstrap_roles() {
+  say "creating role $DB_USER and database $DB_NAME"
+  psql_admin <<SQL
+DO \$\$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$DB_USER') THEN
+    CREATE ROLE $DB_USER LOGIN CREATEDB PASSWORD '$DB_PASSWORD';
+  END IF;
+END \$\$;
+SQL
+  if [[ -z "$(psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = '$DB_NAME'")" ]]; then
+    psql_admin -c "CREATE DATABASE $DB_NAME OWNER $DB_USER"
+  fi
+  touch "$PG_ROOT/.bootstrapped"
+}
+
+wait_ready() {
+  local deadline=$((SECONDS + ${1:-30}))
+  while (( SECONDS < deadline )); do
+    if "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"; then return 0; fi
+    sleep 0.5
+  done
+  return 1
+}
+
+cmd_start() {
+  require_binaries
+  mkdir -p "$LOG_DIR"
+  if is_running; then
+    [[ -f "$PG_ROOT/.bootstrapped" ]] || bootstrap_roles
+    say "already running on 127.0.0.1:$PG_PORT"; return 0
+  fi
+  local holder; holder="$(port_listener "$PG_PORT")"
+  [[ -z "$holder" ]] || die "port $PG_PORT is taken by something else: $holder"
+  [[ -f "$PG_DATA/PG_VERSION" ]] || init_cluster
+  ensure_traversable
+  touch "$PG_LOG"; chown "$PG_OS_USER": "$PG_LOG"
+  say "starting on 127.0.0.1:$PG_PORT (data $PG_DATA, log $PG_LOG)"
+  if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 30 start >/dev/null; then
+    tail -n 20 "$PG_LOG" >&2
+    die "PostgreSQL failed to start (log above: $PG_LOG)"
+  fi
+  [[ -f "$PG_ROOT/.bootstrapped" ]] || bootstrap_roles
+  say "up: postgresql://$DB_USER:$DB_PASSWORD@127.0.0.1:$PG_PORT/$DB_NAME"
+}
+
+cmd_wait() {
+  require_binaries
+  if wait_ready 30; then say "ready on 127.0.0.1:$PG_PORT"; return 0; fi
+  [[ -f "$PG_LOG" ]] && tail -n 20 "$PG_LOG" >&2
+  die "not ready on 127.0.0.1:$PG_PORT after 30 s"
+}
+
+cmd_stop() {
+  if [[ -x "$PG_BIN/pg_ctl" ]] && is_running; then
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast -w -t 30 stop >/dev/null
+    say "stopped"
+  else
+    say "not running"
+  fi
+}
+
+cmd_status() {
+  if is_running; then
+    say "running on 127.0.0.1:$PG_PORT (pid $(head -n1 "$PG_DATA/postmaster.pid"))"
+  else
+    say "not running"; return 3
+  fi
+}
+
+cmd_reset() {
+  cmd_stop
+  rm -rf "$PG_ROOT"
+  say "data removed ($PG_ROOT); next start creates a fresh cluster"
+}
+
+case "${1:-}" in
+  start) cmd_start ;;
+  wait) cmd_wait ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  reset) cmd_reset ;;
+  *) echo "usage: $0 {start|wait|stop|status|reset}" >&2; exit 2 ;;
+esac
