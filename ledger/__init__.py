@@ -1,0 +1,1 @@
+"""The Postgres run ledger: models, engine/session factories, repositories, pricing, settlement."""

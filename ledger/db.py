@@ -1,0 +1,32 @@
+"""Engine and session factories. One engine per process and event loop; never share across loops."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from sluice_config import load_config
+
+
+def configured_dsn() -> str:
+    """The DSN from config/sluice.toml, after SLUICE_DATABASE__DSN overrides."""
+    return str(load_config()["database"]["dsn"])
+
+
+def make_engine(dsn: str | None = None, *, pool_size: int = 10, max_overflow: int = 10) -> AsyncEngine:
+    """An asyncpg-backed engine; `dsn` defaults to the configured one.
+
+    pool_pre_ping keeps a service alive across a database restart (a stale pooled connection is
+    replaced instead of failing the first request after the restart).
+    """
+    return create_async_engine(
+        dsn or configured_dsn(),
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_pre_ping=True,
+    )
+
+
+def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    # expire_on_commit=False: objects read in a transaction stay usable after it commits, so a
+    # service can commit first and build its response afterwards without lazy-loading I/O.
+    return async_sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,246 @@
+"""The run ledger's tables: the authority on tenants, models, runs, budgets and settled usage.
+
+Enum-like columns are TEXT guarded by CHECK constraints (cheap to extend in a migration, readable
+in psql); every timestamp is timestamptz; ids are UUIDs. Money is integer micro-USD throughout so
+that no float ever touches a bill.
+
+Budget invariant, enforced by the database itself so that no code path can overshoot:
+
+    reserved_tokens + used_tokens <= token_budget
+    reserved_cost_micros + used_cost_micros <= cost_budget_micros
+
+Admission moves a run's worst case (prompt + output cap) into `reserved_*`; settlement moves it
+back out and adds what was really consumed to `used_*`, exactly once per run (usage_entries.run_id
+is UNIQUE).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Date,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names, so alembic migrations can refer to them and downgrades can drop them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class RunStatus(enum.StrEnum):
+    """Lifecycle of a run (DESIGN.md "A run"); stored as TEXT. Terminal states are final."""
+
+    ACCEPTED = "ACCEPTED"        # run row + budget reservation committed by admission
+    QUEUED = "QUEUED"            # claimed by a routing worker; replica chosen, not yet streaming
+    RUNNING = "RUNNING"          # the replica produced its first token
+    COMPLETED = "COMPLETED"
+    CANCELLED = "CANCELLED"
+    INTERRUPTED = "INTERRUPTED"  # worker or replica lost mid-stream; never regenerated
+    FAILED = "FAILED"
+    EXPIRED = "EXPIRED"          # deadline passed before completion
+
+
+TERMINAL_STATUSES: frozenset[RunStatus] = frozenset(
+    {RunStatus.COMPLETED, RunStatus.CANCELLED, RunStatus.INTERRUPTED, RunStatus.FAILED, RunStatus.EXPIRED}
+)
+ACTIVE_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL_STATUSES
+
+
+def _in_list(column: str, values: list[str]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+_RUN_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus])
+
+
+def _timestamp(*, nullable: bool = False, now: bool = False) -> Any:
+    return mapped_column(
+        DateTime(timezone=True), nullable=nullable, server_default=func.now() if now else None
+    )
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
+    )
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    # Quality tiers of models this tenant may use (admission: tier not listed → PERMISSION_DENIED).
+    allowed_tiers: Mapped[list[str]] = mapped_column(
+        ARRAY(Text), server_default=text("'{standard}'::text[]")
+    )
+    created_at: Mapped[dt.datetime] = _timestamp(now=True)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
+    )
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # sha256 hex of the key; the key itself is never stored.
+    key_hash: Mapped[str] = mapped_column(Text, unique=True)
+    key_prefix: Mapped[str] = mapped_column(Text)  # first 8 chars, to tell keys apart in listings
+    created_at: Mapped[dt.datetime] = _timestamp(now=True)
+    revoked_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+
+
+class Model(Base):
+    """One servable model version; `alias` ("chat") names the version callers get by default."""
+
+    __tablename__ = "models"
+
+    version: Mapped[str] = mapped_column(Text, primary_key=True)
+    alias: Mapped[str | None] = mapped_column(Text, unique=True, nullable=True)
+    tokenizer: Mapped[str] = mapped_column(Text)  # tokenizer.json path, relative to the repo root
+    context_limit: Mapped[int] = mapped_column(Integer)  # prompt + output cap must fit
+    worker_pool: Mapped[str] = mapped_column(Text)  # routing pool key (replicas[].pool)
+    quality_tier: Mapped[str] = mapped_column(Text)
+    end_id: Mapped[int] = mapped_column(Integer)  # end-of-sequence token id for the engine
+    # Price card in micro-USD per million tokens.
+    price_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    price_cached_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    price_output_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        CheckConstraint("context_limit > 0", name="context_limit_positive"),
+        CheckConstraint(
+            "price_input_per_m_micros >= 0 AND price_cached_input_per_m_micros >= 0"
+            " AND price_output_per_m_micros >= 0",
+            name="prices_non_negative",
+        ),
+    )
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
+    )
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id"))
+    request_key: Mapped[str] = mapped_column(Text)  # caller's idempotency key
+    payload_hash: Mapped[str] = mapped_column(Text)  # sha256 over model version, input, cap, sampling
+    model_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
+    status: Mapped[str] = mapped_column(Text, server_default=RunStatus.ACCEPTED.value)
+    prompt_token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    input_tokens: Mapped[int] = mapped_column(Integer)
+    max_output_tokens: Mapped[int] = mapped_column(Integer)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    conversation_id: Mapped[str | None] = mapped_column(Text, nullable=True)
+    deadline_at: Mapped[dt.datetime] = _timestamp()
+    # Set in the same transaction that moves ACCEPTED → QUEUED, before the replica is contacted.
+    replica: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    created_at: Mapped[dt.datetime] = _timestamp(now=True)
+    queued_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    started_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    finished_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+
+    output_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+    cached_input_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+
+    # Event log bookkeeping (Kafka): what is durable there, and where the run's events start.
+    last_sequence: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    terminal_sequence: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    terminal_published: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    event_partition: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    event_first_offset: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    cancel_requested_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    lease_owner: Mapped[str | None] = mapped_column(Text, nullable=True)
+    lease_expires_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+
+    # The worst case held against the tenant's budget until settlement (prompt + output cap).
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger)
+    reserved_cost_micros: Mapped[int] = mapped_column(BigInteger)
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "request_key"),
+        CheckConstraint(_RUN_STATUS_CHECK, name="status_known"),
+        CheckConstraint("max_output_tokens > 0", name="max_output_tokens_positive"),
+        Index("ix_runs_status_created_at", "status", "created_at"),
+    )
+
+    @property
+    def run_status(self) -> RunStatus:
+        return RunStatus(self.status)
+
+
+class Budget(Base):
+    """A tenant's token and cost budget for one period (the UTC calendar month)."""
+
+    __tablename__ = "budgets"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    period_start: Mapped[dt.date] = mapped_column(Date, primary_key=True)  # first day of the UTC month
+    token_budget: Mapped[int] = mapped_column(BigInteger)
+    cost_budget_micros: Mapped[int] = mapped_column(BigInteger)
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    used_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    reserved_cost_micros: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    used_cost_micros: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+    __table_args__ = (
+        CheckConstraint("reserved_tokens + used_tokens <= token_budget", name="tokens_within_budget"),
+        CheckConstraint(
+            "reserved_cost_micros + used_cost_micros <= cost_budget_micros", name="cost_within_budget"
+        ),
+        CheckConstraint(
+            "reserved_tokens >= 0 AND used_tokens >= 0"
+            " AND reserved_cost_micros >= 0 AND used_cost_micros >= 0",
+            name="amounts_non_negative",
+        ),
+    )
+
+
+class UsageEntry(Base):
+    """What one terminal run consumed and cost; at most one per run (the exactly-once guard)."""
+
+    __tablename__ = "usage_entries"
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
+    )
+    run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id"), unique=True)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id"))
+    model_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
+    day: Mapped[dt.date] = mapped_column(Date)  # UTC day of settlement
+    input_tokens: Mapped[int] = mapped_column(Integer)
+    cached_input_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    cost_micros: Mapped[int] = mapped_column(BigInteger)
+    settled_at: Mapped[dt.datetime] = _timestamp(now=True)
+
+    __table_args__ = (Index("ix_usage_entries_tenant_id_day", "tenant_id", "day"),)
