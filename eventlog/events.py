@@ -1,0 +1,163 @@
+"""Pure core of the event log: no I/O, no clock reads (time arrives as arguments).
+
+A run's events are numbered 1, 2, 3, ... by the one process driving the run.
+`RunEventSequencer` hands out those numbers; `DeltaCoalescer` batches tokens
+that arrive within a short window into one DELTA event; `EventDeduper` is the
+reader's filter that turns "at least once, in order" (a terminal event may be
+republished by a reaper) into "exactly the events with sequence > after".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sluice.v1 import common_pb2, runs_pb2
+
+TERMINAL_STATUSES = frozenset({
+    common_pb2.RUN_STATUS_COMPLETED,
+    common_pb2.RUN_STATUS_CANCELLED,
+    common_pb2.RUN_STATUS_INTERRUPTED,
+    common_pb2.RUN_STATUS_FAILED,
+    common_pb2.RUN_STATUS_EXPIRED,
+})
+
+
+def status_value(name: str) -> int:
+    """Ledger status text ('RUNNING') -> RunStatus enum value."""
+    return common_pb2.RunStatus.Value(f"RUN_STATUS_{name}")
+
+
+def status_name(value: int) -> str:
+    """RunStatus enum value -> ledger status text ('RUNNING')."""
+    return common_pb2.RunStatus.Name(value).removeprefix("RUN_STATUS_")
+
+
+def delta_event(run_id: str, sequence: int, token_ids: Sequence[int], text: str,
+                time_ms: int) -> runs_pb2.RunEvent:
+    return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_DELTA,
+                             token_ids=list(token_ids), text=text, time_ms=time_ms)
+
+
+def status_event(run_id: str, sequence: int, status: int, time_ms: int) -> runs_pb2.RunEvent:
+    assert status not in TERMINAL_STATUSES, "terminal statuses travel in terminal events"
+    return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_STATUS,
+                             status=status, time_ms=time_ms)
+
+
+def terminal_event(run_id: str, sequence: int, status: int, usage: common_pb2.TokenUsage,
+                   detail: str, time_ms: int) -> runs_pb2.RunEvent:
+    assert status in TERMINAL_STATUSES, f"{status_name(status)} is not terminal"
+    return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_TERMINAL,
+                             status=status, usage=usage, detail=detail, time_ms=time_ms)
+
+
+def is_terminal(event: runs_pb2.RunEvent) -> bool:
+    return event.type == runs_pb2.EVENT_TYPE_TERMINAL
+
+
+class RunEventSequencer:
+    """Numbers one run's events. Only the process holding the run's lease owns one."""
+
+    __slots__ = ("run_id", "_last")
+
+    def __init__(self, run_id: str, last_sequence: int = 0) -> None:
+        self.run_id = run_id
+        self._last = last_sequence
+
+    @property
+    def last_sequence(self) -> int:
+        return self._last
+
+    def next_sequence(self) -> int:
+        self._last += 1
+        return self._last
+
+    def status(self, status: int, time_ms: int) -> runs_pb2.RunEvent:
+        return status_event(self.run_id, self.next_sequence(), status, time_ms)
+
+    def delta(self, token_ids: Sequence[int], text: str, time_ms: int) -> runs_pb2.RunEvent:
+        return delta_event(self.run_id, self.next_sequence(), token_ids, text, time_ms)
+
+    def terminal(self, status: int, usage: common_pb2.TokenUsage, detail: str,
+                 time_ms: int) -> runs_pb2.RunEvent:
+        return terminal_event(self.run_id, self.next_sequence(), status, usage, detail, time_ms)
+
+
+class DeltaCoalescer:
+    """Tokens produced within `window_ms` of the first buffered one share one DELTA event.
+
+    Coalescing trades a few milliseconds of latency for fewer, larger log
+    records when a replica emits tokens faster than one per window.
+    """
+
+    __slots__ = ("window_ms", "_tokens", "_opened_ms")
+
+    def __init__(self, window_ms: float) -> None:
+        assert window_ms >= 0, "coalescing window cannot be negative"
+        self.window_ms = window_ms
+        self._tokens: list[int] = []
+        self._opened_ms: float | None = None
+
+    def add(self, token_ids: Sequence[int], now_ms: float) -> None:
+        if not token_ids:
+            return
+        if self._opened_ms is None:
+            self._opened_ms = now_ms
+        self._tokens.extend(token_ids)
+
+    def pending(self) -> bool:
+        return bool(self._tokens)
+
+    def due(self, now_ms: float) -> bool:
+        """True when the buffered tokens should be emitted now."""
+        return self._opened_ms is not None and now_ms - self._opened_ms >= self.window_ms
+
+    def remaining_ms(self, now_ms: float) -> float | None:
+        """How long until the window closes; None when nothing is buffered."""
+        if self._opened_ms is None:
+            return None
+        return max(0.0, self.window_ms - (now_ms - self._opened_ms))
+
+    def take(self) -> list[int]:
+        tokens, self._tokens, self._opened_ms = self._tokens, [], None
+        return tokens
+
+
+class EventDeduper:
+    """Reader-side filter: pass each sequence > `after` once, in order; note the terminal.
+
+    The log holds a run's events in sequence order (one key, one partition, an
+    idempotent producer), but a terminal event may be published twice (a
+    reaper republishes one whose publication was never confirmed), so a
+    sequence at or below the last one passed is dropped.
+    """
+
+    __slots__ = ("_last", "finished", "gaps")
+
+    def __init__(self, after: int) -> None:
+        self._last = after
+        self.finished = False
+        self.gaps = 0  # sequences skipped over; 0 unless the log lost events (it must not)
+
+    @property
+    def last_sequence(self) -> int:
+        return self._last
+
+    def accept(self, event: runs_pb2.RunEvent) -> bool:
+        if self.finished:
+            return False
+        if is_terminal(event):
+            # A terminal event ends the run whatever cursor the reader holds:
+            # a reader already past it has nothing more to receive.
+            self.finished = True
+        if event.sequence <= self._last:
+            return False
+        if event.sequence > self._last + 1:
+            self.gaps += event.sequence - self._last - 1
+        self._last = event.sequence
+        return True
+
+
+def tokens_in(events: Sequence[runs_pb2.RunEvent]) -> int:
+    """Output tokens carried by the DELTA events among `events`."""
+    return sum(len(event.token_ids) for event in events if event.type == runs_pb2.EVENT_TYPE_DELTA)

@@ -1,0 +1,62 @@
+"""The event-log interface: what the run driver, the reaper and Runs.Stream need.
+
+One backend today (Kafka, eventlog/kafka.py); the interface keeps the services
+free of broker details, and a second backend (or an in-memory one for pure
+tests) plugs in behind the same three verbs: append, read what is durable,
+follow live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.v1 import runs_pb2
+
+CURSOR_PAST_RETENTION = (
+    "the events of run {run_id} after sequence {after} are past the event log's retention; "
+    "fetch the run's final state with GetRun instead"
+)
+
+
+class CursorPastRetention(Exception):
+    """The run's first events were deleted by retention: no gap-free replay is possible."""
+
+    def __init__(self, run_id: str, after: int) -> None:
+        super().__init__(CURSOR_PAST_RETENTION.format(run_id=run_id, after=after))
+        self.run_id = run_id
+        self.after = after
+
+
+@dataclass(frozen=True, slots=True)
+class LogPosition:
+    """Where an event sits in the log; a run's events all share one partition."""
+
+    partition: int
+    offset: int
+
+
+class EventLog(Protocol):
+    async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
+        """Publish one event (key = its run id); returns once it is durable."""
+        ...
+
+    async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:
+        """Where a run's events begin when the ledger never recorded it (a driver died
+        between publishing the first event and committing its position): the run's
+        partition at the first offset written at or after `since_ms`; None if nothing
+        was written since."""
+        ...
+
+    async def read_durable(self, run_id: str, start: LogPosition) -> list[runs_pb2.RunEvent]:
+        """The run's events durable now, from `start` to the current end, de-duplicated."""
+        ...
+
+    def follow(self, run_id: str, start: LogPosition, after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+        """Every event of the run with sequence > after, replayed then live, ending with
+        its terminal event. Raises CursorPastRetention when `start` was deleted."""
+        ...
+
+    async def close(self) -> None:
+        ...

@@ -1,0 +1,158 @@
+"""Kafka backend of the event log (aiokafka).
+
+Writes: one idempotent producer per process (enable_idempotence, acks=all),
+key = run id so that one run's events land in one partition, in order; value =
+a serialized sluice.v1.RunEvent. `append` returns once the broker has
+acknowledged the record to all in-sync replicas, so the position it returns is
+durable and may be recorded in the ledger.
+
+Reads: a consumer per reader with no group (manual assignment), seeking to the
+run's first offset in its partition and keeping the records whose key is the
+run id. Consumers only ever see records below the high watermark, i.e.
+records that are durable, which is what lets Stream promise that no client
+sees an event the log could still lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
+from aiokafka.partitioner import DefaultPartitioner
+
+from eventlog.events import EventDeduper
+from eventlog.interface import CursorPastRetention, LogPosition
+from sluice.v1 import runs_pb2
+
+POLL_TIMEOUT_MS = 200
+
+
+class KafkaEventLog:
+    """EventLog over one Kafka topic. Create and close it on the event loop that uses it."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self._producer: AIOKafkaProducer | None = None
+        self._producer_lock = asyncio.Lock()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> KafkaEventLog:
+        kafka = config["kafka"]
+        return cls(bootstrap=str(kafka["bootstrap"]), topic=str(kafka["events_topic"]))
+
+    async def _ready_producer(self) -> AIOKafkaProducer:
+        async with self._producer_lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    enable_idempotence=True,   # broker drops retried duplicates; order kept per partition
+                    acks="all",
+                    linger_ms=0,               # coalescing happens upstream, per run
+                )
+                await producer.start()
+                self._producer = producer
+            return self._producer
+
+    async def start(self) -> None:
+        await self._ready_producer()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
+        producer = await self._ready_producer()
+        metadata = await producer.send_and_wait(
+            self.topic, value=event.SerializeToString(), key=event.run_id.encode())
+        return LogPosition(partition=metadata.partition, offset=metadata.offset)
+
+    def _consumer(self) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            # A position that retention deleted must surface as an error, never
+            # be silently moved to the earliest or latest record.
+            auto_offset_reset="none",
+            fetch_max_wait_ms=100,
+        )
+
+    async def partition_of(self, run_id: str) -> int:
+        """The partition the producer's default partitioner sends this run's key to."""
+        producer = await self._ready_producer()
+        partitions = sorted(await producer.partitions_for(self.topic))
+        return int(DefaultPartitioner()(run_id.encode(), partitions, partitions))
+
+    async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:
+        partition = await self.partition_of(run_id)
+        tp = TopicPartition(self.topic, partition)
+        consumer = self._consumer()
+        await consumer.start()
+        try:
+            found = (await consumer.offsets_for_times({tp: max(0, since_ms)})).get(tp)
+        finally:
+            await consumer.stop()
+        return None if found is None else LogPosition(partition, found.offset)
+
+    async def read_durable(self, run_id: str, start: LogPosition) -> list[runs_pb2.RunEvent]:
+        tp = TopicPartition(self.topic, start.partition)
+        consumer = self._consumer()
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            await self._seek_checked(consumer, tp, start, run_id, after=0)
+            end = (await consumer.end_offsets([tp]))[tp]
+            dedupe = EventDeduper(after=0)
+            events: list[runs_pb2.RunEvent] = []
+            key = run_id.encode()
+            while await consumer.position(tp) < end:
+                batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
+                for record in batch.get(tp, []):
+                    if record.offset >= end:
+                        break
+                    if record.key == key:
+                        event = runs_pb2.RunEvent.FromString(record.value)
+                        if dedupe.accept(event):
+                            events.append(event)
+            return events
+        finally:
+            await consumer.stop()
+
+    async def follow(self, run_id: str, start: LogPosition,
+                     after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+        tp = TopicPartition(self.topic, start.partition)
+        consumer = self._consumer()
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            await self._seek_checked(consumer, tp, start, run_id, after)
+            dedupe = EventDeduper(after)
+            key = run_id.encode()
+            while not dedupe.finished:
+                try:
+                    batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
+                except OffsetOutOfRangeError as exc:
+                    # Retention deleted the segment under a slow replay.
+                    raise CursorPastRetention(run_id, after) from exc
+                for record in batch.get(tp, []):
+                    if record.key != key:
+                        continue
+                    event = runs_pb2.RunEvent.FromString(record.value)
+                    if dedupe.accept(event):
+                        yield event
+                    if dedupe.finished:
+                        break
+        finally:
+            await consumer.stop()
+
+    async def _seek_checked(self, consumer: AIOKafkaConsumer, tp: TopicPartition, start: LogPosition,
+                            run_id: str, after: int) -> None:
+        beginning = (await consumer.beginning_offsets([tp]))[tp]
+        if start.offset < beginning:
+            raise CursorPastRetention(run_id, after)
+        consumer.seek(tp, start.offset)
