@@ -33,9 +33,15 @@ def cost_micros(model: PriceCard, input_tokens: int, cached_input_tokens: int, o
     return -(-scaled // TOKENS_PER_PRICE_UNIT)
 
 
+def _worst_prompt_rate(model: PriceCard) -> int:
+    return max(model.price_input_per_m_micros, model.price_cached_input_per_m_micros)
+
+
 def reservation_cost_micros(model: PriceCard, input_tokens: int, max_output_tokens: int) -> int:
-    """The worst-case cost admission holds: no cache hits and every output token generated."""
-    return cost_micros(model, input_tokens, 0, max_output_tokens)
+    """The worst-case cost admission holds: every output token generated, the prompt at its dearer
+    rate (cached or not), so that no settlement can cost more than was reserved."""
+    scaled = input_tokens * _worst_prompt_rate(model) + max_output_tokens * model.price_output_per_m_micros
+    return -(-scaled // TOKENS_PER_PRICE_UNIT)
 
 
 def largest_output_cap_within_cost(model: PriceCard, input_tokens: int, cost_left_micros: int) -> int | None:
@@ -45,5 +51,5 @@ def largest_output_cap_within_cost(model: PriceCard, input_tokens: int, cost_lef
     """
     if model.price_output_per_m_micros == 0:
         return None
-    room = cost_left_micros * TOKENS_PER_PRICE_UNIT - input_tokens * model.price_input_per_m_micros
+    room = cost_left_micros * TOKENS_PER_PRICE_UNIT - input_tokens * _worst_prompt_rate(model)
     return room // model.price_output_per_m_micros

@@ -1,0 +1,262 @@
+"""Small repositories, each made from the session it is given.
+
+They never commit or roll back: the transaction belongs to the service code that opened it, so a
+reader sees every boundary there. Lookups that cross into services return frozen dataclasses.
+
+Budget periods are derived from the DATABASE clock (`now()`, the transaction's start time), the
+same clock that stamps `runs.created_at`, so admission (which reserves in the current period) and
+settlement (which releases from the period of `runs.created_at`) always agree on the row, even for
+a run admitted a moment before midnight at the end of a month.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, Date, cast, func, literal_column, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, Tenant
+
+
+def hash_api_key(key: str) -> str:
+    """sha256 hex of an API key: what api_keys.key_hash stores."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def current_period_start() -> ColumnElement[dt.date]:
+    """First day of the current UTC month, on the database clock."""
+    return cast(func.date_trunc("month", func.timezone("UTC", func.now())), Date)
+
+
+def period_start_of(timestamp: Any) -> ColumnElement[dt.date]:
+    """First day of the UTC month containing `timestamp` (a timestamptz expression or value)."""
+    return cast(func.date_trunc("month", func.timezone("UTC", timestamp)), Date)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantInfo:
+    id: uuid.UUID
+    name: str
+    allowed_tiers: tuple[str, ...]  # quality tiers of models this tenant may use
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    version: str
+    alias: str | None
+    tokenizer: str                   # tokenizer.json path, relative to the repo root
+    context_limit: int               # prompt + output cap must fit
+    worker_pool: str
+    quality_tier: str
+    end_id: int
+    price_input_per_m_micros: int    # price card, micro-USD per million tokens
+    price_cached_input_per_m_micros: int
+    price_output_per_m_micros: int
+
+    @classmethod
+    def of(cls, model: Model) -> ModelInfo:
+        return cls(
+            version=model.version,
+            alias=model.alias,
+            tokenizer=model.tokenizer,
+            context_limit=model.context_limit,
+            worker_pool=model.worker_pool,
+            quality_tier=model.quality_tier,
+            end_id=model.end_id,
+            price_input_per_m_micros=model.price_input_per_m_micros,
+            price_cached_input_per_m_micros=model.price_cached_input_per_m_micros,
+            price_output_per_m_micros=model.price_output_per_m_micros,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    period_start: dt.date
+    token_budget: int
+    cost_budget_micros: int
+    reserved_tokens: int
+    used_tokens: int
+    reserved_cost_micros: int
+    used_cost_micros: int
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.reserved_tokens - self.used_tokens
+
+    @property
+    def cost_left_micros(self) -> int:
+        return self.cost_budget_micros - self.reserved_cost_micros - self.used_cost_micros
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightTotals:
+    runs: int                        # non-terminal runs
+    reserved_tokens: int             # their reservations, not yet settled
+    reserved_cost_micros: int
+
+
+class TenantRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def by_api_key(self, key: str) -> TenantInfo | None:
+        """The tenant owning an unrevoked key, or None."""
+        row = (
+            await self._session.execute(
+                select(Tenant.id, Tenant.name, Tenant.allowed_tiers)
+                .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                .where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
+            )
+        ).one_or_none()
+        if row is None:
+            return None
+        return TenantInfo(id=row.id, name=row.name, allowed_tiers=tuple(row.allowed_tiers))
+
+
+class ModelRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def by_alias_or_version(self, name: str) -> ModelInfo | None:
+        """An exact version wins over an alias of the same spelling."""
+        models = (
+            await self._session.scalars(select(Model).where(or_(Model.version == name, Model.alias == name)))
+        ).all()
+        if not models:
+            return None
+        exact = [m for m in models if m.version == name]
+        return ModelInfo.of(exact[0] if exact else models[0])
+
+
+class RunRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def insert_if_absent(self, values: dict[str, Any]) -> uuid.UUID | None:
+        """INSERT the run unless (tenant_id, request_key) exists; its id, or None on conflict.
+
+        A concurrent duplicate blocks on the unique index until the first transaction ends, then
+        sees the committed row (None here) or, if that transaction rolled back, inserts itself.
+        """
+        statement = (
+            pg_insert(Run)
+            .values(**values)
+            .on_conflict_do_nothing(index_elements=[Run.tenant_id, Run.request_key])
+            .returning(Run.id)
+        )
+        return (await self._session.execute(statement)).scalar_one_or_none()
+
+    async def by_request_key(self, tenant_id: uuid.UUID, request_key: str) -> Run | None:
+        return await self._session.scalar(
+            select(Run).where(Run.tenant_id == tenant_id, Run.request_key == request_key)
+        )
+
+    async def get_for_tenant(self, tenant_id: uuid.UUID, run_id: uuid.UUID) -> Run | None:
+        """The run if it belongs to `tenant_id`; another tenant's run is indistinguishable from none."""
+        return await self._session.scalar(select(Run).where(Run.id == run_id, Run.tenant_id == tenant_id))
+
+    async def in_flight_totals(self, tenant_id: uuid.UUID) -> InFlightTotals:
+        row = (
+            await self._session.execute(
+                select(
+                    func.count(),
+                    func.coalesce(func.sum(Run.reserved_tokens), 0),
+                    func.coalesce(func.sum(Run.reserved_cost_micros), 0),
+                ).where(Run.tenant_id == tenant_id, Run.status.in_([s.value for s in ACTIVE_STATUSES]))
+            )
+        ).one()
+        return InFlightTotals(runs=int(row[0]), reserved_tokens=int(row[1]), reserved_cost_micros=int(row[2]))
+
+
+class BudgetRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def try_reserve(self, tenant_id: uuid.UUID, tokens: int, cost_micros: int) -> bool:
+        """Atomically add a reservation to the current period if it fits both budgets.
+
+        One conditional UPDATE: concurrent reservations on the row serialize on its row lock and
+        each re-checks the condition against the latest committed amounts, so no interleaving can
+        overshoot (and the table's CHECK constraints would refuse it anyway).
+        """
+        result = await self._session.execute(
+            update(Budget)
+            .where(
+                Budget.tenant_id == tenant_id,
+                Budget.period_start == current_period_start(),
+                Budget.reserved_tokens + Budget.used_tokens + tokens <= Budget.token_budget,
+                Budget.reserved_cost_micros + Budget.used_cost_micros + cost_micros
+                <= Budget.cost_budget_micros,
+            )
+            .values(
+                reserved_tokens=Budget.reserved_tokens + tokens,
+                reserved_cost_micros=Budget.reserved_cost_micros + cost_micros,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        return result.rowcount == 1  # type: ignore[attr-defined]
+
+    async def current(self, tenant_id: uuid.UUID) -> BudgetState | None:
+        budget = await self._session.scalar(
+            select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == current_period_start())
+        )
+        if budget is None:
+            return None
+        return BudgetState(
+            period_start=budget.period_start,
+            token_budget=budget.token_budget,
+            cost_budget_micros=budget.cost_budget_micros,
+            reserved_tokens=budget.reserved_tokens,
+            used_tokens=budget.used_tokens,
+            reserved_cost_micros=budget.reserved_cost_micros,
+            used_cost_micros=budget.used_cost_micros,
+        )
+
+    async def open_current_period(self, tenant_id: uuid.UUID) -> bool:
+        """Start the current period with the limits of the tenant's latest earlier period.
+
+        Budgets roll over monthly: nothing carries over except the limits. Returns False when the
+        tenant never had a budget (or another transaction opened the period first).
+        """
+        latest = (
+            select(
+                Budget.tenant_id,
+                current_period_start().label("period_start"),
+                Budget.token_budget,
+                Budget.cost_budget_micros,
+            )
+            .where(Budget.tenant_id == tenant_id, Budget.period_start < current_period_start())
+            .order_by(Budget.period_start.desc())
+            .limit(1)
+        )
+        statement = (
+            pg_insert(Budget)
+            .from_select(["tenant_id", "period_start", "token_budget", "cost_budget_micros"], latest)
+            .on_conflict_do_nothing(index_elements=[Budget.tenant_id, Budget.period_start])
+            .returning(literal_column("1"))
+        )
+        return (await self._session.execute(statement)).first() is not None
+
+    async def settle(self, tenant_id: uuid.UUID, run_created_at: dt.datetime, *, released_tokens: int,
+                     released_cost_micros: int, used_tokens: int, used_cost_micros: int) -> None:
+        """Replace a run's reservation with what it consumed, in the period it was admitted in."""
+        result = await self._session.execute(
+            update(Budget)
+            .where(Budget.tenant_id == tenant_id, Budget.period_start == period_start_of(run_created_at))
+            .values(
+                reserved_tokens=Budget.reserved_tokens - released_tokens,
+                reserved_cost_micros=Budget.reserved_cost_micros - released_cost_micros,
+                used_tokens=Budget.used_tokens + used_tokens,
+                used_cost_micros=Budget.used_cost_micros + used_cost_micros,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        assert result.rowcount == 1, (  # type: ignore[attr-defined]
+            f"no budget row for tenant {tenant_id} in the period of {run_created_at}: a reservation was lost"
+        )

@@ -1,0 +1,215 @@
+"""Domain errors and the ONE place where they become gRPC status codes.
+
+Services raise these (caller misuse, or a refusal the caller can act on); `grpc_errors` wraps each
+RPC method and turns them into `context.abort(code, message)` with optional trailing metadata.
+Anything else that escapes a handler is logged with its traceback and reported as INTERNAL with a
+generic message: callers never see a raw traceback.
+
+Messages say what to change. Message templates are constants here so tests assert the exact text
+the code produces (format them with the same arguments).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import ClassVar, ParamSpec, TypeVar
+
+import grpc
+import grpc.aio
+
+log = logging.getLogger(__name__)
+
+# --- message constants (shared by code and tests) ------------------------------------------------
+
+# Authentication (UNAUTHENTICATED)
+MISSING_API_KEY = "missing API key: send it as 'x-api-key' metadata or 'authorization: Bearer <key>'"
+UNKNOWN_API_KEY = "unknown or revoked API key"
+
+# Model (NOT_FOUND / PERMISSION_DENIED)
+UNKNOWN_MODEL = "unknown model {model!r}: use a model alias or an exact model version"
+TIER_NOT_ALLOWED = (
+    "model {model!r} is in quality tier {tier!r}, which this tenant may not use (allowed: {allowed})"
+)
+
+# Request shape (INVALID_ARGUMENT)
+EMPTY_INPUT = "input is empty: send at least one character of UTF-8 text"
+INPUT_NOT_UTF8 = "input is not valid UTF-8 (byte {position}): send UTF-8 encoded text"
+OUTPUT_CAP_NOT_POSITIVE = "max_output_tokens must be greater than 0 (got {cap})"
+REQUEST_KEY_MISSING = "request_key is empty: send an idempotency key of 1 to {limit} characters"
+REQUEST_KEY_TOO_LONG = "request_key has {length} characters: use at most {limit}"
+DEADLINE_NEGATIVE = "deadline_ms must be 0 (the default) or positive (got {deadline_ms})"
+SAMPLING_OUT_OF_RANGE = "sampling.{name} must be within [{low}, {high}] (got {value})"
+CONTEXT_TOO_LONG = (
+    "prompt ({prompt:,} tokens) + max_output_tokens ({cap:,}) exceeds the context limit of model"
+    " {model!r} ({limit:,} tokens): {advice}"
+)
+CONTEXT_ADVICE_LOWER_CAP = "lower max_output_tokens to at most {fit:,}"
+CONTEXT_ADVICE_SHORTEN_PROMPT = "shorten the prompt to fewer than {limit:,} tokens"
+BAD_DATE = "{field} {value!r} is not an ISO date (YYYY-MM-DD)"
+DATE_RANGE_REVERSED = "from_date {start} is after to_date {end}"
+
+# Idempotency (ALREADY_EXISTS)
+REQUEST_KEY_REUSED = (
+    "request_key {key!r} was already used for a different request (model, input, output cap or"
+    " sampling differ): use a new request_key for a new request"
+)
+
+# Budget (RESOURCE_EXHAUSTED)
+BUDGET_TOO_SMALL_FOR_CAP = (
+    "budget exceeded: {tokens_left:,} tokens and {cost_left_micros:,} micro-USD left this period;"
+    " this prompt ({prompt:,} tokens) with max_output_tokens {cap:,} does not fit:"
+    " resubmit with max_output_tokens at most {fit:,}"
+)
+BUDGET_TOO_SMALL_FOR_PROMPT = (
+    "budget exceeded: {tokens_left:,} tokens and {cost_left_micros:,} micro-USD left this period;"
+    " this prompt ({prompt:,} tokens) leaves no room for any output: shorten the prompt or raise the budget"
+)
+NO_BUDGET = "no budget is configured for this tenant in the current period: ask an operator to set one"
+
+# Trailing-metadata keys that carry machine-readable hints with the error.
+MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+
+INTERNAL_ERROR = "internal error; nothing was acknowledged, retrying with the same request_key is safe"
+
+
+# --- error classes ------------------------------------------------------------------------------
+
+
+class SluiceError(Exception):
+    """A refusal the caller can act on. Subclasses fix the gRPC status."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, *, metadata: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: tuple[tuple[str, str], ...] = tuple(metadata)
+
+
+class Unauthenticated(SluiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SluiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(SluiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InvalidArgument(SluiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(SluiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class AlreadyExists(SluiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class DeadlineExceeded(SluiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(SluiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, *, retry_after_ms: int | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        hints = tuple(metadata)
+        if retry_after_ms is not None:
+            hints += ((RETRY_AFTER_MS_KEY, str(retry_after_ms)),)
+        super().__init__(message, metadata=hints)
+        self.retry_after_ms = retry_after_ms
+
+
+class OutOfRange(SluiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class FailedPrecondition(SluiceError):
+    """The run is not in a state that allows the operation (e.g. cancelling a finished run)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+# --- the RPC edge ---------------------------------------------------------------------------------
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
+    """Abort the RPC with the error's status, message and trailing metadata (raises AbortError)."""
+    if error.metadata:
+        context.set_trailing_metadata(error.metadata)
+    await context.abort(error.code, error.message)
+
+
+async def _abort_internal(context: grpc.aio.ServicerContext, method: str) -> None:
+    log.exception("unhandled error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
+
+
+def grpc_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a grpc.aio servicer method (unary or server-streaming) to map domain errors.
+
+    The servicer context must be the method's last positional argument, as grpc.aio calls it:
+    `method(self, request, context)`.
+    """
+    name = method.__qualname__
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            context = args[-1]
+            try:
+                async for item in method(*args, **kwargs):  # type: ignore[attr-defined]
+                    yield item
+            except SluiceError as error:
+                await abort_with(context, error)
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception:
+                await _abort_internal(context, name)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        context = args[-1]
+        try:
+            return await method(*args, **kwargs)  # type: ignore[misc]
+        except SluiceError as error:
+            await abort_with(context, error)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _abort_internal(context, name)
+
+    return unary_wrapper  # type: ignore[return-value]
+
+
+__all__ = [
+    "AlreadyExists",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "SluiceError",
+    "Unauthenticated",
+    "Unavailable",
+    "abort_with",
+    "grpc_errors",
+]
