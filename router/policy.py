@@ -18,7 +18,7 @@ Lifecycle, as the host drives it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,10 @@ class RouteDecision:
     replica: str
     outcome: str                        # e.g. affinity_hit | balanced_away | fallback | round_robin
     predicted_cached_tokens: int = 0    # prompt tokens the policy expects the replica to have cached
+
+
+CachedTokensProbe = Callable[[str, Sequence[int]], int]
+"""(replica name, prompt token ids) -> prompt tokens that replica has cached right now."""
 
 
 class RoutingPolicy(Protocol):
@@ -102,8 +106,32 @@ class RoundRobin:
         return None
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    """Factory used by both hosts; the router issue adds least_loaded and prefix_aware."""
+KNOWN_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
+UNKNOWN_POLICY = "unknown routing policy {name!r}; known: " + ", ".join(KNOWN_POLICIES)
+ORACLE_NEEDS_PROBE = "the oracle policy needs cached_tokens=<probe of each replica's exact cache>"
+
+
+def make_policy(name: str, *, cached_tokens: CachedTokensProbe | None = None,
+                **options: float) -> RoutingPolicy:
+    """Factory used by both hosts, so both run the very same policy class for a name.
+
+    `options` override fields of `router.policies.PolicyOptions` (imbalance_bound,
+    imbalance_slack, prefill_weight, long_context_threshold_tokens, index_ttl_s,
+    max_conversations); round_robin ignores them. `cached_tokens` is only for the
+    simulator's oracle: a probe of each replica's exact cache.
+    """
+    # Imported here: router.policies builds on the dataclasses above.
+    from router.policies import LeastLoaded, PolicyOptions, PrefixAware
+
+    settings = PolicyOptions.with_overrides(options)
     if name == "round_robin":
         return RoundRobin()
-    raise ValueError(f"unknown routing policy {name!r}; known: round_robin")
+    if name == "least_loaded":
+        return LeastLoaded(settings)
+    if name == "prefix_aware":
+        return PrefixAware(settings)
+    if name == "oracle":
+        if cached_tokens is None:
+            raise ValueError(ORACLE_NEEDS_PROBE)
+        return PrefixAware(settings, cached_tokens=cached_tokens)
+    raise ValueError(UNKNOWN_POLICY.format(name=name))
