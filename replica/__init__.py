@@ -1,0 +1,1 @@
+"""Triton replica host: the `tensorrt_llm` tensor interface over a pluggable engine."""

@@ -1,0 +1,89 @@
+"""The boundary between the Triton host and an engine.
+
+The host (replica/serve.py) owns time, Triton and metrics; an engine owns
+scheduling and token generation and is pure: no clock, no I/O. The host loop
+is, per iteration:
+
+    host: add_request / abort from Triton callables (between steps)
+    result = engine.step()                 # schedule -> execute -> postprocess
+    host: sleep result.duration_s          # the engine's modelled step time
+    host: deliver result.outputs to the waiting streams
+
+so one step's tokens reach clients after the step's (modelled) time, and any
+engine that meets this Protocol (the simple generator here, the inflight
+batching core in engine/) can sit behind the same host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["length", "end_id", "aborted"]
+
+
+class EngineRequestError(ValueError):
+    """The caller asked the engine for something it cannot do (duplicate id, bad sizes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str                      # unique among the engine's live requests
+    prompt_ids: tuple[int, ...]          # tokenized prompt, at least one token
+    max_new_tokens: int                  # output cap (request_output_len), at least 1
+    end_id: int | None = None            # stop token; None means "run to the cap"
+    seed: int = 0                        # drives the (fake) sampling deterministically
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]       # tokens generated in this step (may be empty, e.g. during prefill)
+    finished: bool                       # no more outputs will come for this request
+    finish_reason: FinishReason | None   # set when finished
+    num_input_tokens: int                # prompt length as the engine accounted it
+    kv_cache_reused_blocks: int          # prompt KV blocks served from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outputs: tuple[StepOutput, ...]
+    duration_s: float                    # modelled wall time of the step; the host sleeps this long
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Gauges the host exports as nv_trt_llm_* metrics."""
+
+    active: int                          # requests admitted and not finished
+    waiting: int                         # requests queued, not yet admitted
+    scheduled: int                       # requests in the last step's batch
+    context: int                         # requests in the last step doing prefill
+    max_requests: int                    # batch capacity
+    kv_max_blocks: int
+    kv_free_blocks: int
+    kv_used_blocks: int
+    kv_tokens_per_block: int
+    kv_reused_blocks: int                # cumulative prefix-cache block hits
+
+
+class Engine(Protocol):
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; raises EngineRequestError for a duplicate id or invalid sizes."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a live request and free what it holds; False when the id is unknown (already done)."""
+        ...
+
+    def has_work(self) -> bool:
+        """True while a step would make progress."""
+        ...
+
+    def step(self) -> StepResult:
+        ...
+
+    def stats(self) -> EngineStats:
+        ...

@@ -1,0 +1,88 @@
+"""One narrow fix to the pytriton 0.7 proxy that Triton's Python backend stub runs.
+
+pytriton copies its proxy sources (pytriton/proxy/*.py) into the model store,
+and the stub process serializes each request's tensors into shared memory
+with `memoryview.cast("B")`, which raises for a zero-element tensor (e.g. an
+empty `input_ids`). In a decoupled model that exception is never turned into a
+response, so the request hangs forever instead of getting an error. The fix
+makes empty frames copy as empty bytes; the callable then sees the empty
+tensor and rejects it with a proper Triton error.
+
+Applied by rewriting the copied source as pytriton hands it to Triton (both
+the local-model-store and the files-in-load-request paths); if a future
+pytriton changes the line, the patch is skipped with a warning and the empty
+input test in tests/test_replica.py shows the regression.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import typing
+
+LOG = logging.getLogger(__name__)
+
+_BROKEN = 'shm.buf[offset + total_size : offset + total_size + frame.nbytes] = frame.cast("B")'
+_FIXED = ('shm.buf[offset + total_size : offset + total_size + frame.nbytes] = '
+          '(frame.cast("B") if frame.nbytes else b"")')
+_PATCHED_FILE = "data.py"
+
+
+def _patch_source(text: str) -> str:
+    if _BROKEN not in text:
+        if _FIXED not in text:
+            LOG.warning("pytriton proxy data.py changed; zero-size tensor fix not applied")
+        return text
+    return text.replace(_BROKEN, _FIXED)
+
+
+def apply() -> None:
+    from pytriton.models.model import Model
+
+    if getattr(Model, "_sluice_patched", False):
+        return
+    original_files = Model.get_proxy_model_files
+    original_generate = Model.generate_model
+
+    def get_proxy_model_files(self: Model) -> dict[str, bytes]:
+        files = original_files(self)
+        for key, content in files.items():
+            if key.endswith("/" + _PATCHED_FILE):
+                files[key] = _patch_source(content.decode("utf-8")).encode("utf-8")
+        return files
+
+    def generate_model(self: Model, model_repository: pathlib.Path) -> None:
+        original_generate(self, model_repository)
+        copied = model_repository / self.model_name / str(self.model_version) / _PATCHED_FILE
+        copied.write_text(_patch_source(copied.read_text("utf-8")), "utf-8")
+
+    typing.cast(typing.Any, Model).get_proxy_model_files = get_proxy_model_files
+    typing.cast(typing.Any, Model).generate_model = generate_model
+    typing.cast(typing.Any, Model)._sluice_patched = True
+    # Our own process deserializes with the same module; patch it too for symmetry.
+    from pytriton.proxy import data
+
+    if _BROKEN in pathlib.Path(data.__file__).read_text("utf-8"):
+        _patch_store_copy_frames(data)
+
+
+def _patch_store_copy_frames(data: typing.Any) -> None:
+    import struct
+
+    def _copy_frames(self: typing.Any, frames: list[typing.Any], shm: typing.Any, offset: int) -> int:
+        total_size = struct.calcsize("<I")
+        for frame in frames:
+            if isinstance(frame, bytes):
+                frame = memoryview(frame)
+            assert frame.contiguous, "Only contiguous arrays are supported"
+            struct.pack_into("<I", shm.buf, offset + total_size, frame.nbytes)
+            total_size += struct.calcsize("<I")
+            shm.buf[offset + total_size: offset + total_size + frame.nbytes] = (
+                frame.cast("B") if frame.nbytes else b"")
+            total_size += frame.nbytes
+        struct.pack_into("<I", shm.buf, offset, total_size)
+        return total_size
+
+    owner = next(cls for cls in vars(data).values()
+                 if isinstance(cls, type) and "_copy_frames" in vars(cls))
+    owner._copy_frames = _copy_frames

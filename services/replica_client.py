@@ -1,0 +1,208 @@
+"""Async client for a replica's `tensorrt_llm` model (Triton gRPC, decoupled streaming).
+
+Speaks Triton's gRPC protocol through tritonclient's generated stubs on a
+grpc.aio channel (one channel per replica address per event loop), so it works
+the same against the pytriton CPU replica and a TensorRT-LLM Triton.
+
+Outcomes of `stream_generate`, as the routing worker needs to tell them apart:
+- finished: the iterator ends normally after the last token chunk;
+- stopped by `stop(address, request_id)` from this process: the iterator
+  yields one last empty chunk with `stopped=True`, then ends normally. (The
+  replica, like TensorRT-LLM, just ends a stopped stream; the client knows it
+  asked, so it marks the end. A stop sent by another process ends the
+  iterator without the marker.);
+- the replica refused the request (bad input, id already streaming):
+  `ReplicaRejected` with Triton's message;
+- the replica went away (connection refused/reset, process killed, nothing
+  received for `inactivity_timeout_s`): `ReplicaLost`. Keepalive pings also
+  detect a peer that vanished without closing the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+
+from replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
+
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 30.0     # queueing on a busy replica may delay the first token
+DEFAULT_INACTIVITY_TIMEOUT_S = 10.0      # between two responses of a running stream
+DEFAULT_KEEPALIVE_MS = 2000              # the replica permits pings this often (replica/serve.py)
+
+ERR_LOST_INACTIVE = "replica {address} sent nothing for {seconds:.1f}s on request {request_id}"
+ERR_LOST_RPC = "replica {address} lost during request {request_id}: {code} {details}"
+ERR_LOST_EOF = "replica {address} closed the stream of request {request_id} before its final response"
+ERR_ID_PREFIX_MISMATCH = "response for request {got!r} on the stream of {want!r}"
+
+
+class ReplicaError(Exception):
+    """Base of the errors this client raises."""
+
+
+class ReplicaLost(ReplicaError):
+    """The replica stopped answering mid-request; tokens already yielded stand, no more will come."""
+
+
+class ReplicaRejected(ReplicaError):
+    """The replica answered with an error for this request (Triton error message in args[0])."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    token_ids: tuple[int, ...]           # newly generated tokens, in order (empty only when stopped)
+    num_input_tokens: int                # prompt tokens the replica accounted
+    kv_cache_reused_blocks: int          # prompt KV blocks served from the replica's prefix cache
+    stopped: bool = False                # the request was stopped; this empty chunk is the last
+
+
+_channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+# (loop, address, request id) of streams open in this process -> whether stop() was sent for them.
+_stop_sent: dict[tuple[int, str, str], bool] = {}
+
+
+def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
+    key = (id(asyncio.get_running_loop()), address)
+    channel = _channels.get(key)
+    if channel is None:
+        channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", DEFAULT_KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", DEFAULT_KEEPALIVE_MS),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ])
+        _channels[key] = channel
+    return service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+async def close_channels() -> None:
+    """Close this event loop's channels (call on shutdown)."""
+    loop_id = id(asyncio.get_running_loop())
+    for key in [k for k in _channels if k[0] == loop_id]:
+        await _channels.pop(key).close()
+
+
+def _tensor(request: service_pb2.ModelInferRequest, name: str, array: np.ndarray, datatype: str) -> None:
+    tensor = request.inputs.add()
+    tensor.name = name
+    tensor.datatype = datatype
+    tensor.shape.extend(array.shape)
+    request.raw_input_contents.append(array.tobytes())
+
+
+def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                  end_id: int | None = None, *, stop: bool = False,
+                  seed: int | None = None) -> service_pb2.ModelInferRequest:
+    """One TensorRT-LLM style request (batch of one, streaming)."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
+    ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
+    _tensor(request, "input_ids", ids, "INT32")
+    _tensor(request, "input_lengths", np.asarray([[ids.shape[1]]], dtype=np.int32), "INT32")
+    _tensor(request, "request_output_len", np.asarray([[max_new_tokens]], dtype=np.int32), "INT32")
+    _tensor(request, "streaming", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    if end_id is not None:
+        _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
+    if seed is not None:
+        _tensor(request, "random_seed", np.asarray([[seed]], dtype=np.uint64), "UINT64")
+    if stop:
+        _tensor(request, "stop", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    request.parameters[REQUEST_ID_PARAM].string_param = request_id
+    # Without this Triton drops the flags-only last response, and the client could not see the end.
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+def error_text(message: str) -> str:
+    """The human part of a Triton error; pytriton sends a whole traceback ending "pkg.Error: text"."""
+    if not message.startswith("Traceback"):
+        return message
+    last = [line for line in message.splitlines() if line.strip()][-1]
+    kind, sep, text = last.partition(": ")
+    return text if sep and " " not in kind else last
+
+
+def _is_final(response: service_pb2.ModelInferResponse) -> bool:
+    param = response.parameters.get("triton_final_response")
+    return bool(param is not None and param.bool_param)
+
+
+async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_timeout_s: float,
+                    inactivity_timeout_s: float) -> AsyncIterator[service_pb2.ModelInferResponse]:
+    """Send one request on its own stream; yield its responses up to and including the final one."""
+    call = _stub(address).ModelStreamInfer()
+    try:
+        try:
+            await asyncio.wait_for(call.write(request), first_timeout_s)
+            timeout = first_timeout_s
+            while True:
+                started = time.monotonic()
+                try:
+                    message = await asyncio.wait_for(call.read(), timeout)
+                except TimeoutError:
+                    raise ReplicaLost(ERR_LOST_INACTIVE.format(
+                        address=address, seconds=time.monotonic() - started, request_id=request.id)) from None
+                if message is grpc.aio.EOF:
+                    raise ReplicaLost(ERR_LOST_EOF.format(address=address, request_id=request.id))
+                if message.error_message:
+                    raise ReplicaRejected(error_text(message.error_message))
+                yield message.infer_response
+                if _is_final(message.infer_response):
+                    return
+                timeout = inactivity_timeout_s
+        except grpc.aio.AioRpcError as exc:
+            raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request.id,
+                                                  code=exc.code().name, details=exc.details())) from exc
+    finally:
+        call.cancel()
+
+
+async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                          end_id: int | None = None, *, seed: int | None = None,
+                          first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+                          inactivity_timeout_s: float = DEFAULT_INACTIVITY_TIMEOUT_S,
+                          ) -> AsyncIterator[TokenChunk]:
+    """Stream a generation from the replica at `address` ("host:port"); see the module doc for outcomes."""
+    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed)
+    num_input_tokens, reused = len(prompt_ids), 0
+    key = (id(asyncio.get_running_loop()), address, request_id)
+    _stop_sent[key] = False
+    try:
+        async for response in _exchange(address, request, first_token_timeout_s, inactivity_timeout_s):
+            if not response.outputs:             # the empty final response
+                break
+            result = InferResult(response)
+            chunk = tuple(int(t) for t in result.as_numpy("output_ids").reshape(-1))
+            num_input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+            reused = int(result.as_numpy("kv_cache_reused_blocks").reshape(-1)[0])
+            yield TokenChunk(chunk, num_input_tokens, reused)
+        stopped = _stop_sent.get(key, False)
+    finally:
+        _stop_sent.pop(key, None)
+    if stopped:
+        yield TokenChunk((), num_input_tokens, reused, stopped=True)
+
+
+async def stop(address: str, request_id: str, timeout_s: float = 5.0) -> None:
+    """Ask the replica to stop `request_id`; returns once the replica acknowledged (no-op if unknown)."""
+    key = (id(asyncio.get_running_loop()), address, request_id)
+    if key in _stop_sent:
+        _stop_sent[key] = True
+    request = build_request(request_id, [0], 1, stop=True)
+    async for _ in _exchange(address, request, timeout_s, timeout_s):
+        pass
+
+
+async def is_ready(address: str, timeout_s: float = 2.0) -> bool:
+    """True when the replica's `tensorrt_llm` model is loaded and ready."""
+    try:
+        reply = await _stub(address).ModelReady(service_pb2.ModelReadyRequest(name=MODEL_NAME),
+                                                timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return bool(reply.ready)
