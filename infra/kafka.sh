@@ -30,7 +30,11 @@ require_runtime() {
     || die "Kafka jars missing in $LIBS (run infra/setup.sh, which runs Maven in infra/kafka)"
 }
 
-pid_alive() { [[ -f "$PID_FILE" ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; }
+# The pid file names our broker only if that pid is alive and still runs kafka.Kafka (pids get reused).
+pid_alive() {
+  local pid; pid="$(cat "$PID_FILE" 2>/dev/null)" || return 1
+  [[ -n "$pid" ]] && proc_alive "$pid" && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'kafka\.Kafka '
+}
 
 write_config() {
   mkdir -p "$KAFKA_DATA" "$LOG_DIR"
@@ -142,8 +146,8 @@ cmd_stop() {
   local pid; pid="$(cat "$PID_FILE")"
   kill -TERM "$pid"
   # A controlled shutdown takes a few seconds; give it 30 before forcing.
-  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  if kill -0 "$pid" 2>/dev/null; then say "no exit after 30 s; killing"; kill -KILL "$pid"; fi
+  for _ in $(seq 60); do proc_alive "$pid" || break; sleep 0.5; done
+  if proc_alive "$pid"; then say "no exit after 30 s; killing"; kill -KILL "$pid"; fi
   rm -f "$PID_FILE"
   say "stopped"
 }

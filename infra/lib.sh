@@ -51,3 +51,18 @@ wait_for_port() {
   done
   return 1
 }
+
+# proc_alive PID -> 0 if the process exists and is not a zombie. A server killed with SIGKILL stays
+# a zombie until init reaps it (about 2 s here), and `kill -0` alone would call it running.
+proc_alive() {
+  local state
+  state="$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" || return 1
+  [[ -n "$state" && "$state" != "Z" ]]
+}
+
+# wait_gone PID SECONDS -> 0 once PID no longer exists at all (not even as a zombie).
+wait_gone() {
+  local deadline=$((SECONDS + $2))
+  while [[ -e "/proc/$1" ]] && (( SECONDS < deadline )); do sleep 0.2; done
+  [[ ! -e "/proc/$1" ]]
+}

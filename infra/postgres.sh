@@ -43,7 +43,12 @@ ensure_traversable() {
   done
 }
 
-is_running() { [[ -f "$PG_DATA/postmaster.pid" ]] && as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1; }
+postmaster_pid() { head -n1 "$PG_DATA/postmaster.pid" 2>/dev/null || true; }
+
+is_running() {
+  local pid; pid="$(postmaster_pid)"
+  [[ -n "$pid" ]] && proc_alive "$pid" && as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1
+}
 
 psql_admin() { as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCK" -p "$PG_PORT" -d postgres "$@"; }
 
@@ -104,6 +109,12 @@ cmd_start() {
   local holder; holder="$(port_listener "$PG_PORT")"
   [[ -z "$holder" ]] || die "port $PG_PORT is taken by something else: $holder"
   [[ -f "$PG_DATA/PG_VERSION" ]] || init_cluster
+  # A postmaster killed with SIGKILL leaves its pid file; postgres itself refuses to start while
+  # that pid still exists (a zombie not yet reaped), so wait for it to be gone.
+  local stale; stale="$(postmaster_pid)"
+  if [[ -n "$stale" ]] && ! wait_gone "$stale" 10; then
+    die "an old postmaster (pid $stale) is still present; stop it first"
+  fi
   ensure_traversable
   touch "$PG_LOG"; chown "$PG_OS_USER": "$PG_LOG"
   say "starting on 127.0.0.1:$PG_PORT (data $PG_DATA, log $PG_LOG)"
@@ -133,7 +144,7 @@ cmd_stop() {
 
 cmd_status() {
   if is_running; then
-    say "running on 127.0.0.1:$PG_PORT (pid $(head -n1 "$PG_DATA/postmaster.pid"))"
+    say "running on 127.0.0.1:$PG_PORT (pid $(postmaster_pid))"
   else
     say "not running"; return 3
   fi
