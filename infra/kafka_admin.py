@@ -38,13 +38,14 @@ async def ready(bootstrap: str, timeout_s: float) -> int:
     while time.monotonic() < deadline:
         try:
             topics = await _list_topics(bootstrap)
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             last_error = f"{type(exc).__name__}: {exc}"
             await asyncio.sleep(1)
             continue
         print(f"[kafka] metadata ok at {bootstrap} ({len(topics)} topics)")
         return 0
-    print(f"[kafka] ERROR: no metadata from {bootstrap} after {timeout_s:.0f} s ({last_error})", file=sys.stderr)
+    print(f"[kafka] ERROR: no metadata from {bootstrap} after {timeout_s:.0f} s ({last_error})",
+          file=sys.stderr)
     return 1
 
 

@@ -118,7 +118,8 @@ cmd_start() {
   ensure_traversable
   touch "$PG_LOG"; chown "$PG_OS_USER": "$PG_LOG"
   say "starting on 127.0.0.1:$PG_PORT (data $PG_DATA, log $PG_LOG)"
-  if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 30 start >/dev/null; then
+  if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 30 start >"$LOG_DIR/pg_ctl.out" 2>&1; then
+    cat "$LOG_DIR/pg_ctl.out" >&2
     tail -n 20 "$PG_LOG" >&2
     die "PostgreSQL failed to start (log above: $PG_LOG)"
   fi

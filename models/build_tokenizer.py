@@ -19,6 +19,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 MODELS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = MODELS_DIR.parent
 SHARED_DIR = REPO_ROOT.parent / "shared"
@@ -78,7 +80,9 @@ def _stdlib_sources() -> list[Path]:
 
 def build_corpus() -> str:
     parts = []
-    for path in [SHARED_DIR / "DESIGN.md", SHARED_DIR / "STYLE.md", *sorted((SHARED_DIR / "seeds").glob("*.txt"))]:
+    seeds = sorted((SHARED_DIR / "seeds").glob("*.txt"))
+    shared = [SHARED_DIR / "DESIGN.md", SHARED_DIR / "STYLE.md", *seeds]
+    for path in shared:
         parts.append(path.read_text(encoding="utf-8"))
     parts.append(MULTILINGUAL)
     used = 0
@@ -99,9 +103,7 @@ def build_corpus() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def train(corpus: str) -> "Tokenizer":  # noqa: F821 - imported lazily below
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
+def train(corpus: str) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     # add_prefix_space=False keeps decode(encode(s)) == s exactly (no invented leading space).
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -127,7 +129,7 @@ ROUND_TRIP_SAMPLES = (
 )
 
 
-def check(tokenizer: "Tokenizer") -> None:  # noqa: F821
+def check(tokenizer: Tokenizer) -> None:
     assert tokenizer.get_vocab_size() == VOCAB_SIZE, tokenizer.get_vocab_size()
     for token_id, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == token_id, (token, tokenizer.token_to_id(token))
