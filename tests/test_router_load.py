@@ -1,0 +1,99 @@
+"""TensorRT-LLM metric parsing, restart detection, and scraped load combined with our own sends."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from router.load import LoadSnapshot, LoadTracker, parse_metrics, restarted
+
+TRT_LLM_TEXT = """\
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="context",version="1"} 1
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled",version="1"} 3
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="max",version="1"} 64
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active",version="1"} 3
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="waiting",version="1"} 2
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="tensorrt_llm",version="1"} 32
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="tensorrt_llm",version="1"} 120
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="tensorrt_llm",version="1"} 904
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 1024
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="reused",model="tensorrt_llm",version="1"} 77
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="tensorrt_llm",version="1"} 0.1171875
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="tensorrt_llm",version="1"} 12
+# HELP sluice_replica_start_time_seconds Unix time this replica process started
+# TYPE sluice_replica_start_time_seconds gauge
+sluice_replica_start_time_seconds 1.7e+09
+"""
+
+
+def test_parses_tensorrt_llm_request_and_kv_metrics_and_the_start_time():
+    assert parse_metrics(TRT_LLM_TEXT) == LoadSnapshot(
+        active=3, waiting=2, scheduled=3, context=1, max_requests=64, kv_max_blocks=1024, kv_free_blocks=904,
+        kv_used_blocks=120, kv_tokens_per_block=32, kv_reused_blocks=77, kv_fraction=0.1171875,
+        start_time=1.7e9,
+    )
+
+
+def test_absent_metrics_read_as_zero_and_the_fraction_is_derived():
+    text = 'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"} 25\n' \
+           'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"} 100\n'
+    assert parse_metrics(text) == LoadSnapshot(kv_used_blocks=25, kv_max_blocks=100, kv_fraction=0.25)
+
+
+def test_parses_what_the_replica_host_exports():
+    from replica.engine_api import EngineStats
+    from replica.metrics import ReplicaMetrics
+
+    metrics = ReplicaMetrics(start_time=1234.5)
+    metrics.update(EngineStats(active=4, waiting=6, scheduled=4, context=2, max_requests=64,
+                               kv_max_blocks=512, kv_free_blocks=500, kv_used_blocks=12,
+                               kv_tokens_per_block=16, kv_reused_blocks=9))
+    snapshot = parse_metrics(generate_latest(metrics.registry).decode())
+    assert (snapshot.active, snapshot.waiting, snapshot.kv_used_blocks, snapshot.kv_max_blocks,
+            snapshot.kv_tokens_per_block, snapshot.kv_reused_blocks, snapshot.start_time) == (
+        4, 6, 12, 512, 16, 9, 1234.5)
+
+
+def test_a_changed_start_time_is_a_restart():
+    assert restarted(LoadSnapshot(start_time=100.0), LoadSnapshot(start_time=200.0))
+    assert not restarted(LoadSnapshot(start_time=100.0, kv_reused_blocks=5),
+                         LoadSnapshot(start_time=100.0, kv_reused_blocks=9))
+
+
+def test_without_a_start_time_a_reused_counter_going_backwards_is_a_restart():
+    assert restarted(LoadSnapshot(kv_reused_blocks=50), LoadSnapshot(kv_reused_blocks=3))
+    assert not restarted(LoadSnapshot(kv_reused_blocks=50), LoadSnapshot(kv_reused_blocks=50))
+    assert not restarted(None, LoadSnapshot(kv_reused_blocks=0))
+
+
+def test_runs_sent_since_the_last_scrape_count_as_waiting_until_the_next_scrape():
+    tracker = LoadTracker()
+    tracker.on_scrape("r0", LoadSnapshot(active=3, waiting=1, kv_used_blocks=40, kv_max_blocks=100,
+                                         kv_tokens_per_block=16))
+    for _ in range(5):
+        tracker.on_sent("r0")
+    load = tracker.load("r0")
+    assert (load.waiting, load.running, load.in_flight, load.kv_capacity_blocks, load.block_size) == (
+        6, 3, 5, 100, 16)
+    tracker.on_scrape("r0", LoadSnapshot(active=8, waiting=1))
+    assert (tracker.load("r0").waiting, tracker.load("r0").running) == (1, 8)
+
+
+def test_in_flight_drops_as_runs_finish_and_never_below_zero():
+    tracker = LoadTracker()
+    tracker.on_sent("r0")
+    tracker.on_finished("r0")
+    tracker.on_finished("r0")
+    assert tracker.load("r0").in_flight == 0
+
+
+def test_the_tracker_reports_a_restart_seen_in_a_scrape():
+    tracker = LoadTracker()
+    assert not tracker.on_scrape("r0", LoadSnapshot(start_time=1.0))
+    assert not tracker.on_scrape("r0", LoadSnapshot(start_time=1.0))
+    assert tracker.on_scrape("r0", LoadSnapshot(start_time=2.0))

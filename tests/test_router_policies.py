@@ -1,0 +1,303 @@
+"""least_loaded and prefix_aware: affinity, the imbalance bound, restarts, long-context pool, factory."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from router.policies import (
+    OUTCOME_AFFINITY_HIT,
+    OUTCOME_BALANCED_AWAY,
+    OUTCOME_FALLBACK,
+    UNKNOWN_OPTION,
+    LeastLoaded,
+    PolicyOptions,
+    PrefixAware,
+    load_limit,
+)
+from router.policy import (
+    ORACLE_NEEDS_PROBE,
+    UNKNOWN_POLICY,
+    ReplicaView,
+    RoundRobin,
+    RouteDecision,
+    RouteRequest,
+    make_policy,
+)
+
+BS = 4
+SYSTEM = list(range(1000, 1016))                                    # 4 blocks shared by every chat
+
+
+def view(name: str, running: int = 0, kv_used: int = 0, long_context: bool = False,
+         capacity: int = 1000) -> ReplicaView:
+    return ReplicaView(name=name, pool="m", block_size=BS, kv_capacity_blocks=capacity,
+                       running=running, kv_used_blocks=kv_used, long_context=long_context)
+
+
+def request(request_id: str, tokens: Sequence[int], conversation: str | None = None) -> RouteRequest:
+    return RouteRequest(request_id=request_id, model_version="m", token_ids=list(tokens),
+                        max_output_tokens=16, conversation_id=conversation)
+
+
+def route(policy: PrefixAware | LeastLoaded, req: RouteRequest, views: Sequence[ReplicaView],
+          now: float = 1.0) -> RouteDecision:
+    decision = policy.choose(req, views, now)
+    assert decision is not None
+    policy.on_routed(req, decision, now)
+    return decision
+
+
+def turn(conversation: int, number: int) -> list[int]:
+    """Prompt of a chat's turn `number`: system prompt, then 8 tokens of history per turn."""
+    history = [conversation * 10_000 + i for i in range(8 * number)]
+    return SYSTEM + history
+
+
+# -- least_loaded --------------------------------------------------------------------------------
+
+
+def test_least_loaded_picks_the_replica_with_fewest_requests():
+    policy = LeastLoaded()
+    decision = policy.choose(request("a", range(8)), [view("r0", running=3), view("r1", running=1)], 0.0)
+    assert decision == RouteDecision(replica="r1", outcome="least_loaded")
+
+
+def test_least_loaded_breaks_ties_by_kv_utilization_then_name():
+    policy = LeastLoaded()
+    views = [view("r0", running=2, kv_used=500), view("r1", running=2, kv_used=100), view("r2", running=2,
+                                                                                          kv_used=100)]
+    assert policy.choose(request("a", range(8)), views, 0.0) == RouteDecision("r1", "least_loaded")
+
+
+def test_least_loaded_sees_a_burst_between_scrapes_through_its_own_in_flight_count():
+    policy = LeastLoaded()
+    views = [view(f"r{i}") for i in range(4)]                       # scrape says: all idle
+    chosen = [route(policy, request(str(n), range(8)), views).replica for n in range(8)]
+    assert sorted(chosen) == ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r3"]
+
+
+def test_finished_runs_no_longer_count_as_load():
+    policy = LeastLoaded()
+    views = [view("r0"), view("r1")]
+    first = request("a", range(8))
+    route(policy, first, views)                                     # r0 now has 1
+    policy.on_finished(first, "r0", 2.0)
+    assert policy.choose(request("b", range(8)), views, 2.0) == RouteDecision("r0", "least_loaded")
+
+
+# -- prefix_aware: affinity ------------------------------------------------------------------------
+
+
+def test_a_follow_up_turn_goes_to_the_replica_that_served_the_previous_turn():
+    policy = PrefixAware()
+    views = [view(f"r{i}") for i in range(4)]
+    first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
+    # The previous replica is now slightly busier, but within the bound.
+    busier = [view(v.name, running=2 if v.name == first.replica else 0) for v in views]
+    second = route(policy, request("t2", turn(7, 2), conversation="c7"), busier)
+    assert second.replica == first.replica
+    assert second.outcome == OUTCOME_AFFINITY_HIT
+
+
+def test_a_follow_up_without_conversation_id_still_follows_its_cached_prefix():
+    policy = PrefixAware()
+    views = [view(f"r{i}") for i in range(4)]
+    previous = request("t1", turn(7, 3))
+    first = route(policy, previous, views)
+    policy.on_finished(previous, first.replica, 1.5)                # the user reads the reply, then writes
+    busier = [view(v.name, running=1 if v.name == first.replica else 0) for v in views]
+    second = route(policy, request("t2", turn(7, 4)), busier)
+    assert (second.replica, second.outcome) == (first.replica, OUTCOME_AFFINITY_HIT)
+    assert second.predicted_cached_tokens == len(turn(7, 3))
+
+
+def test_a_follow_up_goes_elsewhere_when_its_replica_is_past_the_imbalance_bound():
+    policy = PrefixAware(PolicyOptions(imbalance_bound=0.1, imbalance_slack=2))
+    views = [view("r0"), view("r1"), view("r2")]
+    first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
+    # limit = 10 * 1.1 + 2 = 13: the previous replica at 14 is past it.
+    loaded = [view(v.name, running=14 if v.name == first.replica else 10) for v in views]
+    second = route(policy, request("t2", turn(7, 2), conversation="c7"), loaded)
+    assert second.replica != first.replica
+    assert second.outcome == OUTCOME_BALANCED_AWAY
+
+
+def test_a_follow_up_at_exactly_the_bound_still_goes_home():
+    policy = PrefixAware(PolicyOptions(imbalance_bound=0.1, imbalance_slack=2))
+    views = [view("r0"), view("r1")]
+    first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
+    loaded = [view(v.name, running=13 if v.name == first.replica else 10) for v in views]
+    assert route(policy, request("t2", turn(7, 2), conversation="c7"), loaded).replica == first.replica
+
+
+def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load():
+    policy = PrefixAware()
+    views = [view("r0"), view("r1")]
+    route(policy, request("a", turn(1, 1)), views)
+    route(policy, request("b", turn(2, 1)), views)
+    decision = policy.choose(request("c", turn(3, 1)), [view("r0", running=1), view("r1", running=0)], 1.0)
+    assert decision is not None
+    assert decision.outcome == OUTCOME_FALLBACK
+    assert decision.predicted_cached_tokens == len(SYSTEM)
+
+
+def test_the_cost_trades_saved_prefill_against_decode_load():
+    policy = PrefixAware(PolicyOptions(imbalance_bound=10.0, imbalance_slack=100))
+    views = [view("r0"), view("r1")]
+    previous = request("t1", turn(7, 10))                           # 96 tokens: 24 blocks cached there
+    first = route(policy, previous, views)
+    policy.on_finished(previous, first.replica, 1.0)
+    other = "r1" if first.replica == "r0" else "r0"
+    # 23 blocks more decode KV on the holder: the 24 blocks of saved prefill still win ...
+    near = [view(first.replica, kv_used=23), view(other)]
+    decision = policy.choose(request("t2", turn(7, 11)), near, 1.0)
+    assert decision is not None and decision.replica == first.replica
+    # ... 30 blocks more do not.
+    far = [view(first.replica, kv_used=30), view(other)]
+    decision = policy.choose(request("t3", turn(7, 11)), far, 1.0)
+    assert decision is not None and (decision.replica, decision.outcome) == (other, OUTCOME_BALANCED_AWAY)
+
+
+def test_predicted_cached_tokens_leave_the_last_prompt_token_to_compute():
+    policy = PrefixAware()
+    views = [view("r0")]
+    route(policy, request("a", list(range(16))), views)
+    decision = policy.choose(request("b", list(range(16))), views, 1.0)   # identical prompt: 4 blocks held
+    assert decision is not None and decision.predicted_cached_tokens == 12
+
+
+# -- prefix_aware: the imbalance bound -----------------------------------------------------------
+
+
+def test_the_bound_holds_under_a_skewed_workload():
+    """Nine in ten requests continue one hot conversation; runs finish at random.
+
+    Every decision picks a replica whose load is within the bound of the least-loaded one."""
+    options = PolicyOptions(imbalance_bound=0.1, imbalance_slack=2)
+    policy = PrefixAware(options)
+    names = [f"r{i}" for i in range(8)]
+    running: dict[str, list[RouteRequest]] = {name: [] for name in names}
+    rng = random.Random(4)
+    hot_turn = 1
+    served: dict[str, int] = dict.fromkeys(names, 0)
+    outcomes: dict[str, int] = {}
+    for n in range(3000):
+        if rng.random() < 0.9:
+            hot_turn += 1
+            req = request(f"q{n}", turn(0, hot_turn % 200 + 1), conversation="hot")
+        else:
+            req = request(f"q{n}", turn(n, 2), conversation=f"c{n}")
+        views = [view(name) for name in names]                      # stale scrape: only own counts
+        decision = policy.choose(req, views, float(n))
+        assert decision is not None
+        loads = {name: policy.in_flight(name) for name in names}
+        assert loads[decision.replica] <= load_limit(min(loads.values()), 0.1, 2)
+        policy.on_routed(req, decision, float(n))
+        running[decision.replica].append(req)
+        served[decision.replica] += 1
+        outcomes[decision.outcome] = outcomes.get(decision.outcome, 0) + 1
+        for name in names:                                          # each run finishes w.p. 1/50 per tick
+            for done in [r for r in running[name] if rng.random() < 0.02]:
+                running[name].remove(done)
+                policy.on_finished(done, name, float(n))
+    # The hot conversation could not keep its home: the bound pushed its turns around the fleet.
+    assert min(served.values()) > 3000 / 8 * 0.8
+    assert outcomes[OUTCOME_BALANCED_AWAY] > 600
+
+
+def test_the_bound_uses_the_larger_of_scraped_and_own_counts():
+    policy = PrefixAware(PolicyOptions(imbalance_bound=0.0, imbalance_slack=0))
+    views = [view("r0", running=5), view("r1", running=0)]
+    # r1 looks idle in the scrape, but this router just sent it 6 runs.
+    for n in range(6):
+        policy.on_routed(request(f"x{n}", [n]), RouteDecision("r1", "fallback"), 0.0)
+    decision = policy.choose(request("a", turn(1, 1)), views, 1.0)
+    assert decision is not None and decision.replica == "r0"
+
+
+# -- prefix_aware: restarts ----------------------------------------------------------------------
+
+
+def test_a_restarted_replica_loses_its_prefixes_and_its_conversations():
+    policy = PrefixAware()
+    views = [view("r0"), view("r1")]
+    first = route(policy, request("t1", turn(7, 5), conversation="c7"), views)
+    assert policy.index.entries(first.replica) > 0
+    policy.on_replica_restarted(first.replica)
+    assert policy.index.entries(first.replica) == 0
+    assert policy.in_flight(first.replica) == 0
+    other = "r1" if first.replica == "r0" else "r0"
+    # After the restart the old home is no better than any other: load decides.
+    decision = policy.choose(request("t2", turn(7, 6), conversation="c7"),
+                             [view(first.replica, running=1), view(other)], 2.0)
+    assert decision is not None
+    assert (decision.replica, decision.outcome) == (other, OUTCOME_FALLBACK)
+    assert decision.predicted_cached_tokens == 0
+
+
+# -- long-context pool ---------------------------------------------------------------------------
+
+
+def test_long_prompts_go_to_the_long_context_pool_and_short_ones_stay_off_it():
+    views = [view("g0"), view("g1"), view("long0", long_context=True)]
+    for policy in (PrefixAware(PolicyOptions(long_context_threshold_tokens=64)),
+                   LeastLoaded(PolicyOptions(long_context_threshold_tokens=64))):
+        long_decision = policy.choose(request("l", range(65)), views, 0.0)
+        short_decision = policy.choose(request("s", range(64)), views, 0.0)
+        assert long_decision is not None and long_decision.replica == "long0"
+        assert short_decision is not None and short_decision.replica in ("g0", "g1")
+
+
+def test_without_a_long_context_pool_long_prompts_use_the_general_pool():
+    policy = PrefixAware(PolicyOptions(long_context_threshold_tokens=64))
+    decision = policy.choose(request("l", range(100)), [view("g0")], 0.0)
+    assert decision is not None and decision.replica == "g0"
+
+
+def test_no_candidates_means_no_decision():
+    assert PrefixAware().choose(request("a", range(8)), [], 0.0) is None
+    assert LeastLoaded().choose(request("a", range(8)), [], 0.0) is None
+
+
+# -- oracle --------------------------------------------------------------------------------------
+
+
+def test_the_oracle_uses_the_probed_exact_cache_instead_of_the_index():
+    cached = {"r0": 0, "r1": 40}
+    policy = make_policy("oracle", cached_tokens=lambda replica, tokens: cached[replica])
+    decision = policy.choose(request("a", range(48)), [view("r0"), view("r1")], 0.0)
+    assert decision is not None
+    assert (decision.replica, decision.outcome) == ("r1", OUTCOME_AFFINITY_HIT)
+    assert decision.predicted_cached_tokens == 40
+    assert policy.name == "oracle"
+
+
+# -- factory -------------------------------------------------------------------------------------
+
+
+def test_make_policy_builds_each_known_policy():
+    assert isinstance(make_policy("round_robin"), RoundRobin)
+    assert isinstance(make_policy("least_loaded"), LeastLoaded)
+    assert isinstance(make_policy("prefix_aware"), PrefixAware)
+    assert make_policy("prefix_aware").name == "prefix_aware"
+
+
+def test_make_policy_applies_options_with_their_field_types():
+    policy = make_policy("prefix_aware", imbalance_bound=0.25, imbalance_slack=4.0)
+    assert isinstance(policy, PrefixAware)
+    assert policy.options == PolicyOptions(imbalance_bound=0.25, imbalance_slack=4)
+    assert isinstance(policy.options.imbalance_slack, int)
+
+
+def test_make_policy_rejects_unknown_names_and_options():
+    with pytest.raises(ValueError) as unknown_name:
+        make_policy("random")
+    assert str(unknown_name.value) == UNKNOWN_POLICY.format(name="random")
+    with pytest.raises(ValueError) as unknown_option:
+        make_policy("prefix_aware", temperature=0.5)
+    assert str(unknown_option.value).startswith(UNKNOWN_OPTION.format(option="temperature", known="")[:-1])
+    with pytest.raises(ValueError, match=ORACLE_NEEDS_PROBE):
+        make_policy("oracle")

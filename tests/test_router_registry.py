@@ -1,0 +1,76 @@
+"""The replica registry: config tables, pools, run-time edits, views joined with health and load."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.health import HealthBook
+from router.load import LoadSnapshot, LoadTracker
+from router.policy import ReplicaView
+from router.registry import (
+    BAD_VALUE,
+    DUPLICATE_NAME,
+    MISSING_KEY,
+    RegistryError,
+    ReplicaRegistry,
+    ReplicaSpec,
+)
+from sluice_config import load_config
+
+
+def test_the_shipped_config_yields_the_development_replicas():
+    registry = ReplicaRegistry.from_config(load_config(environ={}))
+    assert [spec.name for spec in registry.specs()] == ["r0", "r1"]
+    assert registry.get("r0") == ReplicaSpec(name="r0", pool="tiny-chat-v1", grpc_address="127.0.0.1:18001",
+                                             metrics_url="http://127.0.0.1:18002/metrics")
+
+
+def test_a_table_sets_every_field():
+    spec = ReplicaSpec.from_table({"name": "big", "pool": "llama-70b", "grpc_address": "10.0.0.9:8001",
+                                   "metrics_url": "http://10.0.0.9:8002/metrics", "block_size": 32,
+                                   "kv_capacity_blocks": 50_000, "long_context": True})
+    assert spec == ReplicaSpec("big", "llama-70b", "10.0.0.9:8001", "http://10.0.0.9:8002/metrics",
+                               32, 50_000, True)
+
+
+def test_malformed_tables_are_rejected_with_what_to_fix():
+    with pytest.raises(RegistryError, match=MISSING_KEY.format(index=3, key="grpc_address")):
+        ReplicaSpec.from_table({"name": "x"}, index=3)
+    with pytest.raises(RegistryError) as bad:
+        ReplicaSpec.from_table({"name": "x", "grpc_address": "h:1", "block_size": 0})
+    assert str(bad.value) == BAD_VALUE.format(name="x", key="block_size", value=0)
+    with pytest.raises(RegistryError, match=DUPLICATE_NAME.format(name="x")):
+        ReplicaRegistry([ReplicaSpec("x", "m", "h:1"), ReplicaSpec("x", "m", "h:2")])
+
+
+def test_pools_group_replicas_by_model_version_and_shared_replicas_serve_every_pool():
+    registry = ReplicaRegistry([ReplicaSpec("a", "m1", "h:1"), ReplicaSpec("b", "m2", "h:2"),
+                                ReplicaSpec("any", "", "h:3")])
+    assert registry.pools() == {"m1": ["a"], "m2": ["b"], "": ["any"]}
+    assert [spec.name for spec in registry.members("m1")] == ["a", "any"]
+
+
+def test_replicas_can_be_added_replaced_and_removed_at_run_time():
+    registry = ReplicaRegistry([ReplicaSpec("a", "m", "h:1")])
+    assert registry.upsert(ReplicaSpec("b", "m", "h:2")) is None
+    assert registry.upsert(ReplicaSpec("a", "m", "h:9")) == ReplicaSpec("a", "m", "h:1")
+    assert registry.remove("b") == ReplicaSpec("b", "m", "h:2")
+    assert registry.remove("b") is None
+    assert registry.specs() == [ReplicaSpec("a", "m", "h:9")]
+
+
+def test_views_skip_unhealthy_replicas_and_carry_scraped_load():
+    registry = ReplicaRegistry([ReplicaSpec("a", "m", "h:1", block_size=16, kv_capacity_blocks=100),
+                                ReplicaSpec("b", "m", "h:2")])
+    health = HealthBook()
+    health.sync(["a", "b"], now=0.0)
+    for t in (0.0, 0.1, 0.2):
+        health.record_failure("b", t)
+    loads = LoadTracker()
+    loads.on_scrape("a", LoadSnapshot(active=2, waiting=1, kv_used_blocks=30, kv_max_blocks=400,
+                                      kv_tokens_per_block=32, start_time=9.0))
+    loads.on_sent("a")
+    assert registry.views("m", 1.0, health, loads) == [
+        ReplicaView(name="a", pool="m", block_size=32, kv_capacity_blocks=400, waiting=2, running=2,
+                    kv_used_blocks=30, in_flight=1, start_time=9.0),
+    ]

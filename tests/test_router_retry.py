@@ -1,0 +1,35 @@
+"""A run moves to another replica only before its first token; afterwards a failure interrupts it."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy import ReplicaView
+from router.retry import FailureAction, after_replica_failure, retry_candidates
+
+
+def test_a_run_without_tokens_is_retried_on_another_replica():
+    assert after_replica_failure(tokens_streamed=0, attempts=1) is FailureAction.RETRY
+
+
+def test_a_run_that_streamed_a_token_is_never_retried():
+    assert after_replica_failure(tokens_streamed=1, attempts=1) is FailureAction.INTERRUPT
+    assert after_replica_failure(tokens_streamed=500, attempts=1, max_attempts=10) is FailureAction.INTERRUPT
+
+
+def test_retries_stop_when_attempts_are_spent_or_no_other_replica_is_left():
+    assert after_replica_failure(tokens_streamed=0, attempts=2, max_attempts=2) is FailureAction.FAIL
+    assert after_replica_failure(tokens_streamed=0, attempts=1, other_replicas_available=False) \
+        is FailureAction.FAIL
+    assert after_replica_failure(tokens_streamed=0, attempts=2, max_attempts=3) is FailureAction.RETRY
+
+
+def test_a_failure_needs_an_attempt():
+    with pytest.raises(AssertionError):
+        after_replica_failure(tokens_streamed=0, attempts=0)
+
+
+def test_a_retry_never_goes_back_to_a_replica_already_tried():
+    views = [ReplicaView(name=name, pool="m", block_size=16, kv_capacity_blocks=10)
+             for name in ("r0", "r1", "r2")]
+    assert [v.name for v in retry_candidates(views, tried={"r0", "r2"})] == ["r1"]
