@@ -1,0 +1,162 @@
+"""Seed the demo ledger: `python -m ledger.seed [--key KEY] [--other-key KEY] [--dsn DSN]`.
+
+Idempotent: running it again changes nothing except the model row (refreshed from the tokenizer)
+and adds a key given with --key. Creates
+
+- tenant "demo" with API key DEMO_API_KEY (fixed and documented, for the local demo only), and a
+  budget for the current UTC month: 1,000,000 tokens and $50;
+- tenant "other" with OTHER_API_KEY, for isolation demos and tests;
+- model version "tiny-chat-v1" (alias "chat"): the CPU model's tokenizer, context 4,096 tokens,
+  pool "tiny-chat-v1", tier "standard", $0.50 / $0.05 cached / $1.50 per million tokens, end_id
+  read from the tokenizer's <|endoftext|>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from ledger.db import make_engine, make_sessionmaker
+from ledger.models import ApiKey, Budget, Model, Tenant
+from ledger.repositories import hash_api_key
+from services.tokenization import load_tokenizer
+
+DEMO_API_KEY = "sk-demo-00000000000000000000000000000000"
+OTHER_API_KEY = "sk-other-0000000000000000000000000000000"
+END_OF_TEXT = "<|endoftext|>"
+USD = 1_000_000  # micro-USD
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSeed:
+    name: str
+    api_key: str
+    allowed_tiers: tuple[str, ...]
+    token_budget: int
+    cost_budget_micros: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSeed:
+    version: str
+    alias: str | None
+    tokenizer: str
+    context_limit: int
+    worker_pool: str
+    quality_tier: str
+    price_input_per_m_micros: int
+    price_cached_input_per_m_micros: int
+    price_output_per_m_micros: int
+
+
+TINY_CHAT = ModelSeed(
+    version="tiny-chat-v1",
+    alias="chat",
+    tokenizer="models/tiny-chat/tokenizer.json",
+    context_limit=4096,
+    worker_pool="tiny-chat-v1",
+    quality_tier="standard",
+    price_input_per_m_micros=USD // 2,          # $0.50 per million input tokens
+    price_cached_input_per_m_micros=USD // 20,  # $0.05 per million cached input tokens
+    price_output_per_m_micros=3 * USD // 2,     # $1.50 per million output tokens
+)
+
+
+def tenant_seeds(demo_key: str, other_key: str) -> tuple[TenantSeed, ...]:
+    return (
+        TenantSeed("demo", demo_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD),
+        TenantSeed("other", other_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD),
+    )
+
+
+def end_id_of(tokenizer_path: str) -> int:
+    end_id = load_tokenizer(tokenizer_path).token_to_id(END_OF_TEXT)
+    if end_id is None:
+        raise SystemExit(f"{tokenizer_path} has no {END_OF_TEXT} token: cannot set the model's end_id")
+    return int(end_id)
+
+
+def first_of_month(today: dt.date) -> dt.date:
+    return today.replace(day=1)
+
+
+async def upsert_model(session: AsyncSession, model: ModelSeed) -> None:
+    values = {
+        "version": model.version,
+        "alias": model.alias,
+        "tokenizer": model.tokenizer,
+        "context_limit": model.context_limit,
+        "worker_pool": model.worker_pool,
+        "quality_tier": model.quality_tier,
+        "end_id": end_id_of(model.tokenizer),
+        "price_input_per_m_micros": model.price_input_per_m_micros,
+        "price_cached_input_per_m_micros": model.price_cached_input_per_m_micros,
+        "price_output_per_m_micros": model.price_output_per_m_micros,
+    }
+    statement = pg_insert(Model).values(**values)
+    await session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[Model.version],
+            set_={k: statement.excluded[k] for k in values if k != "version"},
+        )
+    )
+
+
+async def ensure_tenant(session: AsyncSession, seed: TenantSeed, period_start: dt.date) -> uuid.UUID:
+    await session.execute(
+        pg_insert(Tenant)
+        .values(id=uuid.uuid4(), name=seed.name, allowed_tiers=list(seed.allowed_tiers))
+        .on_conflict_do_nothing(index_elements=[Tenant.name])
+    )
+    tenant_id = await session.scalar(select(Tenant.id).where(Tenant.name == seed.name))
+    assert tenant_id is not None
+    await session.execute(
+        pg_insert(ApiKey)
+        .values(id=uuid.uuid4(), tenant_id=tenant_id, key_hash=hash_api_key(seed.api_key),
+                key_prefix=seed.api_key[:8])
+        .on_conflict_do_nothing(index_elements=[ApiKey.key_hash])
+    )
+    await session.execute(
+        pg_insert(Budget)
+        .values(tenant_id=tenant_id, period_start=period_start, token_budget=seed.token_budget,
+                cost_budget_micros=seed.cost_budget_micros)
+        .on_conflict_do_nothing(index_elements=[Budget.tenant_id, Budget.period_start])
+    )
+    return tenant_id
+
+
+async def seed(dsn: str | None, demo_key: str, other_key: str) -> None:
+    engine = make_engine(dsn, pool_size=1, max_overflow=0)
+    try:
+        async with make_sessionmaker(engine)() as session, session.begin():
+            await upsert_model(session, TINY_CHAT)
+            period = first_of_month(dt.datetime.now(dt.UTC).date())
+            for tenant in tenant_seeds(demo_key, other_key):
+                await ensure_tenant(session, tenant, period)
+    finally:
+        await engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--key", default=DEMO_API_KEY, help="API key for tenant 'demo'")
+    parser.add_argument("--other-key", default=OTHER_API_KEY, help="API key for tenant 'other'")
+    parser.add_argument("--dsn", default=None, help="database DSN (default: config [database].dsn)")
+    args = parser.parse_args(argv)
+    asyncio.run(seed(args.dsn, args.key, args.other_key))
+    print(f"model {TINY_CHAT.version} (alias {TINY_CHAT.alias!r}) ready")
+    print(f"tenant demo  API key: {args.key}")
+    print(f"tenant other API key: {args.other_key}")
+
+
+if __name__ == "__main__":
+    main()

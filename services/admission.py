@@ -1,0 +1,274 @@
+"""Admission: the only way work enters Sluice (protos/sluice/v1/admission.proto).
+
+    Submit ─┬─ read txn: API key → tenant; model alias/version → model; tier allowed?
+            ├─ (no txn) decode + check the request, tokenize, check the context
+            └─ write txn: INSERT run ON CONFLICT (tenant, request_key) DO NOTHING
+                            ├─ inserted  → reserve prompt + cap on the budget row (conditional UPDATE)
+                            │              does not fit → ROLLBACK, RESOURCE_EXHAUSTED with the cap that fits
+                            └─ conflict  → same payload hash: the existing run (deduplicated)
+                                           other payload: ALREADY_EXISTS
+              COMMIT, then answer: a returned run id always has its reservation committed.
+
+No raw prompt or API key is ever logged; logs carry the run id, tenant and token counts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc.aio
+from sqlalchemy import func
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from ledger.models import RunStatus
+from ledger.pricing import reservation_cost_micros
+from ledger.repositories import BudgetRepository, ModelInfo, ModelRepository, RunRepository, TenantInfo
+from services import tokenization
+from services.admission_rules import (
+    Sampling,
+    SubmitIntent,
+    check_context,
+    check_request_shape,
+    largest_cap_that_fits,
+    normalize_float,
+    payload_hash,
+)
+from services.auth import Metadata, authenticate
+from services.errors import (
+    BUDGET_TOO_SMALL_FOR_CAP,
+    BUDGET_TOO_SMALL_FOR_PROMPT,
+    MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
+    NO_BUDGET,
+    REQUEST_KEY_REUSED,
+    TIER_NOT_ALLOWED,
+    UNKNOWN_MODEL,
+    AlreadyExists,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    grpc_errors,
+)
+from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    default_deadline_ms: int         # used when a request sends deadline_ms = 0
+    max_request_key_chars: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AdmissionSettings:
+        section = config.get("admission", {})
+        return cls(
+            default_deadline_ms=int(section.get("default_deadline_ms", 600_000)),
+            max_request_key_chars=int(section.get("max_request_key_chars", 128)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    run_id: uuid.UUID
+    status: RunStatus
+    model_version: str               # the version the run is pinned to
+    input_tokens: int
+    max_output_tokens: int
+    deduplicated: bool               # an earlier identical submit made this run
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A checked, tokenized request, ready for the write transaction."""
+
+    tenant: TenantInfo
+    model: ModelInfo
+    intent: SubmitIntent
+    prompt_token_ids: list[int] = field(repr=False)
+    payload_hash: str
+    reserved_tokens: int
+    reserved_cost_micros: int
+
+
+class AdmissionService:
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings) -> None:
+        self._sessionmaker = sessionmaker
+        self._settings = settings
+
+    async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
+        async with self._sessionmaker() as session:
+            async with session.begin():
+                tenant = await authenticate(session, metadata)
+                text = check_request_shape(intent, self._settings.max_request_key_chars)
+                model = await self._permitted_model(session, tenant, intent.model)
+            prepared = self._prepare(tenant, model, intent, text)
+            async with session.begin():
+                admitted = await self._insert_or_match(session, prepared)
+        log.info(
+            "admitted run %s tenant=%s model=%s input_tokens=%d cap=%d deduplicated=%s",
+            admitted.run_id, tenant.name, admitted.model_version, admitted.input_tokens,
+            admitted.max_output_tokens, admitted.deduplicated,
+        )
+        return admitted
+
+    @staticmethod
+    async def _permitted_model(session: AsyncSession, tenant: TenantInfo, name: str) -> ModelInfo:
+        model = await ModelRepository(session).by_alias_or_version(name)
+        if model is None:
+            raise NotFound(UNKNOWN_MODEL.format(model=name))
+        if model.quality_tier not in tenant.allowed_tiers:
+            raise PermissionDenied(
+                TIER_NOT_ALLOWED.format(
+                    model=name, tier=model.quality_tier, allowed=", ".join(tenant.allowed_tiers) or "none"
+                )
+            )
+        return model
+
+    @staticmethod
+    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str) -> _Prepared:
+        token_ids = tokenization.encode(model.tokenizer, text)
+        check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
+        return _Prepared(
+            tenant=tenant,
+            model=model,
+            intent=intent,
+            prompt_token_ids=token_ids,
+            payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling),
+            reserved_tokens=len(token_ids) + intent.max_output_tokens,
+            reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),
+        )
+
+    async def _insert_or_match(self, session: AsyncSession, prepared: _Prepared) -> Admitted:
+        """Runs inside the caller's write transaction; raising rolls everything back."""
+        intent, tenant = prepared.intent, prepared.tenant
+        runs = RunRepository(session)
+        run_id = await runs.insert_if_absent(self._run_values(prepared))
+        if run_id is None:
+            existing = await runs.by_request_key(tenant.id, intent.request_key)
+            assert existing is not None, "ON CONFLICT fired but the conflicting run is not visible"
+            if existing.payload_hash != prepared.payload_hash:
+                raise AlreadyExists(REQUEST_KEY_REUSED.format(key=intent.request_key))
+            return Admitted(
+                run_id=existing.id,
+                status=RunStatus(existing.status),
+                model_version=existing.model_version,
+                input_tokens=existing.input_tokens,
+                max_output_tokens=existing.max_output_tokens,
+                deduplicated=True,
+            )
+        await self._reserve(session, prepared)
+        return Admitted(
+            run_id=run_id,
+            status=RunStatus.ACCEPTED,
+            model_version=prepared.model.version,
+            input_tokens=len(prepared.prompt_token_ids),
+            max_output_tokens=intent.max_output_tokens,
+            deduplicated=False,
+        )
+
+    def _run_values(self, prepared: _Prepared) -> dict[str, Any]:
+        intent = prepared.intent
+        deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
+        return {
+            "id": uuid.uuid4(),
+            "tenant_id": prepared.tenant.id,
+            "request_key": intent.request_key,
+            "payload_hash": prepared.payload_hash,
+            "model_version": prepared.model.version,
+            "status": RunStatus.ACCEPTED.value,
+            "prompt_token_ids": prepared.prompt_token_ids,
+            "input_tokens": len(prepared.prompt_token_ids),
+            "max_output_tokens": intent.max_output_tokens,
+            "sampling": intent.sampling.as_json(),
+            "conversation_id": intent.conversation_id,
+            # On the database clock, like created_at, so routing compares like with like.
+            "deadline_at": func.now() + dt.timedelta(milliseconds=deadline_ms),
+            "reserved_tokens": prepared.reserved_tokens,
+            "reserved_cost_micros": prepared.reserved_cost_micros,
+        }
+
+    @staticmethod
+    async def _reserve(session: AsyncSession, prepared: _Prepared) -> None:
+        budgets = BudgetRepository(session)
+        tenant_id = prepared.tenant.id
+        tokens, cost = prepared.reserved_tokens, prepared.reserved_cost_micros
+        if await budgets.try_reserve(tenant_id, tokens, cost):
+            return
+        if await budgets.current(tenant_id) is None and await budgets.open_current_period(tenant_id):
+            if await budgets.try_reserve(tenant_id, tokens, cost):
+                return
+        raise await _budget_refusal(budgets, prepared)
+
+
+async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> ResourceExhausted:
+    state = await budgets.current(prepared.tenant.id)
+    if state is None:
+        return ResourceExhausted(NO_BUDGET)
+    prompt = len(prepared.prompt_token_ids)
+    fit = largest_cap_that_fits(
+        prepared.model, prompt, state.tokens_left, state.cost_left_micros, prepared.model.context_limit
+    )
+    amounts = {"tokens_left": state.tokens_left, "cost_left_micros": state.cost_left_micros, "prompt": prompt}
+    if fit <= 0:
+        return ResourceExhausted(
+            BUDGET_TOO_SMALL_FOR_PROMPT.format(**amounts), metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, "0")]
+        )
+    return ResourceExhausted(
+        BUDGET_TOO_SMALL_FOR_CAP.format(**amounts, cap=prepared.intent.max_output_tokens, fit=fit),
+        metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, str(fit))],
+    )
+
+
+# --- gRPC edge ------------------------------------------------------------------------------------
+
+
+def run_status_to_proto(status: RunStatus | str) -> common_pb2.RunStatus.ValueType:
+    return common_pb2.RunStatus.Value(f"RUN_STATUS_{RunStatus(status).value}")
+
+
+def intent_from_proto(request: admission_pb2.SubmitRequest) -> SubmitIntent:
+    return SubmitIntent(
+        model=request.model,
+        input=request.input,
+        max_output_tokens=request.max_output_tokens,
+        request_key=request.request_key,
+        deadline_ms=request.deadline_ms,
+        sampling=Sampling(
+            temperature=normalize_float(request.sampling.temperature),
+            top_p=normalize_float(request.sampling.top_p),
+            seed=request.sampling.seed,
+        ),
+        conversation_id=request.conversation_id or None,
+    )
+
+
+class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
+    def __init__(self, service: AdmissionService) -> None:
+        self._service = service
+
+    @grpc_errors
+    async def Submit(
+        self, request: admission_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> admission_pb2.SubmitResponse:
+        admitted = await self._service.submit(context.invocation_metadata(), intent_from_proto(request))
+        return admission_pb2.SubmitResponse(
+            run_id=str(admitted.run_id),
+            status=run_status_to_proto(admitted.status),
+            model_version=admitted.model_version,
+            input_tokens=admitted.input_tokens,
+            max_output_tokens=admitted.max_output_tokens,
+            deduplicated=admitted.deduplicated,
+        )
+
+
+def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
+                           config: Mapping[str, Any]) -> AdmissionService:
+    """Register Admission on `server`; returns the service (handy for in-process callers)."""
+    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config))
+    admission_pb2_grpc.add_AdmissionServicer_to_server(AdmissionServicer(service), server)
+    return service
