@@ -1,0 +1,202 @@
+"""A real replica (pytriton Triton, `python -m replica.serve`) driven by services.replica_client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from replica.engine_api import GenerationRequest
+from replica.generator import GeneratorConfig, expected_tokens, prompt_seed
+from replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
+from replica.serve import ERR_PORT_IN_USE
+from services import replica_client as rc
+from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
+from tests.support.replica_proc import (
+    ReplicaProcess,
+    free_ports,
+    kill_replica,
+    replica_env,
+    start_replica,
+    stop_replica,
+)
+
+pytestmark = pytest.mark.integration
+
+TOKEN_DELAY_MS = 20
+SETTINGS = {"token_delay_ms": TOKEN_DELAY_MS, "vocab_size": 4096, "first_normal_id": 4,
+            "output_length": "cap"}
+GENERATOR = GeneratorConfig(vocab_size=4096, first_normal_id=4, token_delay_s=TOKEN_DELAY_MS / 1000)
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("replica-logs")
+
+
+@pytest.fixture(scope="module")
+def replica(log_dir: Path):
+    proc = start_replica("t0", log_dir, SETTINGS)
+    yield proc
+    stop_replica(proc)
+
+
+async def collect(address: str, request_id: str, prompt: list[int], cap: int, **kwargs) -> list[TokenChunk]:
+    return [chunk async for chunk in rc.stream_generate(address, request_id, prompt, cap, **kwargs)]
+
+
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def expected(prompt: list[int], cap: int, seed: int | None = None) -> list[int]:
+    request = GenerationRequest("x", tuple(prompt), cap, None, prompt_seed(prompt) if seed is None else seed)
+    return expected_tokens(GENERATOR, request)
+
+
+async def test_the_replica_reports_ready(replica: ReplicaProcess):
+    assert await rc.is_ready(replica.grpc_address) is True
+
+
+async def test_a_closed_port_is_not_ready():
+    (port,) = free_ports(1)
+    assert await rc.is_ready(f"127.0.0.1:{port}", timeout_s=1.0) is False
+
+
+async def test_a_request_streams_exactly_the_generators_tokens_one_per_response(replica: ReplicaProcess):
+    chunks = await collect(replica.grpc_address, "exact-1", [11, 12, 13], 7)
+    assert tokens_of(chunks) == expected([11, 12, 13], 7)
+    assert [len(c.token_ids) for c in chunks] == [1] * 7
+    assert {(c.num_input_tokens, c.kv_cache_reused_blocks, c.stopped) for c in chunks} == {(3, 0, False)}
+
+
+async def test_an_explicit_seed_replaces_the_prompt_hash(replica: ReplicaProcess):
+    chunks = await collect(replica.grpc_address, "seeded-1", [11, 12, 13], 4, seed=42)
+    assert tokens_of(chunks) == expected([11, 12, 13], 4, seed=42)
+
+
+async def test_two_concurrent_requests_stream_together(replica: ReplicaProcess):
+    cap = 25                                      # 25 steps x 20 ms = 0.5 s for one request
+    started = time.monotonic()
+    one = await collect(replica.grpc_address, "solo", [1, 2, 3, 4], cap)
+    solo_s = time.monotonic() - started
+    started = time.monotonic()
+    a, b = await asyncio.gather(collect(replica.grpc_address, "pair-a", [7, 8], cap),
+                                collect(replica.grpc_address, "pair-b", [9, 10], cap))
+    pair_s = time.monotonic() - started
+    assert tokens_of(one) == expected([1, 2, 3, 4], cap)
+    assert (tokens_of(a), tokens_of(b)) == (expected([7, 8], cap), expected([9, 10], cap))
+    assert solo_s >= cap * TOKEN_DELAY_MS / 1000
+    assert pair_s < 1.5 * solo_s, f"two streams took {pair_s:.2f}s, one {solo_s:.2f}s: not in flight together"
+
+
+async def test_stop_ends_the_stream_early_and_the_replica_keeps_serving(replica: ReplicaProcess):
+    stream = rc.stream_generate(replica.grpc_address, "stop-me", [5, 6], 500)
+    received: list[TokenChunk] = []
+    async for chunk in stream:
+        received.append(chunk)
+        if len(received) == 3:
+            started = time.monotonic()
+            await rc.stop(replica.grpc_address, "stop-me")
+            stop_s = time.monotonic() - started
+    assert stop_s < 1.0
+    assert received[-1] == TokenChunk((), 2, 0, stopped=True)
+    streamed = tokens_of(received)
+    assert 3 <= len(streamed) < 20
+    assert streamed == expected([5, 6], 500)[: len(streamed)]
+    after = await collect(replica.grpc_address, "after-stop", [5, 6], 3)
+    assert tokens_of(after) == expected([5, 6], 3)
+
+
+async def test_stop_for_an_unknown_request_returns_promptly(replica: ReplicaProcess):
+    started = time.monotonic()
+    await rc.stop(replica.grpc_address, "never-sent")
+    assert time.monotonic() - started < 1.0
+
+
+async def test_a_request_id_already_streaming_is_rejected(replica: ReplicaProcess):
+    first = asyncio.ensure_future(collect(replica.grpc_address, "dup", [1], 30))
+    await asyncio.sleep(0.2)
+    with pytest.raises(ReplicaRejected, match="already streaming"):
+        await collect(replica.grpc_address, "dup", [1], 3)
+    assert tokens_of(await first) == expected([1], 30)
+
+
+async def test_empty_input_ids_is_a_triton_error_not_a_hang(replica: ReplicaProcess):
+    with pytest.raises(ReplicaRejected, match=ERR_EMPTY_INPUT):
+        await asyncio.wait_for(collect(replica.grpc_address, "empty", [], 5), 5)
+
+
+async def test_zero_output_len_is_a_triton_error(replica: ReplicaProcess):
+    with pytest.raises(ReplicaRejected) as caught:
+        await asyncio.wait_for(collect(replica.grpc_address, "zero", [1, 2], 0), 5)
+    assert str(caught.value) == ERR_BAD_OUTPUT_LEN.format(0)
+
+
+async def test_metrics_use_the_tensorrt_llm_names(replica: ReplicaProcess):
+    body = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5).read())
+    text = body.decode()
+    for line in ('nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="max",version="1"} 256.0',
+                 'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="tensorrt_llm",'
+                 'version="1"} 16.0'):
+        assert line in text
+    for kind in ("active", "waiting", "scheduled", "context"):
+        assert f'request_type="{kind}"' in text
+    for kind in ("max", "free", "used", "reused"):
+        assert f'kv_cache_block_type="{kind}"' in text
+    start = next(line for line in text.splitlines() if line.startswith("sluice_replica_start_time_seconds "))
+    assert abs(float(start.split()[1]) - time.time()) < 3600
+
+
+async def test_killing_the_replica_mid_stream_raises_replica_lost_within_seconds(log_dir: Path):
+    doomed = await asyncio.to_thread(start_replica, "doomed", log_dir, SETTINGS)
+    try:
+        stream = rc.stream_generate(doomed.grpc_address, "lost-1", [3, 4], 1000)
+        received = 0
+        with pytest.raises(ReplicaLost):
+            async for _chunk in stream:
+                received += 1
+                if received == 3:
+                    kill_replica(doomed)
+                    killed_at = time.monotonic()
+        assert time.monotonic() - killed_at < 5.0
+    finally:
+        kill_replica(doomed)
+
+
+async def test_a_replica_whose_host_process_dies_is_lost_by_the_inactivity_timeout(log_dir: Path):
+    # Only the Python host dies; its tritonserver keeps the connection open but will never answer.
+    orphaned = await asyncio.to_thread(start_replica, "orphaned", log_dir, SETTINGS)
+    try:
+        stream = rc.stream_generate(orphaned.grpc_address, "lost-2", [3, 4], 1000, inactivity_timeout_s=2.0)
+        received = 0
+        with pytest.raises(ReplicaLost):
+            async for _chunk in stream:
+                received += 1
+                if received == 3:
+                    os.kill(orphaned.process.pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert time.monotonic() - killed_at < 5.0
+    finally:
+        kill_replica(orphaned)
+
+
+def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
+    grpc_port, http_port, metrics_port = free_ports(3)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", grpc_port))
+        squatter.listen()
+        result = subprocess.run([sys.executable, "-m", "replica.serve", "--name", "busy"],
+                                env=replica_env("busy", grpc_port, http_port, metrics_port, SETTINGS),
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert ERR_PORT_IN_USE.format(name="busy", kind="grpc", port=grpc_port, host="127.0.0.1") in result.stderr
