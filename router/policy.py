@@ -18,9 +18,12 @@ Lifecycle, as the host drives it:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from router.policies import PolicyOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +124,14 @@ def make_policy(name: str, *, cached_tokens: CachedTokensProbe | None = None,
     simulator's oracle: a probe of each replica's exact cache.
     """
     # Imported here: router.policies builds on the dataclasses above.
-    from router.policies import LeastLoaded, PolicyOptions, PrefixAware
+    from router.policies import PolicyOptions
 
-    settings = PolicyOptions.with_overrides(options)
+    return _build(name, PolicyOptions.with_overrides(options), cached_tokens)
+
+
+def _build(name: str, settings: PolicyOptions, cached_tokens: CachedTokensProbe | None) -> RoutingPolicy:
+    from router.policies import LeastLoaded, PrefixAware
+
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -135,3 +143,19 @@ def make_policy(name: str, *, cached_tokens: CachedTokensProbe | None = None,
             raise ValueError(ORACLE_NEEDS_PROBE)
         return PrefixAware(settings, cached_tokens=cached_tokens)
     raise ValueError(UNKNOWN_POLICY.format(name=name))
+
+
+BAD_POLICY_OPTIONS = "[routing].policy_options must be a table of numbers, got {value!r}"
+
+
+def make_policy_from_config(routing: Mapping[str, object]) -> RoutingPolicy:
+    """The policy a `[routing]` config section names: `policy` plus an optional `policy_options` table,
+    e.g. ``policy_options = { imbalance_bound = 0.2, long_context_threshold_tokens = 32768 }``."""
+    table = routing.get("policy_options", {})
+    if not isinstance(table, Mapping) or not all(
+            isinstance(value, int | float) and not isinstance(value, bool) for value in table.values()):
+        raise ValueError(BAD_POLICY_OPTIONS.format(value=table))
+    from router.policies import PolicyOptions
+
+    options = PolicyOptions.with_overrides({str(key): float(value) for key, value in table.items()})
+    return _build(str(routing.get("policy", "round_robin")), options, None)

@@ -18,6 +18,7 @@ from router.policies import (
     load_limit,
 )
 from router.policy import (
+    BAD_POLICY_OPTIONS,
     ORACLE_NEEDS_PROBE,
     UNKNOWN_POLICY,
     ReplicaView,
@@ -25,6 +26,7 @@ from router.policy import (
     RouteDecision,
     RouteRequest,
     make_policy,
+    make_policy_from_config,
 )
 
 BS = 4
@@ -301,3 +303,14 @@ def test_make_policy_rejects_unknown_names_and_options():
     assert str(unknown_option.value).startswith(UNKNOWN_OPTION.format(option="temperature", known="")[:-1])
     with pytest.raises(ValueError, match=ORACLE_NEEDS_PROBE):
         make_policy("oracle")
+
+
+def test_the_config_section_names_the_policy_and_its_options():
+    policy = make_policy_from_config({"policy": "prefix_aware", "policy_options": {
+        "imbalance_bound": 0.2, "long_context_threshold_tokens": 32768}})
+    assert isinstance(policy, PrefixAware)
+    assert policy.options == PolicyOptions(imbalance_bound=0.2, long_context_threshold_tokens=32768)
+    assert isinstance(make_policy_from_config({"policy": "round_robin"}), RoundRobin)
+    with pytest.raises(ValueError) as bad:
+        make_policy_from_config({"policy": "prefix_aware", "policy_options": {"imbalance_bound": "high"}})
+    assert str(bad.value) == BAD_POLICY_OPTIONS.format(value={"imbalance_bound": "high"})
