@@ -1,0 +1,177 @@
+"""Paged KV pool with prefix reuse by chained block hashes.
+
+The pool is `num_blocks` blocks of `block_size` tokens. A sequence holds a list
+of block ids; block i stores its tokens [i × block_size, (i + 1) × block_size).
+
+Prefix reuse. A *full* block is identified by the hash of its tokens chained
+to the hash of the block before it, so equal hashes mean equal prefixes, not
+just equal blocks:
+
+    h0 = hash((ROOT, tokens[0:B]))   h1 = hash((h0, tokens[B:2B]))   ...
+
+Once a full block's KV is computed it is registered under its hash; a later
+request whose prompt has the same chain takes the block (ref count + 1)
+instead of recomputing it. Partial blocks are never shared.
+
+Free queue and eviction. Every block with ref count 0 sits in one LRU queue,
+whether it still holds a reusable prefix or not:
+
+    head (evicted first) ─ never-used / oldest released ── … ── newest released ─ tail
+
+Allocation pops from the head; a popped block that was registered loses its
+hash (that is the eviction). A cache hit on a block in the queue pulls it out.
+Sequences release their blocks tail-first, so a sequence's last blocks (the
+least shared part of its prefix) are evicted before its first ones.
+
+Counters follow TensorRT-LLM's KvCacheStats: max, free (ref count 0, cached or
+not), used (= max − free), and cumulative reused / missed / allocated blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Chained-hash root. Python's hash of a tuple of ints is deterministic across runs
+# (PYTHONHASHSEED randomizes only str/bytes), which the exact tests rely on.
+ROOT_HASH = 0x5EED
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH,
+                 start: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` from token `start` (a block boundary),
+    chained onto `parent` (the hash of the block before `start`)."""
+    hashes: list[int] = []
+    end = len(token_ids) - block_size
+    for offset in range(start, end + 1, block_size):
+        parent = hash((parent, tuple(token_ids[offset:offset + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    max_blocks: int          # blocks in the pool
+    free_blocks: int         # ref count 0 (includes cached blocks that can be evicted)
+    used_blocks: int         # max − free
+    tokens_per_block: int
+    reused_blocks: int       # cumulative: prompt blocks served from the cache
+    missed_blocks: int       # cumulative: full prompt blocks that had to be computed
+    alloc_total_blocks: int  # cumulative: blocks handed to sequences (new + reused)
+    alloc_new_blocks: int    # cumulative: blocks taken from the free queue
+    cached_blocks: int       # blocks currently registered under a hash
+
+    @property
+    def fraction(self) -> float:
+        """Used share of the pool (nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"})."""
+        return self.used_blocks / self.max_blocks if self.max_blocks else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        looked_up = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / looked_up if looked_up else 0.0
+
+
+class BlockPool:
+    """Block ids, ref counts, the LRU free queue and the hash → block map."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks > 0 and block_size > 0, "the pool needs at least one block of at least one token"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ref_count = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._block_of: dict[int, int] = {}
+        # Ordered set of free block ids; the head is evicted first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.reused_blocks = 0
+        self.missed_blocks = 0
+        self.alloc_total_blocks = 0
+        self.alloc_new_blocks = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_count[block_id]
+
+    def cached_block(self, block_hash: int) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (no ref taken)."""
+        found: list[int] = []
+        block_of = self._block_of
+        for block_hash in hashes:
+            block_id = block_of.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` fresh blocks from the head of the free queue, evicting their hashes;
+        None (and nothing changed) when fewer are free."""
+        if count > len(self._free):
+            return None
+        blocks: list[int] = []
+        free = self._free
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            block_hash = self._hash_of[block_id]
+            if block_hash is not None:
+                self._hash_of[block_id] = None
+                del self._block_of[block_hash]
+            self._ref_count[block_id] = 1
+            blocks.append(block_id)
+        self.alloc_new_blocks += count
+        self.alloc_total_blocks += count
+        return blocks
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
+        for block_id in block_ids:
+            if self._ref_count[block_id] == 0:
+                del self._free[block_id]
+            self._ref_count[block_id] += 1
+        self.alloc_total_blocks += len(block_ids)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, tail first; blocks reaching 0 join the queue's tail."""
+        for block_id in reversed(block_ids):
+            count = self._ref_count[block_id] - 1
+            assert count >= 0, f"block {block_id} released more often than taken"
+            self._ref_count[block_id] = count
+            if count == 0:
+                self._free[block_id] = None
+
+    def register(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """Make computed full blocks findable by hash. A block whose hash another block already
+        holds stays unregistered (its twin serves future hits)."""
+        for block_id, block_hash in zip(block_ids, hashes, strict=False):
+            if self._hash_of[block_id] is not None or block_hash in self._block_of:
+                continue
+            self._hash_of[block_id] = block_hash
+            self._block_of[block_hash] = block_id
+
+    def count_hits(self, reused: int, missed: int) -> None:
+        self.reused_blocks += reused
+        self.missed_blocks += missed
+
+    def stats(self) -> KVCacheStats:
+        free = len(self._free)
+        return KVCacheStats(
+            max_blocks=self.num_blocks, free_blocks=free, used_blocks=self.num_blocks - free,
+            tokens_per_block=self.block_size, reused_blocks=self.reused_blocks,
+            missed_blocks=self.missed_blocks, alloc_total_blocks=self.alloc_total_blocks,
+            alloc_new_blocks=self.alloc_new_blocks, cached_blocks=len(self._block_of),
+        )
