@@ -45,7 +45,7 @@ def apply() -> None:
     original_generate = Model.generate_model
 
     def get_proxy_model_files(self: Model) -> dict[str, bytes]:
-        files = original_files(self)
+        files: dict[str, bytes] = original_files(self)
         for key, content in files.items():
             if key.endswith("/" + _PATCHED_FILE):
                 files[key] = _patch_source(content.decode("utf-8")).encode("utf-8")
@@ -85,4 +85,4 @@ def _patch_store_copy_frames(data: typing.Any) -> None:
 
     owner = next(cls for cls in vars(data).values()
                  if isinstance(cls, type) and "_copy_frames" in vars(cls))
-    owner._copy_frames = _copy_frames
+    typing.cast(typing.Any, owner)._copy_frames = _copy_frames

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
-from replica.host import ABORTED, EngineHost, RequestIdInUse
+from replica.host import Aborted, EngineHost, RequestIdInUse
 from replica.metrics import ReplicaMetrics
 from replica.protocol import (
     ERR_BAD_INPUT_LENGTHS,
@@ -111,7 +112,7 @@ def check_ports_free(settings: ReplicaSettings) -> None:
                                                           host=settings.host)) from exc
 
 
-def _scalar(data: Mapping[str, np.ndarray], name: str, default: Any = None) -> Any:
+def _scalar(data: Mapping[str, NDArray[Any]], name: str, default: Any = None) -> Any:
     if name not in data:
         if default is None:
             raise EngineRequestError(ERR_MISSING.format(name))
@@ -119,7 +120,7 @@ def _scalar(data: Mapping[str, np.ndarray], name: str, default: Any = None) -> A
     return data[name].reshape(-1)[0].item()
 
 
-def parse_request(data: Mapping[str, np.ndarray], request_id: str) -> GenerationRequest:
+def parse_request(data: Mapping[str, NDArray[Any]], request_id: str) -> GenerationRequest:
     """Turn TRT-LLM style tensors (batch dim first) into a GenerationRequest; raises on bad input."""
     if "input_ids" not in data:
         raise EngineRequestError(ERR_MISSING.format("input_ids"))
@@ -140,7 +141,7 @@ def parse_request(data: Mapping[str, np.ndarray], request_id: str) -> Generation
 
 
 def _token_response(token_ids: tuple[int, ...], num_input_tokens: int,
-                    kv_reused: int) -> dict[str, np.ndarray]:
+                    kv_reused: int) -> dict[str, NDArray[Any]]:
     # Shapes carry the batch dim first: output_ids [batch, beam, tokens], the rest [batch, 1].
     return {
         "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, -1),
@@ -156,7 +157,7 @@ class TensorrtLlmModel:
     def __init__(self, host: EngineHost) -> None:
         self._host = host
 
-    async def __call__(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
+    async def __call__(self, requests: list[Any]) -> AsyncIterator[list[dict[str, NDArray[Any]]]]:
         from pytriton.exceptions import PyTritonBadParameterError
 
         if len(requests) != 1:
@@ -172,23 +173,27 @@ class TensorrtLlmModel:
             queue = self._host.submit(generation)
         except (EngineRequestError, RequestIdInUse) as exc:
             raise PyTritonBadParameterError(str(exc)) from None
+        streaming = bool(_scalar(request.data, "streaming", False))   # TensorRT-LLM's default: off
         finished = False
+        held: list[int] = []                       # non-streaming: everything goes in one response
+        num_input_tokens, kv_reused = len(generation.prompt_ids), 0
         try:
-            while True:
+            while not finished:
                 item = await queue.get()
-                if item is ABORTED:
+                if isinstance(item, Aborted):
                     finished = True
-                    return
-                assert not isinstance(item, type(ABORTED))
-                if item.new_token_ids:
-                    yield [_token_response(item.new_token_ids, item.num_input_tokens,
-                                           item.kv_cache_reused_blocks)]
-                if item.finished:
-                    finished = True
-                    return
+                    break
+                finished = item.finished
+                num_input_tokens, kv_reused = item.num_input_tokens, item.kv_cache_reused_blocks
+                if streaming and item.new_token_ids:
+                    yield [_token_response(item.new_token_ids, num_input_tokens, kv_reused)]
+                else:
+                    held.extend(item.new_token_ids)
         finally:
             if not finished:
                 self._host.forget(generation.request_id)
+        if held:
+            yield [_token_response(tuple(held), num_input_tokens, kv_reused)]
 
 
 def bind_model(triton: Any, model: TensorrtLlmModel) -> None:

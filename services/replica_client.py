@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
+from numpy.typing import NDArray
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
@@ -61,14 +64,29 @@ class TokenChunk:
     stopped: bool = False                # the request was stopped; this empty chunk is the last
 
 
-_channels: dict[tuple[int, str], grpc.aio.Channel] = {}
-# (loop, address, request id) of streams open in this process -> whether stop() was sent for them.
-_stop_sent: dict[tuple[int, str, str], bool] = {}
+@dataclass(slots=True)
+class _LoopState:
+    """Per event loop: grpc.aio channels must not be shared across loops."""
+
+    channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    # (address, request id) of streams open on this loop -> whether stop() was sent for them.
+    stop_sent: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+
+
+def _state() -> _LoopState:
+    loop = asyncio.get_running_loop()
+    state = _loops.get(loop)
+    if state is None:
+        state = _loops[loop] = _LoopState()
+    return state
 
 
 def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
-    key = (id(asyncio.get_running_loop()), address)
-    channel = _channels.get(key)
+    channels = _state().channels
+    channel = channels.get(address)
     if channel is None:
         channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.keepalive_time_ms", DEFAULT_KEEPALIVE_MS),
@@ -77,18 +95,19 @@ def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ])
-        _channels[key] = channel
+        channels[address] = channel
     return service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 async def close_channels() -> None:
-    """Close this event loop's channels (call on shutdown)."""
-    loop_id = id(asyncio.get_running_loop())
-    for key in [k for k in _channels if k[0] == loop_id]:
-        await _channels.pop(key).close()
+    """Close this event loop's channels (call before the loop ends)."""
+    channels = _state().channels
+    while channels:
+        _, channel = channels.popitem()
+        await channel.close()
 
 
-def _tensor(request: service_pb2.ModelInferRequest, name: str, array: np.ndarray, datatype: str) -> None:
+def _tensor(request: service_pb2.ModelInferRequest, name: str, array: NDArray[Any], datatype: str) -> None:
     tensor = request.inputs.add()
     tensor.name = name
     tensor.datatype = datatype
@@ -97,15 +116,15 @@ def _tensor(request: service_pb2.ModelInferRequest, name: str, array: np.ndarray
 
 
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
-                  end_id: int | None = None, *, stop: bool = False,
-                  seed: int | None = None) -> service_pb2.ModelInferRequest:
-    """One TensorRT-LLM style request (batch of one, streaming)."""
+                  end_id: int | None = None, *, stop: bool = False, seed: int | None = None,
+                  streaming: bool = True) -> service_pb2.ModelInferRequest:
+    """One TensorRT-LLM style request (batch of one)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
     _tensor(request, "input_ids", ids, "INT32")
     _tensor(request, "input_lengths", np.asarray([[ids.shape[1]]], dtype=np.int32), "INT32")
     _tensor(request, "request_output_len", np.asarray([[max_new_tokens]], dtype=np.int32), "INT32")
-    _tensor(request, "streaming", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    _tensor(request, "streaming", np.asarray([[streaming]], dtype=np.bool_), "BOOL")
     if end_id is not None:
         _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
     if seed is not None:
@@ -163,15 +182,20 @@ async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_
 
 
 async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
-                          end_id: int | None = None, *, seed: int | None = None,
+                          end_id: int | None = None, *, seed: int | None = None, streaming: bool = True,
                           first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
                           inactivity_timeout_s: float = DEFAULT_INACTIVITY_TIMEOUT_S,
                           ) -> AsyncIterator[TokenChunk]:
-    """Stream a generation from the replica at `address` ("host:port"); see the module doc for outcomes."""
-    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed)
+    """Stream a generation from the replica at `address` ("host:port"); see the module doc for outcomes.
+
+    streaming=False asks for TensorRT-LLM's non-streaming mode: one chunk with every token at the end
+    (first_token_timeout_s then bounds the whole generation).
+    """
+    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming)
     num_input_tokens, reused = len(prompt_ids), 0
-    key = (id(asyncio.get_running_loop()), address, request_id)
-    _stop_sent[key] = False
+    stop_sent = _state().stop_sent
+    key = (address, request_id)
+    stop_sent[key] = False
     try:
         async for response in _exchange(address, request, first_token_timeout_s, inactivity_timeout_s):
             if not response.outputs:             # the empty final response
@@ -181,18 +205,18 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
             num_input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
             reused = int(result.as_numpy("kv_cache_reused_blocks").reshape(-1)[0])
             yield TokenChunk(chunk, num_input_tokens, reused)
-        stopped = _stop_sent.get(key, False)
+        stopped = stop_sent.get(key, False)
     finally:
-        _stop_sent.pop(key, None)
+        stop_sent.pop(key, None)
     if stopped:
         yield TokenChunk((), num_input_tokens, reused, stopped=True)
 
 
 async def stop(address: str, request_id: str, timeout_s: float = 5.0) -> None:
     """Ask the replica to stop `request_id`; returns once the replica acknowledged (no-op if unknown)."""
-    key = (id(asyncio.get_running_loop()), address, request_id)
-    if key in _stop_sent:
-        _stop_sent[key] = True
+    stop_sent = _state().stop_sent
+    if (address, request_id) in stop_sent:
+        stop_sent[(address, request_id)] = True
     request = build_request(request_id, [0], 1, stop=True)
     async for _ in _exchange(address, request, timeout_s, timeout_s):
         pass

@@ -78,6 +78,11 @@ async def test_a_request_streams_exactly_the_generators_tokens_one_per_response(
     assert {(c.num_input_tokens, c.kv_cache_reused_blocks, c.stopped) for c in chunks} == {(3, 0, False)}
 
 
+async def test_non_streaming_mode_returns_every_token_in_one_response(replica: ReplicaProcess):
+    chunks = await collect(replica.grpc_address, "whole-1", [11, 12, 13], 6, streaming=False)
+    assert chunks == [TokenChunk(tuple(expected([11, 12, 13], 6)), 3, 0)]
+
+
 async def test_an_explicit_seed_replaces_the_prompt_hash(replica: ReplicaProcess):
     chunks = await collect(replica.grpc_address, "seeded-1", [11, 12, 13], 4, seed=42)
     assert tokens_of(chunks) == expected([11, 12, 13], 4, seed=42)
