@@ -1,0 +1,178 @@
+"""Async Python SDK for Sluice.
+
+    async with SluiceClient("127.0.0.1:50051", api_key="sk-...") as client:
+        run = await client.submit("Hello", model="chat", max_output_tokens=64)
+        async for event in client.stream(run.run_id):
+            print(event.text, end="")
+
+One address serves every service when they run in one process
+(services/main.py); separate processes take per-service addresses (or the
+configured ones: `SluiceClient.from_config(api_key=...)`).
+
+`stream` survives disconnects by itself: it remembers the last sequence it
+handed out and, when the connection drops (UNAVAILABLE, a reset, a stream that
+ends before the terminal event), reopens `Stream(run_id, after=last)` on the
+Runs service, so the caller sees every event exactly once, in order, up to the
+terminal event. It gives up after `max_resumes` consecutive failures without
+progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from sluice.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    runs_pb2,
+    runs_pb2_grpc,
+    usage_pb2,
+    usage_pb2_grpc,
+)
+
+API_KEY_ENV = "SLUICE_API_KEY"
+NO_API_KEY = f"no API key: pass api_key or set {API_KEY_ENV}"
+RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+TERMINAL_STATUSES = frozenset({common_pb2.RUN_STATUS_COMPLETED, common_pb2.RUN_STATUS_CANCELLED,
+                               common_pb2.RUN_STATUS_INTERRUPTED, common_pb2.RUN_STATUS_FAILED,
+                               common_pb2.RUN_STATUS_EXPIRED})
+
+
+class StreamBroken(Exception):
+    """The stream could not be resumed within the retry budget; `after` is where to resume."""
+
+    def __init__(self, run_id: str, after: int, cause: BaseException | None) -> None:
+        super().__init__(f"stream of run {run_id} broke after sequence {after}: {cause}")
+        self.run_id = run_id
+        self.after = after
+
+
+@dataclass(frozen=True, slots=True)
+class Addresses:
+    admission: str
+    runs: str
+    usage: str
+
+    @classmethod
+    def single(cls, address: str) -> Addresses:
+        return cls(address, address, address)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Addresses:
+        return cls(str(config["admission"]["listen"]), str(config["runs"]["listen"]),
+                   str(config["usage"]["listen"]))
+
+
+class SluiceClient:
+    def __init__(self, address: str | Addresses, api_key: str | None = None, *,
+                 max_resumes: int = 5, resume_backoff_s: float = 0.2) -> None:
+        key = api_key or os.environ.get(API_KEY_ENV)
+        if not key:
+            raise ValueError(NO_API_KEY)
+        self.addresses = Addresses.single(address) if isinstance(address, str) else address
+        self.max_resumes = max_resumes
+        self.resume_backoff_s = resume_backoff_s
+        self._metadata = (("x-api-key", key),)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._admission = admission_pb2_grpc.AdmissionStub(self._channel(self.addresses.admission))
+        self._runs = runs_pb2_grpc.RunsStub(self._channel(self.addresses.runs))
+        self._usage = usage_pb2_grpc.UsageServiceStub(self._channel(self.addresses.usage))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], api_key: str | None = None,
+                    **kwargs: Any) -> SluiceClient:
+        return cls(Addresses.from_config(config), api_key, **kwargs)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> SluiceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- calls --------------------------------------------------------------------------------
+
+    async def submit(self, prompt: str | bytes, *, model: str = "chat", max_output_tokens: int = 256,
+                     request_key: str | None = None, deadline_ms: int = 0, temperature: float = 0.0,
+                     top_p: float = 0.0, seed: int = 0,
+                     conversation_id: str = "") -> admission_pb2.SubmitResponse:
+        """Submit a run. Reuse `request_key` to retry safely: the same payload returns the same run."""
+        request = admission_pb2.SubmitRequest(
+            model=model, input=prompt.encode("utf-8") if isinstance(prompt, str) else prompt,
+            max_output_tokens=max_output_tokens, request_key=request_key or uuid.uuid4().hex,
+            deadline_ms=deadline_ms,
+            sampling=admission_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+            conversation_id=conversation_id)
+        return await self._admission.Submit(request, metadata=self._metadata)
+
+    async def get_run(self, run_id: str) -> runs_pb2.Run:
+        return await self._runs.GetRun(runs_pb2.GetRunRequest(run_id=run_id), metadata=self._metadata)
+
+    async def cancel(self, run_id: str) -> runs_pb2.CancelResponse:
+        return await self._runs.Cancel(runs_pb2.CancelRequest(run_id=run_id), metadata=self._metadata)
+
+    async def usage(self, from_date: str = "", to_date: str = "") -> usage_pb2.GetUsageResponse:
+        return await self._usage.GetUsage(usage_pb2.GetUsageRequest(from_date=from_date, to_date=to_date),
+                                          metadata=self._metadata)
+
+    def stream_once(self, run_id: str, after: int = 0) -> grpc.aio.UnaryStreamCall:
+        """One Stream call, no resuming (tests use it to drop a connection on purpose)."""
+        return self._runs.Stream(runs_pb2.StreamRequest(run_id=run_id, after=after), metadata=self._metadata)
+
+    async def stream(self, run_id: str, after: int = 0) -> AsyncIterator[runs_pb2.RunEvent]:
+        """Every event with sequence > after, up to and including the terminal one, resuming
+        by itself after disconnects. Errors that resuming cannot fix (NOT_FOUND, OUT_OF_RANGE,
+        UNAUTHENTICATED, ...) are raised as grpc.aio.AioRpcError."""
+        last = after
+        failures = 0
+        while True:
+            call = self.stream_once(run_id, last)
+            try:
+                async for event in call:
+                    if event.sequence <= last:
+                        continue  # defensive: never hand out a sequence twice
+                    last = event.sequence
+                    failures = 0
+                    yield event
+                    if event.type == runs_pb2.EVENT_TYPE_TERMINAL:
+                        return
+                cause: BaseException | None = None   # ended before the terminal event
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RESUMABLE_CODES:
+                    raise
+                cause = error
+            finally:
+                call.cancel()
+            failures += 1
+            if failures > self.max_resumes:
+                raise StreamBroken(run_id, last, cause)
+            await asyncio.sleep(self.resume_backoff_s * 2 ** (failures - 1))
+
+    async def chat(self, prompt: str, **submit: Any) -> AsyncIterator[runs_pb2.RunEvent]:
+        """Submit and stream in one call."""
+        run = await self.submit(prompt, **submit)
+        async for event in self.stream(run.run_id):
+            yield event
+
+
+def is_terminal_status(status: int) -> bool:
+    return status in TERMINAL_STATUSES

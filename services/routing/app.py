@@ -1,0 +1,62 @@
+"""Assembling a routing process from config: the pieces __main__ and services/main.py share."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+import grpc.aio
+
+from eventlog.kafka import KafkaEventLog
+from ledger.db import make_engine, make_sessionmaker
+from router.policy import make_policy
+from router.registry import ReplicaRegistry
+from services import replica_client
+from services.routing.servicer import add_routing_servicer
+from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 10.0   # on SIGTERM, how long runs in progress may take to finish before leases lapse
+
+
+def build_worker(config: Mapping[str, Any], events: KafkaEventLog, sessions: Any,
+                 owner: str | None = None) -> RoutingWorker:
+    settings = WorkerSettings.from_config(config, owner or new_owner_id())
+    return RoutingWorker(settings, sessions, events, make_policy(str(config["routing"]["policy"])),
+                         ReplicaRegistry.from_config(config), dsn=str(config["database"]["dsn"]))
+
+
+async def run_routing_process(config: Mapping[str, Any], listen: str | None = None,
+                              label: str | None = None) -> None:
+    """One routing process until SIGTERM/SIGINT: worker loops, plus the Routing API if `listen`."""
+    engine = make_engine(str(config["database"]["dsn"]))
+    events = KafkaEventLog.from_config(config)
+    await events.start()
+    worker = build_worker(config, events, make_sessionmaker(engine), new_owner_id(label))
+    server: grpc.aio.Server | None = None
+    if listen:
+        server = grpc.aio.server()
+        add_routing_servicer(server, worker)
+        server.add_insecure_port(listen)
+        await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, worker.stop)
+    log.info("routing worker %s up (policy %s, replicas %s, api %s)", worker.settings.owner,
+             worker.policy.name, [spec.name for spec in worker.registry.specs()], listen or "off")
+    print(f"routing worker {worker.settings.owner} ready", flush=True)
+    try:
+        await worker.serve()
+        await worker.drain(DRAIN_S)
+    finally:
+        if server is not None:
+            await server.stop(grace=1.0)
+        await events.close()
+        await replica_client.close_channels()
+        await engine.dispose()

@@ -1,0 +1,270 @@
+"""One run on one replica, from the first token to its terminal event.
+
+    replica stream ──pump──▶ DeltaCoalescer ──loop──▶ event log (1 event in flight)
+                                  ▲                         │ durable position
+        cancel / deadline / lease ┘                         ▼
+                                               progress (renewed into the ledger)
+
+The pump task only reads the replica's stream into the coalescer; the main
+loop publishes. While an append is in flight new tokens keep accumulating, so
+a slow log produces fewer, larger DELTA events rather than a backlog.
+
+Every token the replica produced before the run ended is published before the
+terminal event and counted in its usage (consumed compute counts, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from eventlog.events import DeltaCoalescer, RunEventSequencer
+from eventlog.interface import EventLog, LogPosition
+from ledger.models import RunStatus
+from services import replica_client
+from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
+from services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
+from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+STOP_DRAIN_S = 3.0  # after `stop`, how long the replica may take to close the stream
+
+DETAIL_CANCELLED = "cancelled by the caller"
+DETAIL_EXPIRED = "deadline passed before the run completed"
+DETAIL_NO_FIRST_TOKEN = "replica {replica} produced no token within {seconds:g}s"
+DETAIL_REPLICA_LOST = "replica {replica} lost mid-stream after {tokens} tokens: {error}"
+DETAIL_REPLICA_REJECTED = "replica {replica} refused the run: {error}"
+
+
+class ReplicaClient(Protocol):
+    def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
+                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
+        ...
+
+    async def stop(self, address: str, request_id: str) -> None:
+        ...
+
+
+class _ModuleReplicaClient:
+    """The Triton client module as a ReplicaClient (the seam tests never need to replace)."""
+
+    def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
+                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
+        return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id)
+
+    async def stop(self, address: str, request_id: str) -> None:
+        await replica_client.stop(address, request_id)
+
+
+TRITON = _ModuleReplicaClient()
+
+
+@dataclass(frozen=True, slots=True)
+class DriverSettings:
+    owner: str                   # this process's lease owner id
+    lease_seconds: float
+    coalesce_ms: float
+    first_token_timeout_s: float
+    block_size: int              # replica KV block size: reused blocks → cached prompt tokens
+
+
+class LeaseLost(Exception):
+    """Another routing process took the run over; this driver must not write anything more."""
+
+
+@dataclass(slots=True)
+class _Pump:
+    coalescer: DeltaCoalescer
+    wake: asyncio.Event
+    done: bool = False
+    error: BaseException | None = None
+    received_tokens: int = 0
+    reused_blocks: int = 0
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class RunDriver:
+    claim: ClaimedRun
+    address: str
+    settings: DriverSettings
+    sessions: async_sessionmaker[AsyncSession]
+    events: EventLog
+    replicas: ReplicaClient = TRITON
+    on_replica_lost: Callable[[str], None] = lambda name: None
+    # Driver state read by the worker's lease keeper and cancel listener.
+    cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    lease_lost: bool = False
+    last_sequence: int = 0       # last event durable in the log
+    output_tokens: int = 0       # tokens in durable DELTA events
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def run_id(self) -> str:
+        return self.claim.run_id
+
+    def progress(self) -> LeaseProgress:
+        return LeaseProgress(self.run_id, self.last_sequence, self.output_tokens)
+
+    def request_cancel(self) -> None:
+        self.cancel_requested.set()
+        self._wake.set()
+
+    def revoke_lease(self) -> None:
+        self.lease_lost = True
+        self._wake.set()
+
+    async def run(self) -> TerminalRecord | None:
+        """Drive the run to its end; None when the lease was lost (someone else ends it)."""
+        try:
+            ending = await self._drive()
+            return await self._finish(ending)
+        except LeaseLost:
+            log.warning("run %s: lease lost, leaving it to the reaper", self.run_id)
+            return None
+
+    async def _drive(self) -> Ending:
+        claim = self.claim
+        sequencer = RunEventSequencer(claim.run_id)
+        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake)
+        decoder = IncrementalDecoder(load_tokenizer(claim.tokenizer))
+        task = asyncio.create_task(self._pump(pump), name=f"pump-{claim.run_id}")
+        started = time.monotonic()
+        stop_reason: tuple[RunStatus, str] | None = None
+        try:
+            while True:
+                self._wake.clear()
+                if self.lease_lost:
+                    raise LeaseLost()
+                now = time.monotonic()
+                if stop_reason is None:
+                    stop_reason = self._stop_reason(pump, now, started)
+                    if stop_reason is not None:
+                        await self._stop_replica(task)
+                coalescer = pump.coalescer
+                if coalescer.pending() and (pump.done or stop_reason or coalescer.due(now * 1000)):
+                    await self._publish_delta(sequencer, decoder, coalescer.take())
+                    continue
+                if pump.done or stop_reason is not None:
+                    break
+                await self._sleep(self._next_wake(pump, now, started))
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        return self._ending(sequencer, pump, stop_reason)
+
+    def _stop_reason(self, pump: _Pump, now: float, started: float) -> tuple[RunStatus, str] | None:
+        if self.cancel_requested.is_set():
+            return RunStatus.CANCELLED, DETAIL_CANCELLED
+        if time.time() >= self.claim.deadline_at.timestamp():
+            return RunStatus.EXPIRED, DETAIL_EXPIRED
+        if pump.first_token_at is None and now - started >= self.settings.first_token_timeout_s:
+            return RunStatus.INTERRUPTED, DETAIL_NO_FIRST_TOKEN.format(
+                replica=self.claim.replica, seconds=self.settings.first_token_timeout_s)
+        return None
+
+    def _next_wake(self, pump: _Pump, now: float, started: float) -> float:
+        """Seconds until something time-based can happen: window close, deadline, first-token limit."""
+        waits = [self.claim.deadline_at.timestamp() - time.time()]
+        window = pump.coalescer.remaining_ms(now * 1000)
+        if window is not None:
+            waits.append(window / 1000)
+        if pump.first_token_at is None:
+            waits.append(started + self.settings.first_token_timeout_s - now)
+        return max(0.0, min(waits))
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+
+    async def _pump(self, pump: _Pump) -> None:
+        claim = self.claim
+        try:
+            stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
+                                                   claim.max_output_tokens, claim.end_id)
+            async for chunk in stream:
+                pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
+                # Never more than the cap the budget reserved for, whatever the replica sends.
+                room = claim.max_output_tokens - pump.received_tokens
+                tokens = list(chunk.token_ids[:room])
+                if not tokens:
+                    continue
+                if pump.first_token_at is None:
+                    pump.first_token_at = time.monotonic()
+                pump.received_tokens += len(tokens)
+                pump.coalescer.add(tokens, time.monotonic() * 1000)
+                pump.wake.set()
+        except Exception as exc:  # the outcome is classified in _ending
+            pump.error = exc
+        finally:
+            pump.done = True
+            pump.wake.set()
+
+    async def _stop_replica(self, pump_task: asyncio.Task[None]) -> None:
+        """Ask the replica to stop and give its stream a moment to end with what it produced."""
+        try:
+            await asyncio.wait_for(self.replicas.stop(self.address, self.run_id), STOP_DRAIN_S)
+            await asyncio.wait_for(asyncio.shield(pump_task), STOP_DRAIN_S)
+        except Exception as exc:
+            log.warning("run %s: stop on %s did not complete cleanly: %s", self.run_id, self.address, exc)
+
+    async def _publish_delta(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder,
+                             tokens: list[int]) -> None:
+        now_ms = int(time.time() * 1000)
+        if sequencer.last_sequence == 0:
+            # The first token makes the run RUNNING: STATUS event first, then the ledger
+            # records the transition together with where the run's events start.
+            first = await self.events.append(sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms))
+            self.last_sequence = sequencer.last_sequence
+            await self._mark_running(first)
+        await self.events.append(sequencer.delta(tokens, decoder.push(tokens), now_ms))
+        self.last_sequence = sequencer.last_sequence
+        self.output_tokens += len(tokens)
+
+    async def _mark_running(self, first: LogPosition) -> None:
+        async with self.sessions() as session, session.begin():
+            if not await mark_running(session, self.run_id, self.settings.owner, first, self.last_sequence):
+                raise LeaseLost()
+
+    def _ending(self, sequencer: RunEventSequencer, pump: _Pump,
+                stop_reason: tuple[RunStatus, str] | None) -> Ending:
+        last, tokens = sequencer.last_sequence, self.output_tokens
+        cached = min(self.claim.input_tokens, pump.reused_blocks * self.settings.block_size)
+        if stop_reason is not None:
+            return Ending(stop_reason[0], last, tokens, stop_reason[1], cached_input_tokens=cached)
+        replica = self.claim.replica or self.address
+        if isinstance(pump.error, ReplicaLost):
+            self.on_replica_lost(replica)
+            return Ending(RunStatus.INTERRUPTED, last, tokens,
+                          DETAIL_REPLICA_LOST.format(replica=replica, tokens=tokens, error=pump.error),
+                          cached_input_tokens=cached)
+        if isinstance(pump.error, ReplicaRejected):
+            return Ending(RunStatus.FAILED, last, tokens,
+                          DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error))
+        if pump.error is not None:
+            log.error("run %s: replica stream failed", self.run_id, exc_info=pump.error)
+            return Ending(RunStatus.FAILED, last, tokens, f"replica stream failed: {pump.error!r}")
+        return Ending(RunStatus.COMPLETED, last, tokens, cached_input_tokens=cached)
+
+    async def _finish(self, ending: Ending) -> TerminalRecord | None:
+        async with self.sessions() as session, session.begin():
+            if await lock_own_active(session, self.run_id, self.settings.owner) is None:
+                raise LeaseLost()
+            record = await settle_and_fix_terminal(session, self.run_id, ending, self.settings.owner,
+                                                   self.settings.lease_seconds)
+        if record is None:
+            return None
+        await publish_terminal(self.events, self.sessions, record)
+        return record

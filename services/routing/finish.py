@@ -1,0 +1,103 @@
+"""How a run ends, whoever ends it (its driver, a reaper, Runs.Cancel, the claim loop).
+
+    1. one transaction: settle_run (status, usage, budget) + terminal_sequence
+       + a short lease for whoever publishes next
+    2. publish the TERMINAL event (sequence = terminal_sequence, usage inside)
+    3. terminal_published = true
+
+A crash between 1 and 3 leaves a settled run with terminal_published=false;
+once the lease from step 1 lapses, any routing process's reaper republishes
+the same event (same sequence, same usage), and readers drop the duplicate if
+both copies made it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from eventlog.events import status_value, terminal_event
+from eventlog.interface import EventLog, LogPosition
+from ledger.models import Run, RunStatus
+from ledger.settlement import settle_run, settled_usage
+from services.routing.claims import lease_until
+from sluice.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    status: RunStatus
+    last_sequence: int           # last event of the run durable in the log
+    output_tokens: int           # tokens in the run's durable DELTA events
+    detail: str | None = None
+    first: LogPosition | None = None   # where the run's events start, if the ledger lacks it
+    cached_input_tokens: int = 0       # prompt tokens the replica served from its prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class TerminalRecord:
+    """A settled run's terminal event, as the ledger fixes it (republishable verbatim)."""
+
+    run_id: str
+    sequence: int
+    status: RunStatus
+    usage: common_pb2.TokenUsage
+    detail: str
+
+
+async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: Ending, owner: str,
+                                  lease_seconds: float) -> TerminalRecord | None:
+    """Step 1, inside the caller's transaction. None when the run was already settled."""
+    if not await settle_run(session, run_id, ending.status, output_tokens=ending.output_tokens,
+                            cached_input_tokens=ending.cached_input_tokens, detail=ending.detail):
+        return None
+    values: dict[str, object] = {
+        "terminal_sequence": ending.last_sequence + 1,
+        "last_sequence": ending.last_sequence,
+        "lease_owner": owner,
+        "lease_expires_at": lease_until(lease_seconds),
+    }
+    if ending.first is not None:
+        values["event_partition"] = func.coalesce(Run.event_partition, ending.first.partition)
+        values["event_first_offset"] = func.coalesce(Run.event_first_offset, ending.first.offset)
+    await session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(**values)
+                          .execution_options(synchronize_session=False))
+    return await terminal_record(session, run_id, ending.last_sequence + 1)
+
+
+async def terminal_record(session: AsyncSession, run_id: str, sequence: int) -> TerminalRecord:
+    usage = await settled_usage(session, run_id)
+    assert usage is not None, f"run {run_id} has a terminal sequence but no settlement"
+    # A column select, not session.get: settle_run updated the row behind the identity map.
+    detail = await session.scalar(select(Run.detail).where(Run.id == uuid.UUID(run_id)))
+    return TerminalRecord(
+        run_id=run_id, sequence=sequence, status=usage.status,
+        usage=common_pb2.TokenUsage(input_tokens=usage.input_tokens,
+                                    cached_input_tokens=usage.cached_input_tokens,
+                                    output_tokens=usage.output_tokens, cost_micros=usage.cost_micros),
+        detail=detail or "",
+    )
+
+
+async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSession],
+                           record: TerminalRecord) -> LogPosition:
+    """Steps 2 and 3."""
+    event = terminal_event(record.run_id, record.sequence, status_value(record.status.value),
+                           record.usage, record.detail, int(time.time() * 1000))
+    position = await log.append(event)
+    async with sessions() as session, session.begin():
+        await session.execute(
+            update(Run)
+            .where(Run.id == uuid.UUID(record.run_id))
+            .values(terminal_published=True, lease_expires_at=None,
+                    last_sequence=func.greatest(Run.last_sequence, record.sequence),
+                    # A run whose only event is its terminal one starts where that event sits.
+                    event_partition=func.coalesce(Run.event_partition, position.partition),
+                    event_first_offset=func.coalesce(Run.event_first_offset, position.offset))
+            .execution_options(synchronize_session=False)
+        )
+    return position

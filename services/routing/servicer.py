@@ -1,0 +1,102 @@
+"""Routing gRPC API: the replica registry of the routing process that serves it, and Explain.
+
+Served by a routing worker process (`python -m services.routing --listen ...`),
+so an edit changes where that process routes from its next claim on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import grpc.aio
+
+from ledger.models import Model
+from router.policy import RouteRequest
+from router.registry import RegistryError, ReplicaSpec
+from services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
+from services.routing.claims import in_flight_by_replica
+from services.routing.worker import RoutingWorker
+from sluice.v1 import routing_pb2, routing_pb2_grpc
+
+REPLICA_NAME_MISSING = "replica name is empty: name the replica to add, replace or remove"
+REPLICA_ADDRESS_MISSING = "replica {name!r} has no grpc_address: send the Triton gRPC host:port"
+UNKNOWN_MODEL_VERSION = "unknown model version {version!r}: Explain takes an exact model version"
+NO_REPLICA = "no healthy replica serves model {version!r} now"
+
+
+class RoutingServicer(routing_pb2_grpc.RoutingServicer):
+    def __init__(self, worker: RoutingWorker) -> None:
+        self.worker = worker
+
+    @grpc_errors
+    async def ListReplicas(self, request: routing_pb2.ListReplicasRequest,
+                           context: grpc.aio.ServicerContext) -> routing_pb2.ListReplicasResponse:
+        async with self.worker.sessions() as session:
+            in_flight = await in_flight_by_replica(session)
+        now = time.time()
+        health = self.worker.health
+        replicas = [self._message(spec, in_flight.get(spec.name, 0), health.is_healthy(spec.name, now))
+                    for spec in self.worker.registry.specs()]
+        return routing_pb2.ListReplicasResponse(replicas=replicas, policy=self.worker.policy.name)
+
+    @grpc_errors
+    async def UpsertReplica(self, request: routing_pb2.Replica,
+                            context: grpc.aio.ServicerContext) -> routing_pb2.Replica:
+        if not request.name:
+            raise InvalidArgument(REPLICA_NAME_MISSING)
+        if not request.grpc_address:
+            raise InvalidArgument(REPLICA_ADDRESS_MISSING.format(name=request.name))
+        table: dict[str, object] = {"name": request.name, "pool": request.pool,
+                                    "grpc_address": request.grpc_address, "metrics_url": request.metrics_url,
+                                    "long_context": request.long_context}
+        if request.block_size:
+            table["block_size"] = request.block_size
+        if request.kv_capacity_blocks:
+            table["kv_capacity_blocks"] = request.kv_capacity_blocks
+        try:
+            spec = ReplicaSpec.from_table(table)
+        except RegistryError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        self.worker.registry.upsert(spec)
+        self.worker.replicas_changed()
+        return self._message(spec, 0, True)
+
+    @grpc_errors
+    async def RemoveReplica(self, request: routing_pb2.RemoveReplicaRequest,
+                            context: grpc.aio.ServicerContext) -> routing_pb2.RemoveReplicaResponse:
+        if not request.name:
+            raise InvalidArgument(REPLICA_NAME_MISSING)
+        removed = self.worker.registry.remove(request.name) is not None
+        self.worker.replicas_changed()
+        return routing_pb2.RemoveReplicaResponse(removed=removed)
+
+    @grpc_errors
+    async def Explain(self, request: routing_pb2.ExplainRequest,
+                      context: grpc.aio.ServicerContext) -> routing_pb2.ExplainResponse:
+        async with self.worker.sessions() as session:
+            model = await session.get(Model, request.model_version)
+        if model is None:
+            raise NotFound(UNKNOWN_MODEL_VERSION.format(version=request.model_version))
+        route = RouteRequest(request_id="explain", model_version=model.version,
+                             token_ids=tuple(request.token_ids), max_output_tokens=1,
+                             conversation_id=request.conversation_id or None)
+        decision = self.worker.explain(route, model.worker_pool)
+        if decision is None:
+            raise Unavailable(NO_REPLICA.format(version=model.version))
+        return routing_pb2.ExplainResponse(replica=decision.replica, outcome=decision.outcome,
+                                           predicted_cached_tokens=decision.predicted_cached_tokens)
+
+    @staticmethod
+    def _message(spec: ReplicaSpec, in_flight: int, healthy: bool) -> routing_pb2.Replica:
+        return routing_pb2.Replica(name=spec.name, pool=spec.pool, grpc_address=spec.grpc_address,
+                                   metrics_url=spec.metrics_url, block_size=spec.block_size,
+                                   kv_capacity_blocks=spec.kv_capacity_blocks, long_context=spec.long_context,
+                                   healthy=healthy, in_flight=in_flight)
+
+
+def add_routing_servicer(server: grpc.aio.Server, worker: RoutingWorker) -> RoutingServicer:
+    """Register the Routing API of `worker` on `server` (for services/main.py and __main__)."""
+    servicer = RoutingServicer(worker)
+    routing_pb2_grpc.add_RoutingServicer_to_server(servicer, server)
+    return servicer

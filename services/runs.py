@@ -1,0 +1,240 @@
+"""Runs service: GetRun, Stream(run_id, after), Cancel. Stateless: any instance serves any run.
+
+A run is visible only to the tenant whose key created it: every method looks
+the run up by (tenant, id), so another tenant's run and a run that does not
+exist give the same NOT_FOUND.
+
+Stream never reads tokens from the ledger: it reads the event log from where
+the run's events start (recorded in the ledger by whoever published the first
+event), drops sequences <= after, and follows the log to the terminal event.
+Until the run's first event exists, it waits (polling the ledger with backoff).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc.aio
+from sqlalchemy import func, select, text, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from eventlog.events import status_value
+from eventlog.interface import CursorPastRetention, EventLog, LogPosition
+from eventlog.kafka import KafkaEventLog
+from ledger.db import make_engine, make_sessionmaker
+from ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
+from ledger.pricing import cost_micros
+from ledger.repositories import RunRepository
+from ledger.settlement import settled_usage
+from services.auth import Metadata, authenticate
+from services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
+from services.routing.claims import CANCEL_CHANNEL
+from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
+from sluice_config import load_config
+
+RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to their own tenant only)"
+NEGATIVE_CURSOR = "after must be 0 (from the start) or the last sequence received (got {after})"
+DETAIL_CANCELLED_BEFORE_START = "cancelled by the caller before a replica took the run"
+
+WAIT_POLL_MIN_S = 0.02     # ledger polling while a run has no events yet: from 20 ms ...
+WAIT_POLL_MAX_S = 0.25     # ... backing off to 250 ms
+
+
+def _ms(value: Any) -> int:
+    return int(value.timestamp() * 1000) if value is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """Where a Stream begins reading, or that there is nothing left to send."""
+
+    position: LogPosition | None   # None: nothing to read (the cursor is at/after the terminal event)
+
+
+class RunsService:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
+                 lease_seconds: float, owner: str | None = None) -> None:
+        self.sessions = sessions
+        self.events = events
+        self.lease_seconds = lease_seconds
+        self.owner = owner or f"runs:{os.getpid()}"
+
+    async def _own_run(self, session: AsyncSession, metadata: Metadata, run_id: str,
+                       *, lock: bool = False) -> Run:
+        tenant = await authenticate(session, metadata)
+        try:
+            parsed = uuid.UUID(run_id)
+        except ValueError:
+            raise NotFound(RUN_NOT_FOUND.format(run_id=run_id)) from None
+        if lock:
+            run = await session.scalar(select(Run).where(Run.id == parsed, Run.tenant_id == tenant.id)
+                                       .with_for_update())
+        else:
+            run = await RunRepository(session).get_for_tenant(tenant.id, parsed)
+        if run is None:
+            raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
+        return run
+
+    # --- GetRun -------------------------------------------------------------------------------
+
+    async def get_run(self, metadata: Metadata, run_id: str) -> runs_pb2.Run:
+        async with self.sessions() as session:
+            run = await self._own_run(session, metadata, run_id)
+            usage = await self._usage(session, run)
+        return runs_pb2.Run(
+            run_id=str(run.id), request_key=run.request_key, model_version=run.model_version,
+            status=status_value(run.status), replica=run.replica or "", input_tokens=run.input_tokens,
+            max_output_tokens=run.max_output_tokens, usage=usage, created_at_ms=_ms(run.created_at),
+            started_at_ms=_ms(run.started_at), finished_at_ms=_ms(run.finished_at),
+            deadline_at_ms=_ms(run.deadline_at), last_sequence=run.last_sequence, detail=run.detail or "",
+            cached_input_tokens=run.cached_input_tokens)
+
+    @staticmethod
+    async def _usage(session: AsyncSession, run: Run) -> common_pb2.TokenUsage:
+        settled = await settled_usage(session, run.id)
+        if settled is not None:
+            return common_pb2.TokenUsage(input_tokens=settled.input_tokens,
+                                         cached_input_tokens=settled.cached_input_tokens,
+                                         output_tokens=settled.output_tokens, cost_micros=settled.cost_micros)
+        # In flight: what is consumed so far (durable output tokens), priced the way settlement will.
+        model = await session.get(Model, run.model_version)
+        assert model is not None, f"run {run.id} names unknown model {run.model_version}"
+        charged_input = run.input_tokens if run.replica is not None else 0
+        return common_pb2.TokenUsage(
+            input_tokens=charged_input, cached_input_tokens=run.cached_input_tokens,
+            output_tokens=run.output_tokens,
+            cost_micros=cost_micros(model, charged_input, min(run.cached_input_tokens, charged_input),
+                                    run.output_tokens))
+
+    # --- Stream -------------------------------------------------------------------------------
+
+    async def stream(self, metadata: Metadata, run_id: str, after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+        if after < 0:
+            raise InvalidArgument(NEGATIVE_CURSOR.format(after=after))
+        async with self.sessions() as session:
+            run = await self._own_run(session, metadata, run_id)
+        start = await self._wait_for_events(run.id, after)
+        if start.position is None:
+            return
+        try:
+            async for event in self.events.follow(str(run.id), start.position, after):
+                yield event
+        except CursorPastRetention as exc:
+            raise OutOfRange(str(exc)) from exc
+
+    async def _wait_for_events(self, run_id: uuid.UUID, after: int) -> StreamStart:
+        """Poll the ledger until the run's events have a recorded start in the log."""
+        delay = WAIT_POLL_MIN_S
+        while True:
+            async with self.sessions() as session:
+                row = (await session.execute(
+                    select(Run.event_partition, Run.event_first_offset, Run.terminal_sequence,
+                           Run.terminal_published).where(Run.id == run_id))).one()
+            if row.terminal_sequence is not None and after >= row.terminal_sequence:
+                return StreamStart(None)
+            if row.event_partition is not None and row.event_first_offset is not None:
+                return StreamStart(LogPosition(row.event_partition, row.event_first_offset))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, WAIT_POLL_MAX_S)
+
+    # --- Cancel -------------------------------------------------------------------------------
+
+    async def cancel(self, metadata: Metadata, run_id: str) -> runs_pb2.CancelResponse:
+        record: TerminalRecord | None = None
+        async with self.sessions() as session, session.begin():
+            run = await self._own_run(session, metadata, run_id, lock=True)
+            status = RunStatus(run.status)
+            if status in TERMINAL_STATUSES:
+                pass  # nothing to cancel; report the final status
+            elif status is RunStatus.ACCEPTED:
+                # No routing worker holds it (claiming locks the row we hold), so it ends here.
+                record = await settle_and_fix_terminal(
+                    session, str(run.id), Ending(RunStatus.CANCELLED, 0, 0, DETAIL_CANCELLED_BEFORE_START),
+                    self.owner, self.lease_seconds)
+                status = RunStatus.CANCELLED
+            elif run.cancel_requested_at is None:
+                await session.execute(update(Run).where(Run.id == run.id)
+                                      .values(cancel_requested_at=func.now())
+                                      .execution_options(synchronize_session=False))
+                # Delivered on commit to the driving worker's LISTEN; its lease renewal polls too.
+                await session.execute(text("SELECT pg_notify(:channel, :run_id)"),
+                                      {"channel": CANCEL_CHANNEL, "run_id": str(run.id)})
+        if record is not None:
+            await publish_terminal(self.events, self.sessions, record)
+        return runs_pb2.CancelResponse(run_id=run_id, status=status_value(status.value))
+
+
+class RunsServicer(runs_pb2_grpc.RunsServicer):
+    def __init__(self, service: RunsService) -> None:
+        self._service = service
+
+    @grpc_errors
+    async def GetRun(self, request: runs_pb2.GetRunRequest,
+                     context: grpc.aio.ServicerContext) -> runs_pb2.Run:
+        return await self._service.get_run(context.invocation_metadata(), request.run_id)
+
+    @grpc_errors
+    async def Stream(self, request: runs_pb2.StreamRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[runs_pb2.RunEvent]:
+        async for event in self._service.stream(context.invocation_metadata(), request.run_id, request.after):
+            yield event
+
+    @grpc_errors
+    async def Cancel(self, request: runs_pb2.CancelRequest,
+                     context: grpc.aio.ServicerContext) -> runs_pb2.CancelResponse:
+        return await self._service.cancel(context.invocation_metadata(), request.run_id)
+
+
+def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
+                      config: Mapping[str, Any], events: EventLog) -> RunsService:
+    """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
+    started and closed by the caller on the server's event loop)."""
+    service = RunsService(sessionmaker, events, float(config["routing"].get("lease_seconds", 5)))
+    runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(service), server)
+    return service
+
+
+async def serve(config: Mapping[str, Any], listen: str) -> None:
+    """A standalone Runs server (`python -m services.runs`) until SIGTERM/SIGINT."""
+    engine = make_engine(str(config["database"]["dsn"]))
+    events = KafkaEventLog.from_config(config)
+    await events.start()
+    server = grpc.aio.server()
+    add_runs_servicer(server, make_sessionmaker(engine), config, events)
+    server.add_insecure_port(listen)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stopping.set)
+    print(f"runs service listening on {listen}", flush=True)
+    try:
+        await stopping.wait()
+    finally:
+        await server.stop(grace=1.0)
+        await events.close()
+        await engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.runs")
+    parser.add_argument("--listen", default=None, help="address to serve on (default [runs].listen)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config()
+    asyncio.run(serve(config, args.listen or str(config["runs"]["listen"])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The whole run path on real servers, for the routing/runs/SDK tests.
+
+    pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
+
+- `replicas` (session): two real Triton replicas (`python -m replica.serve`) on free ports;
+- `stack` (per test): a fresh migrated database with the tiny-chat model and two tenants,
+  Admission + Runs + Usage served in-process on a free port, the real Kafka event log,
+  and one in-process routing worker; `stack.start_worker_process()` launches more routing
+  workers as separate processes (`python -m services.routing`) that a test may SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc.aio
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from eventlog.kafka import KafkaEventLog
+from ledger.models import Run
+from router.policy import make_policy
+from router.registry import ReplicaRegistry
+from services import replica_client
+from services.admission import add_admission_servicer
+from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+from services.runs import add_runs_servicer
+from services.usage import add_usage_servicer
+from sluice_config import REPO_ROOT, load_config
+from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
+from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
+
+MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096)
+TOKENIZER = "models/tiny-chat/tokenizer.json"
+TOKEN_DELAY_MS = 20
+TEST_LEASE_SECONDS = 2          # short, so that a lost worker is noticed within a few seconds
+WORKER_READY = "routing worker"
+
+
+def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
+    return [{"name": r.name, "pool": MODEL.version, "grpc_address": r.grpc_address,
+             "metrics_port": r.metrics_port} for r in replicas]
+
+
+def test_config(database_dsn: str, replicas: list[ReplicaProcess]) -> dict[str, Any]:
+    config = load_config()
+    config["database"] = {**config["database"], "dsn": database_dsn}
+    config["routing"] = {**config["routing"], "lease_seconds": TEST_LEASE_SECONDS}
+    config["replicas"] = replica_tables(replicas)
+    return config
+
+
+def worker_env(config: dict[str, Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["SLUICE_DATABASE__DSN"] = str(config["database"]["dsn"])
+    env["SLUICE_ROUTING__LEASE_SECONDS"] = json.dumps(config["routing"]["lease_seconds"])
+    env["SLUICE_REPLICAS"] = json.dumps(config["replicas"])
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to finish anything, as on a lost machine."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def launch_worker_process(config: dict[str, Any], log_dir: Path, name: str,
+                          timeout_s: float = 30.0) -> WorkerProcess:
+    log_path = log_dir / f"routing-{name}-{uuid.uuid4().hex[:6]}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "services.routing", "--name", name],
+                                   cwd=REPO_ROOT, env=worker_env(config), stdout=log,
+                                   stderr=subprocess.STDOUT)
+    worker = WorkerProcess(name, process, log_path)
+    started = time.monotonic()
+    while WORKER_READY not in worker.log():
+        if process.poll() is not None:
+            raise RuntimeError(f"routing worker {name} exited {process.returncode}:\n{worker.log()}")
+        if time.monotonic() - started > timeout_s:
+            worker.kill()
+            raise TimeoutError(f"routing worker {name} not ready:\n{worker.log()}")
+        time.sleep(0.05)
+    return worker
+
+
+@pytest.fixture(scope="session")
+def replica_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.mktemp("stack-logs"))
+
+
+@pytest.fixture(scope="session")
+def replicas(replica_logs: Path) -> Iterator[list[ReplicaProcess]]:
+    """Two replicas for the whole session (tests that kill one start their own)."""
+    started: list[ReplicaProcess] = []
+    try:
+        for name in ("r0", "r1"):
+            started.append(start_replica(name, replica_logs, {"token_delay_ms": TOKEN_DELAY_MS}))
+        yield started
+    finally:
+        for replica in started:
+            stop_replica(replica)
+
+
+@dataclass(slots=True)
+class Stack:
+    config: dict[str, Any]
+    sessionmaker: async_sessionmaker[AsyncSession]
+    channel: grpc.aio.Channel
+    address: str                      # Admission, Runs and Usage all served here
+    events: KafkaEventLog
+    tenant: TenantHandle
+    other: TenantHandle               # a second tenant, for isolation checks
+    log_dir: Path
+    workers: list[RoutingWorker] = field(default_factory=list)
+    processes: list[WorkerProcess] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _servers: list[grpc.aio.Server] = field(default_factory=list)
+    _closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    async def start_worker(self) -> RoutingWorker:
+        """An in-process routing worker sharing this test's event loop."""
+        settings = WorkerSettings.from_config(self.config, new_owner_id("test"))
+        worker = RoutingWorker(settings, self.sessionmaker, self.events,
+                               make_policy(str(self.config["routing"]["policy"])),
+                               ReplicaRegistry.from_config(self.config),
+                               dsn=str(self.config["database"]["dsn"]))
+        self.workers.append(worker)
+        self._tasks.append(asyncio.create_task(worker.serve()))
+        return worker
+
+    def start_worker_process(self, name: str) -> WorkerProcess:
+        process = launch_worker_process(self.config, self.log_dir, name)
+        self.processes.append(process)
+        return process
+
+    async def start_runs_server(self) -> str:
+        """Another Runs instance (own server, own event-log client) on a free port."""
+        events = KafkaEventLog.from_config(self.config)
+        await events.start()
+        server = grpc.aio.server()
+        add_runs_servicer(server, self.sessionmaker, self.config, events)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._servers.append(server)
+        self._closers.append(events.close)
+        return f"127.0.0.1:{port}"
+
+    async def run_row(self, run_id: str) -> Run:
+        async with self.sessionmaker() as session:
+            run = await session.get(Run, uuid.UUID(run_id))
+            assert run is not None
+            return run
+
+    async def wait_for_status(self, run_id: str, statuses: set[str], timeout_s: float = 15.0) -> Run:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            run = await self.run_row(run_id)
+            if run.status in statuses:
+                return run
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} still {run.status} after {timeout_s}s, wanted {statuses}")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        for task in self._tasks:
+            await task
+        for worker in self.workers:
+            await worker.drain(5.0)
+        for process in self.processes:
+            process.kill()
+        for server in self._servers:
+            await server.stop(None)
+        for close in self._closers:
+            await close()
+
+
+@pytest.fixture
+async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
+                replicas: list[ReplicaProcess], replica_logs: Path) -> AsyncIterator[Stack]:
+    config = test_config(database_dsn, replicas)
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, TOKENIZER, MODEL)
+        tenant = await add_tenant(session, "acme")
+        other = await add_tenant(session, "globex")
+    events = KafkaEventLog.from_config(config)
+    await events.start()
+    server = grpc.aio.server()
+    add_admission_servicer(server, sessionmaker, config)
+    add_runs_servicer(server, sessionmaker, config, events)
+    add_usage_servicer(server, sessionmaker, config)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    built = Stack(config=config, sessionmaker=sessionmaker, channel=channel, address=address, events=events,
+                  tenant=tenant, other=other, log_dir=replica_logs)
+    built._servers.append(server)
+    built._closers.append(events.close)
+    try:
+        yield built
+    finally:
+        await built.close()
+        await channel.close()
+        await replica_client.close_channels()
+
+
+__all__ = ["MODEL", "ReplicaProcess", "Stack", "free_ports", "kill_replica", "start_replica", "stop_replica"]
