@@ -1,0 +1,162 @@
+"""Admission Submit latency on the real PostgreSQL: `python -m bench.bench_submit [-n 1000] [-c 16]`.
+
+Runs Admission in-process (grpc.aio on a free loopback port) against a throwaway database created
+on the configured server, migrated with alembic and seeded with the tiny-chat model, and measures
+end-to-end Submit latency through the generated stub: authenticate, tokenize, INSERT run +
+conditional budget UPDATE in one transaction, COMMIT. Client and server share one process and one
+event loop, so the figures include the client's own overhead; on a shared 2-core box they are an
+upper bound. Prints figures; never fails on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+import grpc.aio
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import make_url
+
+from ledger.db import configured_dsn, make_engine, make_sessionmaker
+from ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_model
+from services.admission import add_admission_servicer
+from sluice.v1 import admission_pb2, admission_pb2_grpc
+from sluice_config import REPO_ROOT, load_config
+
+BENCH_KEY = "sk-bench-000000000000000000000000000000"
+PROMPT = (
+    "You are a careful assistant. Summarise the following design note in three bullet points, "
+    "keeping every number exact. Sluice admits work under tenant budgets, routes it to replicas, "
+    "and streams sequenced events through a durable log so that a client can resume by cursor. "
+) * 3
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    label: str
+    count: int
+    wall_s: float
+    latencies_ms: list[float]
+
+    def render(self) -> str:
+        ordered = sorted(self.latencies_ms)
+
+        def pct(p: float) -> float:
+            return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+        return (
+            f"{self.label:<28} n={self.count:<5} p50={pct(50):6.2f} ms  p95={pct(95):6.2f} ms"
+            f"  p99={pct(99):6.2f} ms  max={ordered[-1]:6.2f} ms  mean={statistics.fmean(ordered):6.2f} ms"
+            f"  throughput={self.count / self.wall_s:7.1f}/s"
+        )
+
+
+def _url(dsn: str, database: str, driver: str | None = None) -> str:
+    url = make_url(dsn).set(database=database)
+    if driver:
+        url = url.set(drivername=driver)
+    return url.render_as_string(hide_password=False)
+
+
+async def _admin(statement: str) -> None:
+    connection = await asyncpg.connect(_url(configured_dsn(), make_url(configured_dsn()).database or "sluice",
+                                            driver="postgresql"))
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+def _migrate(dsn: str) -> None:
+    config = Config(str(REPO_ROOT / "alembic.ini"))
+    config.set_main_option("sqlalchemy.url", dsn.replace("%", "%%"))
+    command.upgrade(config, "head")
+
+
+async def _prepare(dsn: str) -> None:
+    await asyncio.to_thread(_migrate, dsn)
+    engine = make_engine(dsn, pool_size=1, max_overflow=0)
+    try:
+        async with make_sessionmaker(engine)() as session, session.begin():
+            await upsert_model(session, TINY_CHAT)
+            bench_tenant = TenantSeed("bench", BENCH_KEY, ("standard",), token_budget=10**12,
+                                      cost_budget_micros=10**15)
+            await ensure_tenant(session, bench_tenant, dt.datetime.now(dt.UTC).date().replace(day=1))
+    finally:
+        await engine.dispose()
+
+
+async def _submit_timed(stub: admission_pb2_grpc.AdmissionStub, latencies: list[float]) -> None:
+    request = admission_pb2.SubmitRequest(
+        model="chat", input=PROMPT.encode(), max_output_tokens=64, request_key=uuid.uuid4().hex
+    )
+    started = time.perf_counter()
+    await stub.Submit(request, metadata=(("x-api-key", BENCH_KEY),))
+    latencies.append((time.perf_counter() - started) * 1000)
+
+
+async def _sequential(stub: admission_pb2_grpc.AdmissionStub, count: int) -> Figures:
+    latencies: list[float] = []
+    started = time.perf_counter()
+    for _ in range(count):
+        await _submit_timed(stub, latencies)
+    return Figures("sequential", count, time.perf_counter() - started, latencies)
+
+
+async def _concurrent(stub: admission_pb2_grpc.AdmissionStub, count: int, concurrency: int) -> Figures:
+    latencies: list[float] = []
+    remaining = iter(range(count))
+
+    async def worker() -> None:
+        for _ in remaining:
+            await _submit_timed(stub, latencies)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Figures(f"concurrency {concurrency}", count, time.perf_counter() - started, latencies)
+
+
+async def run(count: int, concurrency: int, warmup: int) -> list[Figures]:
+    database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
+    await _admin(f'CREATE DATABASE "{database}"')
+    dsn = _url(configured_dsn(), database)
+    try:
+        await _prepare(dsn)
+        engine = make_engine(dsn, pool_size=max(4, concurrency), max_overflow=0)
+        server = grpc.aio.server()
+        add_admission_servicer(server, make_sessionmaker(engine), load_config())
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = admission_pb2_grpc.AdmissionStub(channel)
+                await _sequential(stub, warmup)  # tokenizer load, pool fill, statement caches
+                return [await _sequential(stub, count), await _concurrent(stub, count, concurrency)]
+        finally:
+            await server.stop(None)
+            await engine.dispose()
+    finally:
+        await _admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Admission Submit latency (real PostgreSQL)")
+    parser.add_argument("-n", "--count", type=int, default=1000, help="submits per phase")
+    parser.add_argument("-c", "--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=50)
+    args = parser.parse_args(argv)
+    figures = asyncio.run(run(args.count, args.concurrency, args.warmup))
+    print(f"Submit latency, prompt of {len(PROMPT)} chars, cap 64, in-process grpc.aio + PostgreSQL")
+    for figure in figures:
+        print(figure.render())
+
+
+if __name__ == "__main__":
+    main()
