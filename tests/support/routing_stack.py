@@ -132,6 +132,19 @@ def replicas(replica_logs: Path) -> Iterator[list[ReplicaProcess]]:
 
 
 @dataclass(slots=True)
+class RunsServer:
+    address: str
+    port: int
+    server: grpc.aio.Server
+    events: KafkaEventLog
+
+    async def stop(self) -> None:
+        """Stop at once: open streams break (clients see UNAVAILABLE or a reset)."""
+        await self.server.stop(None)
+        await self.events.close()
+
+
+@dataclass(slots=True)
 class Stack:
     config: dict[str, Any]
     sessionmaker: async_sessionmaker[AsyncSession]
@@ -146,6 +159,7 @@ class Stack:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _servers: list[grpc.aio.Server] = field(default_factory=list)
     _closers: list[Callable[[], Any]] = field(default_factory=list)
+    _runs_servers: list[RunsServer] = field(default_factory=list)
 
     async def start_worker(self) -> RoutingWorker:
         """An in-process routing worker sharing this test's event loop."""
@@ -163,17 +177,25 @@ class Stack:
         self.processes.append(process)
         return process
 
-    async def start_runs_server(self) -> str:
-        """Another Runs instance (own server, own event-log client) on a free port."""
-        events = KafkaEventLog.from_config(self.config)
+    async def start_runs_server(self, port: int = 0) -> RunsServer:
+        """Another Runs instance (own server, own event-log client) on `port` (0 = a free one)."""
+        events = KafkaEventLog(str(self.config["kafka"]["bootstrap"]), self.events.topic)
         await events.start()
         server = grpc.aio.server()
         add_runs_servicer(server, self.sessionmaker, self.config, events)
-        port = server.add_insecure_port("127.0.0.1:0")
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        self._servers.append(server)
+        handle = RunsServer(f"127.0.0.1:{bound}", bound, server, events)
+        self._runs_servers.append(handle)
+        return handle
+
+    async def use_topic(self, topic: str) -> None:
+        """Publish and read this test's events on another topic (workers started afterwards)."""
+        events = KafkaEventLog(str(self.config["kafka"]["bootstrap"]), topic)
+        await events.start()
         self._closers.append(events.close)
-        return f"127.0.0.1:{port}"
+        self.events = events
+        self.config["kafka"] = {**self.config["kafka"], "events_topic": topic}
 
     async def run_row(self, run_id: str) -> Run:
         async with self.sessionmaker() as session:
@@ -200,6 +222,8 @@ class Stack:
             await worker.drain(5.0)
         for process in self.processes:
             process.kill()
+        for runs_server in self._runs_servers:
+            await runs_server.stop()
         for server in self._servers:
             await server.stop(None)
         for close in self._closers:

@@ -1,0 +1,163 @@
+"""`sluice`: the command-line client.
+
+    sluice chat "Why do rivers meander?" [--model chat] [--max-tokens 128]
+    sluice runs get RUN
+    sluice runs tail RUN [--after N]
+    sluice runs cancel RUN
+    sluice usage [--from 2026-11-01] [--to 2026-11-30]
+    sluice plan BRIEF.yaml ...            (the capacity planner: planner.cli)
+
+The API key comes from --api-key or SLUICE_API_KEY. Addresses come from the
+config file ([admission|runs|usage].listen), or --address for one process
+serving every service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+import grpc
+import grpc.aio
+from google.protobuf.json_format import MessageToDict
+
+from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, StreamBroken
+from sluice.v1 import common_pb2, runs_pb2
+from sluice_config import load_config
+
+EXIT_OK = 0
+EXIT_RPC_ERROR = 1
+EXIT_USAGE = 2
+EXIT_RUN_NOT_COMPLETED = 3
+
+
+def _common(defaults: bool) -> argparse.ArgumentParser:
+    """--api-key and --address, accepted before or after the subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    default = None if defaults else argparse.SUPPRESS
+    common.add_argument("--api-key", default=default, help=f"API key (default: ${API_KEY_ENV})")
+    common.add_argument("--address", default=default,
+                        help="one host:port serving every service (default: the configured addresses)")
+    return common
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice command-line client",
+                                     parents=[_common(defaults=True)])
+    commands = parser.add_subparsers(dest="command", required=True)
+    later = _common(defaults=False)
+
+    chat = commands.add_parser("chat", help="submit a prompt and stream the answer", parents=[later])
+    chat.add_argument("prompt")
+    chat.add_argument("--model", default="chat")
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--request-key", default=None, help="idempotency key (default: a new one)")
+    chat.add_argument("--show-events", action="store_true", help="print each event as JSON")
+
+    runs = commands.add_parser("runs", help="inspect, follow or cancel a run")
+    run_commands = runs.add_subparsers(dest="runs_command", required=True)
+    get = run_commands.add_parser("get", help="a run's state and usage", parents=[later])
+    get.add_argument("run_id")
+    tail = run_commands.add_parser("tail", help="the run's events after a sequence, to its end",
+                                   parents=[later])
+    tail.add_argument("run_id")
+    tail.add_argument("--after", type=int, default=0)
+    cancel = run_commands.add_parser("cancel", help="cancel a run", parents=[later])
+    cancel.add_argument("run_id")
+
+    usage = commands.add_parser("usage", help="settled usage and reservations in flight", parents=[later])
+    usage.add_argument("--from", dest="from_date", default="")
+    usage.add_argument("--to", dest="to_date", default="")
+
+    plan = commands.add_parser("plan", help="size a fleet from a brief (capacity planner)", add_help=False)
+    plan.add_argument("plan_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _json(message: object) -> str:
+    return json.dumps(MessageToDict(message, preserving_proto_field_name=True))  # type: ignore[arg-type]
+
+
+def _status(value: int) -> str:
+    return common_pb2.RunStatus.Name(value).removeprefix("RUN_STATUS_")
+
+
+def _print_event(event: runs_pb2.RunEvent, out: TextIO, as_json: bool) -> None:
+    if as_json:
+        print(_json(event), file=out, flush=True)
+    elif event.type == runs_pb2.EVENT_TYPE_DELTA:
+        print(event.text, end="", file=out, flush=True)
+
+
+def _print_terminal(event: runs_pb2.RunEvent, out: TextIO) -> None:
+    usage = event.usage
+    detail = f" ({event.detail})" if event.detail else ""
+    print(f"\n[{_status(event.status)}{detail}: {usage.input_tokens} input + {usage.output_tokens} output"
+          f" tokens, {usage.cost_micros} micro-USD; {event.sequence} events]", file=out, flush=True)
+
+
+async def _follow(client: SluiceClient, run_id: str, after: int, out: TextIO, as_json: bool) -> int:
+    last: runs_pb2.RunEvent | None = None
+    async for event in client.stream(run_id, after):
+        _print_event(event, out, as_json)
+        last = event
+    if last is not None and last.type == runs_pb2.EVENT_TYPE_TERMINAL:
+        if not as_json:
+            _print_terminal(last, out)
+        return EXIT_OK if last.status == common_pb2.RUN_STATUS_COMPLETED else EXIT_RUN_NOT_COMPLETED
+    return EXIT_OK
+
+
+async def _run(args: argparse.Namespace, out: TextIO) -> int:
+    addresses = Addresses.single(args.address) if args.address else Addresses.from_config(load_config())
+    async with SluiceClient(addresses, args.api_key) as client:
+        if args.command == "chat":
+            run = await client.submit(args.prompt, model=args.model, max_output_tokens=args.max_tokens,
+                                      request_key=args.request_key)
+            print(f"[run {run.run_id} · {run.model_version} · {run.input_tokens} prompt tokens]",
+                  file=sys.stderr, flush=True)
+            return await _follow(client, run.run_id, 0, out, args.show_events)
+        if args.command == "runs" and args.runs_command == "get":
+            print(_json(await client.get_run(args.run_id)), file=out)
+            return EXIT_OK
+        if args.command == "runs" and args.runs_command == "tail":
+            return await _follow(client, args.run_id, args.after, out, as_json=True)
+        if args.command == "runs" and args.runs_command == "cancel":
+            reply = await client.cancel(args.run_id)
+            print(f"cancel requested for run {reply.run_id} (status {_status(reply.status)})", file=out)
+            return EXIT_OK
+        if args.command == "usage":
+            print(_json(await client.usage(args.from_date, args.to_date)), file=out)
+            return EXIT_OK
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stream = out or sys.stdout
+    if argv[:1] == ["plan"]:
+        from planner.cli import main as plan_main  # the planner needs none of the RPC machinery
+
+        return int(plan_main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    if not (args.api_key or os.environ.get(API_KEY_ENV)):
+        print(f"sluice: no API key: pass --api-key or set {API_KEY_ENV}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return asyncio.run(_run(args, stream))
+    except grpc.aio.AioRpcError as error:
+        print(f"sluice: {error.code().name}: {error.details()}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except StreamBroken as error:
+        print(f"sluice: {error}; resume with: sluice runs tail {error.run_id} --after {error.after}",
+              file=sys.stderr)
+        return EXIT_RPC_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
