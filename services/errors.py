@@ -2,8 +2,9 @@
 
 Services raise these (caller misuse, or a refusal the caller can act on); `grpc_errors` wraps each
 RPC method and turns them into `context.abort(code, message)` with optional trailing metadata.
-Anything else that escapes a handler is logged with its traceback and reported as INTERNAL with a
-generic message: callers never see a raw traceback.
+A lost or refused database connection (or an exhausted pool) becomes UNAVAILABLE with a retry
+delay. Anything else that escapes a handler is logged with its traceback and reported as INTERNAL
+with a generic message: callers never see a raw traceback.
 
 Messages say what to change. Message templates are constants here so tests assert the exact text
 the code produces (format them with the same arguments).
@@ -19,6 +20,7 @@ from typing import ClassVar, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
+from sqlalchemy import exc as sa_exc
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 
 INTERNAL_ERROR = "internal error; nothing was acknowledged, retrying with the same request_key is safe"
+DATABASE_UNAVAILABLE = "the run ledger is unreachable or overloaded; retry after the suggested delay"
+DATABASE_RETRY_AFTER_MS = 1_000
 
 
 # --- error classes ------------------------------------------------------------------------------
@@ -153,7 +157,27 @@ async def abort_with(context: grpc.aio.ServicerContext, error: SluiceError) -> N
     await context.abort(error.code, error.message)
 
 
-async def _abort_internal(context: grpc.aio.ServicerContext, method: str) -> None:
+def infrastructure_error(error: Exception) -> SluiceError | None:
+    """The domain error for a failure of the database underneath, or None if it is not one.
+
+    A refused or dropped connection, or an exhausted connection pool, is transient: the caller
+    gets UNAVAILABLE with a retry delay (safe, since Submit is idempotent by request_key) rather
+    than INTERNAL. Constraint violations and SQL errors stay INTERNAL: they are bugs.
+    """
+    transient = (
+        isinstance(error, (OSError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError))
+        or (isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated)
+    )
+    if not transient:
+        return None
+    return Unavailable(DATABASE_UNAVAILABLE, retry_after_ms=DATABASE_RETRY_AFTER_MS)
+
+
+async def _abort_unexpected(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+    mapped = infrastructure_error(error)
+    if mapped is not None:
+        log.warning("%s: database unavailable: %s", method, type(error).__name__)
+        await abort_with(context, mapped)
     log.exception("unhandled error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
 
@@ -178,8 +202,8 @@ def grpc_errors(method: Callable[P, R]) -> Callable[P, R]:
                 await abort_with(context, error)
             except (grpc.aio.AbortError, GeneratorExit):
                 raise
-            except Exception:
-                await _abort_internal(context, name)
+            except Exception as error:
+                await _abort_unexpected(context, name, error)
 
         return stream_wrapper  # type: ignore[return-value]
 
@@ -192,8 +216,8 @@ def grpc_errors(method: Callable[P, R]) -> Callable[P, R]:
             await abort_with(context, error)
         except grpc.aio.AbortError:
             raise
-        except Exception:
-            await _abort_internal(context, name)
+        except Exception as error:
+            await _abort_unexpected(context, name, error)
 
     return unary_wrapper  # type: ignore[return-value]
 
@@ -212,4 +236,5 @@ __all__ = [
     "Unavailable",
     "abort_with",
     "grpc_errors",
+    "infrastructure_error",
 ]

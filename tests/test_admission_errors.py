@@ -25,6 +25,10 @@ class Edge:
         raise RuntimeError("secret internals")
 
     @grpc_errors
+    async def NoDatabase(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise ConnectionRefusedError(111, "Connect call failed")
+
+    @grpc_errors
     async def Echo(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
@@ -38,9 +42,8 @@ class Edge:
 @pytest.fixture
 async def channel() -> AsyncIterator[grpc.aio.Channel]:
     edge = Edge()
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(getattr(edge, name)) for name in ("Refuse", "Crash", "Echo")
-    }
+    unary = ("Refuse", "Crash", "NoDatabase", "Echo")
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(edge, name)) for name in unary}
     handlers["Stream"] = grpc.unary_stream_rpc_method_handler(edge.Stream)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
@@ -62,6 +65,16 @@ async def test_an_unexpected_exception_is_a_generic_internal_without_internals(c
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await channel.unary_unary(f"/{SERVICE}/Crash")(b"")
     assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INTERNAL, errors.INTERNAL_ERROR)
+
+
+async def test_a_lost_database_is_unavailable_with_a_retry_delay(channel):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/NoDatabase")(b"")
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE, errors.DATABASE_UNAVAILABLE,
+    )
+    retry_after = (errors.RETRY_AFTER_MS_KEY, str(errors.DATABASE_RETRY_AFTER_MS))
+    assert retry_after in tuple(caught.value.trailing_metadata())
 
 
 async def test_a_successful_call_passes_through(channel):
