@@ -39,13 +39,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     str/bytes hashing is salted), cheap, and 64-bit: about 45 us for a
     4,000-token prompt in blocks of 16 on these machines.
     """
+    return extend_hashes(token_ids, block_size, [])
+
+
+def extend_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int]) -> list[int]:
+    """Complete ``hashes`` (the chain of the first ``len(hashes)`` blocks) to every full block; in place."""
     assert block_size > 0, "block_size must be positive"
-    tokens = tuple(token_ids)
+    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
     end = len(tokens) - len(tokens) % block_size
-    hashes: list[int] = []
     append = hashes.append
-    parent = block_size  # seed: chains of different block sizes never collide by construction
-    for start in range(0, end, block_size):
+    parent = hashes[-1] if hashes else block_size  # seed: chains of different block sizes never collide
+    for start in range(len(hashes) * block_size, end, block_size):
         parent = hash((parent, tokens[start:start + block_size]))
         append(parent)
     return hashes
@@ -69,6 +73,7 @@ class PrefixIndex:
         self._capacity: dict[str, int] = {}
         self._bit: dict[str, int] = {}
         self._names_by_bit: dict[int, str] = {}
+        self._masks: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -78,33 +83,95 @@ class PrefixIndex:
         Walks the chain once with a bitmask of replicas still matching; a replica
         leaves the mask at the first block it lacks, so its overlap is that index.
         """
-        names = list(replicas)
-        overlap = dict.fromkeys(names, 0)
-        alive = 0
-        for name in names:
-            bit = self._bit.get(name)
-            if bit is not None:
-                alive |= bit
-        if not alive:
-            return overlap
+        names = tuple(replicas)
+        alive, unknown = self._mask(names)
+        drops: list[tuple[int, int]] = []                          # (depth, replicas leaving there)
         holders = self._holders
         depth = 0
         for block_hash in hashes:
+            if not alive:
+                break
             still = alive & holders.get(block_hash, 0)
             if still != alive:
-                self._assign(overlap, alive & ~still, depth)
+                drops.append((depth, alive & ~still))
                 alive = still
-                if not alive:
-                    return overlap
             depth += 1
-        self._assign(overlap, alive, depth)
-        return overlap
+        if alive:
+            drops.append((depth, alive))
+        return self._resolve(names, unknown, drops)
 
-    def _assign(self, overlap: dict[str, int], mask: int, depth: int) -> None:
-        while mask:
-            low = mask & -mask
-            overlap[self._names_by_bit[low]] = depth
-            mask ^= low
+    def match(self, token_ids: Sequence[int], block_size: int,
+              replicas: Iterable[str]) -> tuple[dict[str, int], list[int]]:
+        """``overlap_blocks`` that hashes the prompt as it walks and stops where no replica matches.
+
+        Returns the overlaps and the hashes computed so far (every block up to and
+        including the first one no candidate holds); ``extend_hashes`` completes
+        them when the prompt is recorded. A new conversation that shares only the
+        system prompt is hashed only that far at decision time.
+        """
+        names = tuple(replicas)
+        alive, unknown = self._mask(names)
+        drops: list[tuple[int, int]] = []
+        hashes: list[int] = []
+        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        end = len(tokens) - len(tokens) % block_size
+        holders = self._holders
+        append = hashes.append
+        parent = block_size
+        depth = 0
+        for start in range(0, end, block_size):
+            if not alive:
+                break
+            parent = hash((parent, tokens[start:start + block_size]))
+            append(parent)
+            still = alive & holders.get(parent, 0)
+            if still != alive:
+                drops.append((depth, alive & ~still))
+                alive = still
+            depth += 1
+        if alive:
+            drops.append((depth, alive))
+        return self._resolve(names, unknown, drops), hashes
+
+    def _mask(self, names: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+        """Bitmask of the named replicas the index knows, and the names it does not (cached per name set)."""
+        cached = self._masks.get(names)
+        if cached is not None:
+            return cached
+        mask = 0
+        unknown: list[str] = []
+        bits = self._bit
+        for name in names:
+            bit = bits.get(name)
+            if bit is None:
+                unknown.append(name)
+            else:
+                mask |= bit
+        if len(self._masks) >= 64:
+            self._masks.clear()
+        result = self._masks[names] = (mask, tuple(unknown))
+        return result
+
+    def _resolve(self, names: tuple[str, ...], unknown: tuple[str, ...],
+                 drops: list[tuple[int, int]]) -> dict[str, int]:
+        """Turn (depth, mask) drop points into a dict. The largest group (typically every replica
+        leaving at the end of the shared system prompt) is filled in one C-level call; only the
+        others are assigned replica by replica."""
+        if not drops:
+            return dict.fromkeys(names, 0)
+        largest = max(drops, key=lambda drop: drop[1].bit_count())
+        overlap = dict.fromkeys(names, largest[0])
+        for name in unknown:
+            overlap[name] = 0
+        names_by_bit = self._names_by_bit
+        for depth, mask in drops:
+            if mask is largest[1]:
+                continue
+            while mask:
+                low = mask & -mask
+                overlap[names_by_bit[low]] = depth
+                mask ^= low
+        return overlap
 
     def entries(self, replica: str) -> int:
         lru = self._lru.get(replica)
@@ -191,4 +258,5 @@ class PrefixIndex:
             bit = 1 << len(self._bit)
             self._bit[replica] = bit
             self._names_by_bit[bit] = replica
+            self._masks.clear()
         return bit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,7 @@ from router.policy import (
 )
 
 BS = 4
+EXACT = PolicyOptions(index_unit_tokens=BS)                          # one index entry per KV block
 SYSTEM = list(range(1000, 1016))                                    # 4 blocks shared by every chat
 
 
@@ -94,7 +96,7 @@ def test_finished_runs_no_longer_count_as_load():
 
 
 def test_a_follow_up_turn_goes_to_the_replica_that_served_the_previous_turn():
-    policy = PrefixAware()
+    policy = PrefixAware(EXACT)
     views = [view(f"r{i}") for i in range(4)]
     first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
     # The previous replica is now slightly busier, but within the bound.
@@ -105,7 +107,7 @@ def test_a_follow_up_turn_goes_to_the_replica_that_served_the_previous_turn():
 
 
 def test_a_follow_up_without_conversation_id_still_follows_its_cached_prefix():
-    policy = PrefixAware()
+    policy = PrefixAware(EXACT)
     views = [view(f"r{i}") for i in range(4)]
     previous = request("t1", turn(7, 3))
     first = route(policy, previous, views)
@@ -136,7 +138,7 @@ def test_a_follow_up_at_exactly_the_bound_still_goes_home():
 
 
 def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load():
-    policy = PrefixAware()
+    policy = PrefixAware(EXACT)
     views = [view("r0"), view("r1")]
     route(policy, request("a", turn(1, 1)), views)
     route(policy, request("b", turn(2, 1)), views)
@@ -147,7 +149,7 @@ def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load(
 
 
 def test_the_cost_trades_saved_prefill_against_decode_load():
-    policy = PrefixAware(PolicyOptions(imbalance_bound=10.0, imbalance_slack=100))
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
     views = [view("r0"), view("r1")]
     previous = request("t1", turn(7, 10))                           # 96 tokens: 24 blocks cached there
     first = route(policy, previous, views)
@@ -164,11 +166,20 @@ def test_the_cost_trades_saved_prefill_against_decode_load():
 
 
 def test_predicted_cached_tokens_leave_the_last_prompt_token_to_compute():
-    policy = PrefixAware()
+    policy = PrefixAware(EXACT)
     views = [view("r0")]
     route(policy, request("a", list(range(16))), views)
     decision = policy.choose(request("b", list(range(16))), views, 1.0)   # identical prompt: 4 blocks held
     assert decision is not None and decision.predicted_cached_tokens == 12
+
+
+def test_the_index_keeps_one_entry_per_64_tokens_by_default():
+    policy = PrefixAware()                                          # index_unit_tokens=64: 16 blocks of 4
+    views = [view("r0", capacity=100)]
+    route(policy, request("a", list(range(200))), views)            # 3 whole units of 64 tokens
+    assert policy.index.entries("r0") == 3                          # of at most 100 // 16 = 6
+    decision = policy.choose(request("b", list(range(190)) + [7] * 50), views, 1.0)
+    assert decision is not None and decision.predicted_cached_tokens == 128   # 2 units: 190 tokens match
 
 
 # -- prefix_aware: the imbalance bound -----------------------------------------------------------
@@ -224,7 +235,7 @@ def test_the_bound_uses_the_larger_of_scraped_and_own_counts():
 
 
 def test_a_restarted_replica_loses_its_prefixes_and_its_conversations():
-    policy = PrefixAware()
+    policy = PrefixAware(EXACT)
     views = [view("r0"), view("r1")]
     first = route(policy, request("t1", turn(7, 5), conversation="c7"), views)
     assert policy.index.entries(first.replica) > 0
@@ -260,7 +271,7 @@ def test_without_a_long_context_pool_long_prompts_use_the_general_pool():
 
 
 def test_no_candidates_means_no_decision():
-    assert PrefixAware().choose(request("a", range(8)), [], 0.0) is None
+    assert PrefixAware(EXACT).choose(request("a", range(8)), [], 0.0) is None
     assert LeastLoaded().choose(request("a", range(8)), [], 0.0) is None
 
 
