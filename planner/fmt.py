@@ -42,7 +42,7 @@ def gflop(x: float) -> str:
 
 
 def ms(x: float) -> str:
-    return f"{num(x * 1e3, 3)} ms"
+    return f"{num(x * 1e3, 3)} ms" if math.isfinite(x) else "unbounded"
 
 
 def pct(x: float) -> str:

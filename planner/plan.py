@@ -83,16 +83,22 @@ def _verdict(brief: Brief, rep: Replica, load: Load, base: Split, sections: tupl
     shares = {"prefill compute": base.prefill_fraction, "decode bandwidth": base.decode_fraction,
               "KV memory": memory_share}
     binding = max(shares, key=lambda name: shares[name])
-    checks = {
-        f"utilization {fmt.pct(base.utilization)} ≤ {fmt.pct(ceiling)}": base.utilization <= ceiling,
-        f"p95 TTFT ≈ {fmt.ms(t.p95_s)} ≤ {fmt.ms(slo.ttft_p95_s)}": t.p95_s <= slo.ttft_p95_s,
-        f"p95 ITL ≤ {fmt.ms(config.itl_p95_s)} ≤ {fmt.ms(slo.itl_p95_s)}": config.itl_p95_s <= slo.itl_p95_s,
-        f"KV for {fmt.num(load.generating)} generating sequences fits ({fmt.count(fleet_sequences)})":
-            memory_share <= 1.0,
-        f"{needed} replicas needed with spares ≤ {base.replicas} planned": needed <= base.replicas,
-    }
-    meets = all(checks.values())
-    failed = [text for text, ok in checks.items() if not ok]
+    def cmp(ok: bool) -> str:
+        return "≤" if ok else ">"
+
+    checks = [
+        (ok := base.utilization <= ceiling, f"utilization {fmt.pct(base.utilization)} {cmp(ok)} the "
+                                            f"{fmt.pct(ceiling)} ceiling"),
+        (ok := t.p95_s <= slo.ttft_p95_s, f"p95 TTFT {fmt.ms(t.p95_s)} {cmp(ok)} {fmt.ms(slo.ttft_p95_s)}"),
+        (ok := config.itl_p95_s <= slo.itl_p95_s,
+         f"p95 ITL {fmt.ms(config.itl_p95_s)} {cmp(ok)} {fmt.ms(slo.itl_p95_s)}"),
+        (ok := memory_share <= 1.0, f"KV for {fmt.num(load.generating)} generating sequences needs "
+                                    f"{fmt.pct(memory_share)} of the fleet's pool"),
+        (ok := needed <= base.replicas,
+         f"{needed} replicas needed with spares {cmp(ok)} {base.replicas} planned"),
+    ]
+    meets = all(ok for ok, _ in checks)
+    failed = [text for ok, text in checks if not ok]
     survived = [row.name for row in rows if row.key.endswith("lost") and row.verdict == FITS]
     text = (f"{'Meets' if meets else 'Does not meet'} the SLO. {base.replicas} × TP{rep.tp} replicas "
             f"({base.replicas * rep.tp} × {brief.hardware.name}) run at {fmt.pct(base.utilization)} "

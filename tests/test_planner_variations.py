@@ -1,0 +1,55 @@
+"""Seed 003 §9's variations give the direction the seed states."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from planner import Plan, parse_brief, plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "briefs"
+
+
+def seed003_with(**sections: dict[str, Any]) -> Plan:
+    """Seed 003's brief with some sections' fields replaced, and without its reference figures."""
+    data = yaml.safe_load((EXAMPLES / "seed003.yaml").read_text())
+    del data["reference"]
+    for section, fields in sections.items():
+        data[section].update(fields)
+    return plan(parse_brief(data))
+
+
+def test_a_budget_of_32_gpus_overloads_the_fleet() -> None:
+    half = seed003_with(sizing={"gpus": 32})
+    assert not half.meets_slo
+    assert half.figure("utilization.total").value > 0.85
+    assert half.figure("latency.ttft_p95_s").value > 0.5
+    assert half.figure("replicas.needed_with_spares").value > half.replicas
+    assert half.verdict.startswith("Does not meet the SLO")
+
+
+def test_a_405b_model_needs_about_four_times_the_gpus() -> None:
+    base = seed003_with()
+    big = seed003_with(model={"preset": "llama-3.1-405b"})
+    assert big.figure("memory.weight_bytes_per_gpu").value == pytest.approx(50.6e9, rel=0.005)
+    assert big.figure("memory.kv_pool_bytes_per_gpu").value == pytest.approx(24.3e9, rel=0.01)
+    assert big.figure("utilization.total").value > 1.0
+    ratio = big.figure("replicas.needed_with_spares").value / base.figure("replicas.needed_with_spares").value
+    assert ratio == pytest.approx(4, abs=0.5)
+
+
+def test_a100s_decode_about_1_64_times_slower() -> None:
+    # A100 has no FP8: both sides store int8 weights and KV (seed 003 §9 G: "INT8 instead").
+    int8 = {"weights": "int8", "kv_cache": "int8"}
+    h100 = seed003_with(model=int8)
+    a100 = seed003_with(model=int8, hardware={"preset": "a100-80g"})
+    slower = a100.figure("decode.step_s").value / h100.figure("decode.step_s").value
+    assert slower == pytest.approx(3.35 / 2.039)
+    assert slower == pytest.approx(1.64, abs=0.01)
+
+
+def test_twice_the_gpus_halve_prefills_share() -> None:
+    base, double = seed003_with(), seed003_with(sizing={"gpus": 128})
+    half_share = base.figure("utilization.prefill").value / 2
+    assert double.figure("utilization.prefill").value == pytest.approx(half_share)
