@@ -217,14 +217,21 @@ class EngineCore:
             return 0
         return max(0, limit)
 
+    def decode_run_durations(self, steps: int) -> tuple[float, ...]:
+        """Durations of the next `steps` pure-decode steps, without applying them: step j reads
+        every running request's KV, which has grown by j tokens each."""
+        running = self.scheduler.running
+        batch = len(running)
+        context = sum(seq.num_computed + 1 for seq in running)
+        step_time = self.cost_model.step_time_totals_s
+        return tuple(step_time(0, batch, context + j * batch) for j in range(steps))
+
     def run_decode(self, steps: int) -> DecodeRun:
         """Apply `steps` (≤ decode_run_limit()) generation steps at once."""
         running = list(self.scheduler.running)
         batch = len(running)
         assert steps > 0 and batch > 0, "run_decode needs a pure-decode stretch (see decode_run_limit)"
-        context = sum(seq.num_computed + 1 for seq in running)
-        step_time = self.cost_model.step_time_totals_s
-        durations = tuple(step_time(0, batch, context + j * batch) for j in range(steps))
+        durations = self.decode_run_durations(steps)
         block_size = self.pool.block_size
         finishing: list[SequenceState] = []
         for seq in running:

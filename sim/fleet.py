@@ -1,0 +1,377 @@
+"""Discrete-event fleet simulator: N engine cores on one virtual clock.
+
+Each replica is an `engine.core.EngineCore` in counting mode (no per-token
+outputs) priced by the same `CostModel` the Triton replica uses. Events sit in
+one heap ordered by (time, insertion order):
+
+    arrival(turn)     route it through the RoutingPolicy, queue it on the replica
+    wake(replica)     the replica's step (or decode run) ended: deliver first
+                      tokens and finishes, then start the next step
+
+A step's state change is applied when it starts and its outputs are delivered
+when it ends, so a request arriving mid-step joins at the next step boundary,
+as in an inflight-batching engine.
+
+Decode runs. When a replica has only decodes to do and nothing it could
+admit, its next k steps (until the first request finishes) are *planned*:
+their durations are known, nothing is applied yet, and one wake is set at the
+end. If a request arrives at that replica during the plan, the steps that have
+started by then are applied (EngineCore.run_decode) and a wake is set at the
+end of the one in progress, where the newcomer is admitted. This keeps the
+work per replica proportional to arrivals + finishes + context steps rather
+than to tokens.
+
+Routing sees `ReplicaView`s built from each replica's state as last applied
+(a replica in a planned run reports its state at the run's start), which is
+what a live router sees too: scraped gauges lag by a scrape interval.
+
+Oracle hook. `Fleet.cached_tokens(replica, token_ids)` returns the prompt
+tokens a replica has cached right now (EngineCore.cached_prefix_tokens); pass
+it to `router.policy.make_policy("oracle", cached_tokens=fleet.cached_tokens)`,
+or give `run_fleet` a policy name and it does so.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from engine.core import EngineCore
+from engine.cost_model import CostFactors, CostModel
+from engine.profiles import HardwareProfile, ModelProfile, get_hardware, get_model
+from engine.types import EngineConfig, EngineRequest, EngineRequestError, RequestOutput
+from router.policy import ReplicaView, RouteRequest, RoutingPolicy, make_policy
+from sim.metrics import (
+    SLO,
+    Distribution,
+    FleetReport,
+    ItlRecorder,
+    ReplicaSummary,
+    RequestRecord,
+    meets_slo,
+)
+from sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
+
+UNKNOWN_REPLICA = "the policy chose {name!r}, which is not a replica of this fleet"
+
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    replicas: int = 8
+    model: ModelProfile = field(default_factory=lambda: get_model("llama-3-70b", weights="fp8", kv="fp8"))
+    hardware: HardwareProfile = field(default_factory=lambda: get_hardware("h100-sxm"))
+    tp: int = 8
+    efficiency: CostFactors = field(default_factory=CostFactors)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        block_size=32, max_num_seqs=160, max_num_tokens=2048, stream_tokens=False))
+    long_context_replicas: int = 0          # the last N replicas report long_context=True to the router
+    name_prefix: str = "r"
+    decode_runs: bool = True                # False: every step is its own event (the reference the
+                                            # fast path is tested against; ~5x slower)
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.model, self.hardware, self.tp, self.efficiency)
+
+
+class SimReplica:
+    """One engine core plus what the host knows about it: its plan, wake version and gauges."""
+
+    __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
+                 "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
+                 "paused")
+
+    def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
+        self.name = name
+        self.engine = engine
+        self.long_context = long_context
+        self.version = 0                       # bumps when a planned wake is replaced
+        self.busy = False
+        self.plan_start = 0.0
+        self.plan_ends: list[float] = []       # end time of each planned decode step (unapplied)
+        self.pending: tuple[RequestOutput, ...] = ()
+        self.in_flight = 0
+        self.routed = 0
+        self.kv_area = 0.0                     # ∫ used blocks dt
+        self.kv_peak = 0
+        self.gen_tokens = 0
+        self.gen_steps = 0
+        self.paused = 0
+
+    def view(self, pool: str) -> ReplicaView:
+        engine = self.engine
+        return ReplicaView(name=self.name, pool=pool, block_size=engine.pool.block_size,
+                           kv_capacity_blocks=engine.pool.num_blocks, long_context=self.long_context,
+                           waiting=engine.num_waiting, running=engine.num_running,
+                           kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight)
+
+
+class Fleet:
+    """The replicas of one run. Build it, make a policy (with `cached_tokens` for the oracle), `run`."""
+
+    def __init__(self, config: FleetConfig, workload: WorkloadConfig) -> None:
+        self.config = config
+        self.workload_config = workload
+        cost = config.cost_model()
+        engine_config = replace(config.engine, output_length=workload.output_tokens, tokens=workload.tokens,
+                                stream_tokens=False)
+        first_long = config.replicas - config.long_context_replicas
+        self.replicas = [SimReplica(f"{config.name_prefix}{index}", EngineCore(engine_config, cost),
+                                    long_context=index >= first_long)
+                         for index in range(config.replicas)]
+        self._by_name = {replica.name: replica for replica in self.replicas}
+
+    def cached_tokens(self, replica: str, token_ids: Sequence[int]) -> int:
+        """The oracle's probe: prompt tokens `replica` has cached right now."""
+        return self._by_name[replica].engine.cached_prefix_tokens(token_ids)
+
+    def run(self, policy: RoutingPolicy, slo: SLO | None = None) -> FleetReport:
+        return _Run(self, policy, slo if slo is not None else SLO()).execute()
+
+
+def run_fleet(config: FleetConfig, workload: WorkloadConfig, policy: RoutingPolicy | str,
+              slo: SLO | None = None, **policy_options: float) -> FleetReport:
+    """Simulate `workload` on the fleet under `policy` (an object, or a name for make_policy;
+    the name "oracle" gets the fleet's exact-cache probe)."""
+    fleet = Fleet(config, workload)
+    if isinstance(policy, str):
+        policy = make_policy(policy, cached_tokens=fleet.cached_tokens, **policy_options)
+    return fleet.run(policy, slo)
+
+
+class _Run:
+    """One simulation: the event loop and its bookkeeping."""
+
+    def __init__(self, fleet: Fleet, policy: RoutingPolicy, slo: SLO) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.slo = slo
+        self.config = fleet.workload_config
+        self.workload = Workload(self.config)
+        self.pool = self.config.model_version
+        # (time, insertion order, replica to wake, its version then, turn arriving): one of the two is set
+        self.heap: list[tuple[float, int, SimReplica | None, int, Turn | None]] = []
+        self.counter = 0
+        self.records: dict[str, RequestRecord] = {}
+        self.turns: dict[str, tuple[Turn, RouteRequest, SimReplica]] = {}
+        self.itl = ItlRecorder()
+        self.rejected = 0
+        self.arrived = 0
+        self.outcomes: Counter[str] = Counter()
+        self.events = 0
+
+    # --- event plumbing ---------------------------------------------------------------------
+
+    def push_wake(self, at: float, replica: SimReplica) -> None:
+        replica.version += 1
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, replica, replica.version, None))
+
+    def push_arrival(self, at: float, turn: Turn) -> None:
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, None, 0, turn))
+
+    def execute(self) -> FleetReport:
+        cpu, wall = time.process_time(), time.perf_counter()
+        for at, conversation in self.workload.initial_arrivals():
+            self.send_next_turn(conversation, at, fresh=True)
+        end = self.config.duration_s
+        heap = self.heap
+        while heap and heap[0][0] <= end:
+            at, _, replica, version, turn = heapq.heappop(heap)
+            self.events += 1
+            if replica is not None:
+                if version == replica.version:     # else a wake that settle_plan replaced
+                    self.wake(replica, at)
+            elif turn is not None:
+                self.arrive(turn, at)
+        return self.report(time.process_time() - cpu, time.perf_counter() - wall)
+
+    def send_next_turn(self, conversation: Conversation, at: float, fresh: bool = False) -> None:
+        """Queue the conversation's next turn at `at`; when it is over, a closed-loop user opens
+        a new conversation at `at` instead (`at` already includes the reading time)."""
+        turn = self.workload.next_turn(conversation)
+        if turn is not None:
+            self.push_arrival(at, turn)
+        elif conversation.user >= 0 and not fresh:
+            self.send_next_turn(self.workload.new_conversation(conversation.user), at, fresh=True)
+
+    # --- arrivals ---------------------------------------------------------------------------
+
+    def arrive(self, turn: Turn, at: float) -> None:
+        self.arrived += 1
+        request = RouteRequest(request_id=turn.request_id, model_version=self.pool, token_ids=turn.prompt,
+                               max_output_tokens=turn.max_output_tokens,
+                               conversation_id=turn.conversation.conversation_id)
+        views = [replica.view(self.pool) for replica in self.fleet.replicas]
+        decision = self.policy.choose(request, views, at)
+        if decision is None:
+            self.reject(turn, at)
+            return
+        replica = self.fleet._by_name.get(decision.replica)
+        if replica is None:
+            raise ValueError(UNKNOWN_REPLICA.format(name=decision.replica))
+        self.policy.on_routed(request, decision, at)
+        self.outcomes[decision.outcome] += 1
+        self.settle_plan(replica, at)
+        try:
+            replica.engine.add_request(EngineRequest(
+                request_id=turn.request_id, prompt_token_ids=turn.prompt,
+                max_output_tokens=turn.max_output_tokens, end_id=END_ID, seed=turn.seed))
+        except EngineRequestError:
+            self.policy.on_finished(request, replica.name, at)
+            self.reject(turn, at)
+            return
+        replica.in_flight += 1
+        replica.routed += 1
+        self.records[turn.request_id] = RequestRecord(
+            request_id=turn.request_id, replica=replica.name, arrival_s=at, input_tokens=len(turn.prompt))
+        self.turns[turn.request_id] = (turn, request, replica)
+        if not replica.busy:
+            self.start(replica, at)
+
+    def reject(self, turn: Turn, at: float) -> None:
+        self.rejected += 1
+        turn.conversation.turns_left = 0          # the user gives up on this conversation
+        self.send_next_turn(turn.conversation, at + self.workload.think_time())
+
+    # --- replica steps ----------------------------------------------------------------------
+
+    def settle_plan(self, replica: SimReplica, at: float) -> None:
+        """A request is about to join `replica`: apply the planned steps that have started by `at`
+        and move the wake to the end of the one in progress."""
+        ends = replica.plan_ends
+        if not ends:
+            return
+        started = min(bisect_right(ends, at) + 1, len(ends))
+        if started == len(ends):
+            return                                # the plan ends as planned; the wake applies it
+        replica.kv_area += replica.engine.pool.num_used * (ends[started - 1] - replica.plan_start)
+        run = replica.engine.run_decode(started)
+        self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+        assert not run.outputs, "a plan stops at its first finish, so a cut plan finishes nobody"
+        replica.plan_ends = []
+        replica.pending = ()
+        self.push_wake(ends[started - 1], replica)
+
+    def wake(self, replica: SimReplica, at: float) -> None:
+        if replica.plan_ends:
+            replica.kv_area += replica.engine.pool.num_used * (at - replica.plan_start)
+            run = replica.engine.run_decode(len(replica.plan_ends))
+            self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+            replica.plan_ends = []
+            outputs = run.outputs
+        else:
+            outputs, replica.pending = replica.pending, ()
+        replica.busy = False
+        for output in outputs:
+            self.deliver(replica, output, at)
+        self.start(replica, at)
+
+    def start(self, replica: SimReplica, at: float) -> None:
+        engine = replica.engine
+        if not engine.has_work():
+            return
+        used = engine.pool.num_used
+        replica.kv_peak = max(replica.kv_peak, used)
+        limit = engine.decode_run_limit() if self.fleet.config.decode_runs else 0
+        if limit >= 2:
+            durations = engine.decode_run_durations(limit)
+            ends: list[float] = []
+            clock = at
+            for duration in durations:
+                clock += duration
+                ends.append(clock)
+            replica.plan_start = at
+            replica.plan_ends = ends
+            finish = ends[-1]               # KV use is accounted when the plan is applied
+        else:
+            result = engine.step()
+            ended_by_end_id = sum(1 for o in result.outputs
+                                  if o.finished and o.num_new_tokens == 0 and not o.first_token)
+            self.record_step(replica, result.duration_s, result.num_generation_requests - ended_by_end_id)
+            replica.paused += result.num_paused
+            replica.pending = result.outputs
+            finish = at + result.duration_s
+            if result.duration_s <= 0.0 and not result.outputs:
+                return                            # nothing could run; the next arrival restarts it
+            replica.kv_area += used * result.duration_s
+        replica.busy = True
+        self.push_wake(finish, replica)
+
+    def record_step(self, replica: SimReplica, duration: float, generation_tokens: int) -> None:
+        if generation_tokens > 0:
+            replica.gen_tokens += generation_tokens
+            replica.gen_steps += 1
+            self.itl.add(duration, generation_tokens)
+
+    def record_run(self, replica: SimReplica, durations: Sequence[float], batch: int, last: int) -> None:
+        replica.gen_tokens += batch * (len(durations) - 1) + last
+        replica.gen_steps += len(durations)
+        self.itl.add_run(durations, batch, last)
+
+    def deliver(self, replica: SimReplica, output: RequestOutput, at: float) -> None:
+        record = self.records[output.request_id]
+        if output.first_token:
+            record.first_token_s = at
+            record.cached_tokens = output.num_cached_tokens
+        if not output.finished:
+            return
+        record.finish_s = at
+        record.output_tokens = output.num_output_tokens
+        record.finish_reason = output.finish_reason or ""
+        turn, request, _ = self.turns.pop(output.request_id)
+        replica.in_flight -= 1
+        self.policy.on_finished(request, replica.name, at)
+        self.workload.answer_finished(turn, output.num_output_tokens)
+        self.send_next_turn(turn.conversation, at + self.workload.think_time())
+
+    # --- the report -------------------------------------------------------------------------
+
+    def report(self, cpu_s: float, wall_s: float) -> FleetReport:
+        config, slo = self.config, self.slo
+        start, end = config.warmup_s, config.duration_s
+        window = max(end - start, 1e-9)
+        measured = [r for r in self.records.values() if r.arrival_s >= start]
+        done = [r for r in measured if not math.isnan(r.finish_s)]
+        ttft = [r.first_token_s - r.arrival_s for r in done]
+        e2e = [r.finish_s - r.arrival_s for r in done]
+        tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+        good = sum(1 for r in done if meets_slo(r, slo))
+        inputs = sum(r.input_tokens for r in done)
+        outputs = sum(r.output_tokens for r in done)
+        cached = sum(r.cached_tokens for r in done)
+        summaries = tuple(self.summarize(replica, end) for replica in self.fleet.replicas)
+        kv_means = [s.kv_utilization_mean for s in summaries]
+        return FleetReport(
+            policy=self.policy.name, duration_s=window, replicas=len(summaries),
+            requests_arrived=self.arrived, requests_completed=len(done), requests_rejected=self.rejected,
+            requests_unfinished=sum(1 for r in self.records.values() if math.isnan(r.finish_s)),
+            ttft=Distribution.of(ttft), tpot=Distribution.of(tpot), itl=self.itl.distribution(),
+            e2e=Distribution.of(e2e), request_throughput=len(done) / window,
+            output_token_throughput=outputs / window, total_token_throughput=(inputs + outputs) / window,
+            goodput=good / window, slo=slo, slo_attainment=good / len(done) if done else 0.0,
+            mean_input_tokens=inputs / len(done) if done else 0.0,
+            mean_output_tokens=outputs / len(done) if done else 0.0,
+            cache_hit_rate=cached / inputs if inputs else 0.0,
+            kv_utilization_mean=sum(kv_means) / len(kv_means) if kv_means else 0.0,
+            kv_utilization_peak=max((s.kv_utilization_peak for s in summaries), default=0.0),
+            routing_outcomes=tuple(sorted(self.outcomes.items())), per_replica=summaries,
+            sim_cpu_s=cpu_s, sim_wall_s=wall_s, events=self.events,
+        )
+
+    def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:
+        stats = replica.engine.stats()
+        blocks = stats.kv.max_blocks
+        return ReplicaSummary(
+            name=replica.name, requests=replica.routed, busy_fraction=min(1.0, stats.busy_s / end),
+            mean_batch=replica.gen_tokens / replica.gen_steps if replica.gen_steps else 0.0,
+            kv_utilization_mean=replica.kv_area / end / blocks, kv_utilization_peak=replica.kv_peak / blocks,
+            cache_hit_rate=stats.kv.cache_hit_rate, paused=replica.paused, steps=stats.num_steps,
+        )
+
