@@ -77,6 +77,7 @@ def _in_list(column: str, values: list[str]) -> str:
 
 
 _RUN_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus])
+_ACTIVE_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus if s in ACTIVE_STATUSES])
 
 
 def _timestamp(*, nullable: bool = False, now: bool = False) -> Any:
@@ -97,6 +98,18 @@ class Tenant(Base):
         ARRAY(Text), server_default=text("'{standard}'::text[]")
     )
     created_at: Mapped[dt.datetime] = _timestamp(now=True)
+    # Limits shared by every admission instance (NULL = unlimited), checked under this row's lock:
+    # runs not yet terminal, and tokens (prompt + output cap) admitted in any sliding 60 s.
+    max_concurrent_runs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    __table_args__ = (
+        CheckConstraint(
+            "(max_concurrent_runs IS NULL OR max_concurrent_runs > 0)"
+            " AND (tokens_per_minute IS NULL OR tokens_per_minute > 0)",
+            name="limits_positive",
+        ),
+    )
 
 
 class ApiKey(Base):
@@ -189,6 +202,10 @@ class Run(Base):
         CheckConstraint(_RUN_STATUS_CHECK, name="status_known"),
         CheckConstraint("max_output_tokens > 0", name="max_output_tokens_positive"),
         Index("ix_runs_status_created_at", "status", "created_at"),
+        # Admission's tokens-per-minute window (the tenant's runs of the last 60 s) and its
+        # concurrent-run count (the tenant's runs not yet terminal).
+        Index("ix_runs_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_runs_tenant_id_active", "tenant_id", postgresql_where=text(_ACTIVE_STATUS_CHECK)),
     )
 
     @property

@@ -44,6 +44,12 @@ class TenantInfo:
     id: uuid.UUID
     name: str
     allowed_tiers: tuple[str, ...]  # quality tiers of models this tenant may use
+    max_concurrent_runs: int | None = None  # runs not yet terminal; None = unlimited
+    tokens_per_minute: int | None = None    # prompt + cap admitted per sliding 60 s; None = unlimited
+
+    @property
+    def has_rate_limits(self) -> bool:
+        return self.max_concurrent_runs is not None or self.tokens_per_minute is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,12 @@ class BudgetState:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowEntry:
+    age: dt.timedelta                # how long ago the run was admitted (database clock)
+    tokens: int                      # what it reserved: prompt + output cap
+
+
+@dataclass(frozen=True, slots=True)
 class InFlightTotals:
     runs: int                        # non-terminal runs
     reserved_tokens: int             # their reservations, not yet settled
@@ -109,14 +121,31 @@ class TenantRepository:
         """The tenant owning an unrevoked key, or None."""
         row = (
             await self._session.execute(
-                select(Tenant.id, Tenant.name, Tenant.allowed_tiers)
+                select(Tenant.id, Tenant.name, Tenant.allowed_tiers, Tenant.max_concurrent_runs,
+                       Tenant.tokens_per_minute)
                 .join(ApiKey, ApiKey.tenant_id == Tenant.id)
                 .where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
             )
         ).one_or_none()
         if row is None:
             return None
-        return TenantInfo(id=row.id, name=row.name, allowed_tiers=tuple(row.allowed_tiers))
+        return TenantInfo(
+            id=row.id,
+            name=row.name,
+            allowed_tiers=tuple(row.allowed_tiers),
+            max_concurrent_runs=row.max_concurrent_runs,
+            tokens_per_minute=row.tokens_per_minute,
+        )
+
+    async def lock_for_admission(self, tenant_id: uuid.UUID) -> None:
+        """Serialize this tenant's limit checks across every admission instance until COMMIT.
+
+        FOR NO KEY UPDATE, not FOR UPDATE: it must not block the FOR KEY SHARE lock that inserting
+        a run (a foreign key to this row) takes, or concurrent submits would deadlock.
+        """
+        await self._session.execute(
+            select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True)
+        )
 
 
 class ModelRepository:
@@ -160,6 +189,40 @@ class RunRepository:
     async def get_for_tenant(self, tenant_id: uuid.UUID, run_id: uuid.UUID) -> Run | None:
         """The run if it belongs to `tenant_id`; another tenant's run is indistinguishable from none."""
         return await self._session.scalar(select(Run).where(Run.id == run_id, Run.tenant_id == tenant_id))
+
+    async def count_active(self, tenant_id: uuid.UUID) -> int:
+        """The tenant's runs not yet terminal (including any this transaction inserted)."""
+        return int(
+            await self._session.scalar(
+                select(func.count()).select_from(Run).where(
+                    Run.tenant_id == tenant_id, Run.status.in_([s.value for s in ACTIVE_STATUSES])
+                )
+            )
+            or 0
+        )
+
+    async def tokens_admitted_in_window(self, tenant_id: uuid.UUID, window: dt.timedelta,
+                                        excluding: uuid.UUID) -> int:
+        """Tokens (prompt + cap) reserved by the tenant's other runs created within `window`."""
+        return int(
+            await self._session.scalar(
+                select(func.coalesce(func.sum(Run.reserved_tokens), 0)).where(
+                    Run.tenant_id == tenant_id, Run.created_at > func.now() - window, Run.id != excluding
+                )
+            )
+            or 0
+        )
+
+    async def admitted_in_window(self, tenant_id: uuid.UUID, window: dt.timedelta,
+                                 excluding: uuid.UUID) -> list[WindowEntry]:
+        """(age, reserved tokens) of the tenant's other runs created within `window`, oldest first."""
+        age = func.now() - Run.created_at
+        rows = await self._session.execute(
+            select(age, Run.reserved_tokens)
+            .where(Run.tenant_id == tenant_id, Run.created_at > func.now() - window, Run.id != excluding)
+            .order_by(Run.created_at)
+        )
+        return [WindowEntry(age=row[0], tokens=int(row[1])) for row in rows]
 
     async def in_flight_totals(self, tenant_id: uuid.UUID) -> InFlightTotals:
         row = (

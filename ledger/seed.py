@@ -1,11 +1,13 @@
 """Seed the demo ledger: `python -m ledger.seed [--key KEY] [--other-key KEY] [--dsn DSN]`.
 
-Idempotent: running it again changes nothing except the model row (refreshed from the tokenizer)
-and adds a key given with --key. Creates
+Idempotent: running it again changes nothing except refreshing the model row (end_id from the
+tokenizer) and the tenants' tiers and limits, and adding a key given with --key. Creates
 
-- tenant "demo" with API key DEMO_API_KEY (fixed and documented, for the local demo only), and a
-  budget for the current UTC month: 1,000,000 tokens and $50;
-- tenant "other" with OTHER_API_KEY, for isolation demos and tests;
+- tenant "demo" with API key DEMO_API_KEY (fixed and documented, for the local demo only), a
+  budget for the current UTC month of 1,000,000 tokens and $50, and limits of 64 concurrent runs
+  and 1,000,000 tokens per minute;
+- tenant "other" with OTHER_API_KEY, for isolation demos and tests (same budget; 8 concurrent
+  runs, 200,000 tokens per minute);
 - model version "tiny-chat-v1" (alias "chat"): the CPU model's tokenizer, context 4,096 tokens,
   pool "tiny-chat-v1", tier "standard", $0.50 / $0.05 cached / $1.50 per million tokens, end_id
   read from the tokenizer's <|endoftext|>.
@@ -31,6 +33,7 @@ from services.tokenization import load_tokenizer
 DEMO_API_KEY = "sk-demo-00000000000000000000000000000000"
 OTHER_API_KEY = "sk-other-0000000000000000000000000000000"
 END_OF_TEXT = "<|endoftext|>"
+LIMIT_COLUMNS = ("allowed_tiers", "max_concurrent_runs", "tokens_per_minute")  # refreshed on re-seed
 USD = 1_000_000  # micro-USD
 
 
@@ -41,6 +44,8 @@ class TenantSeed:
     allowed_tiers: tuple[str, ...]
     token_budget: int
     cost_budget_micros: int
+    max_concurrent_runs: int | None = None  # None = unlimited
+    tokens_per_minute: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +76,10 @@ TINY_CHAT = ModelSeed(
 
 def tenant_seeds(demo_key: str, other_key: str) -> tuple[TenantSeed, ...]:
     return (
-        TenantSeed("demo", demo_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD),
-        TenantSeed("other", other_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD),
+        TenantSeed("demo", demo_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD,
+                   max_concurrent_runs=64, tokens_per_minute=1_000_000),
+        TenantSeed("other", other_key, ("standard",), token_budget=1_000_000, cost_budget_micros=50 * USD,
+                   max_concurrent_runs=8, tokens_per_minute=200_000),
     )
 
 
@@ -110,10 +117,18 @@ async def upsert_model(session: AsyncSession, model: ModelSeed) -> None:
 
 
 async def ensure_tenant(session: AsyncSession, seed: TenantSeed, period_start: dt.date) -> uuid.UUID:
+    statement = pg_insert(Tenant).values(
+        id=uuid.uuid4(),
+        name=seed.name,
+        allowed_tiers=list(seed.allowed_tiers),
+        max_concurrent_runs=seed.max_concurrent_runs,
+        tokens_per_minute=seed.tokens_per_minute,
+    )
     await session.execute(
-        pg_insert(Tenant)
-        .values(id=uuid.uuid4(), name=seed.name, allowed_tiers=list(seed.allowed_tiers))
-        .on_conflict_do_nothing(index_elements=[Tenant.name])
+        statement.on_conflict_do_update(
+            index_elements=[Tenant.name],
+            set_={k: statement.excluded[k] for k in LIMIT_COLUMNS},
+        )
     )
     tenant_id = await session.scalar(select(Tenant.id).where(Tenant.name == seed.name))
     assert tenant_id is not None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from ledger.models import RunStatus
 from ledger.pricing import reservation_cost_micros
-from ledger.repositories import BudgetRepository, ModelInfo, ModelRepository, RunRepository, TenantInfo
+from ledger.repositories import (
+    BudgetRepository,
+    ModelInfo,
+    ModelRepository,
+    RunRepository,
+    TenantInfo,
+    TenantRepository,
+)
 from services import tokenization
 from services.admission_rules import (
     Sampling,
@@ -46,15 +54,22 @@ from services.admission_rules import (
     largest_cap_that_fits,
     normalize_float,
     payload_hash,
+    rate_window_retry_after,
 )
 from services.auth import Metadata, authenticate
 from services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
     BUDGET_TOO_SMALL_FOR_PROMPT,
+    CONCURRENCY_LIMIT,
+    CONTEXT_ADVICE_LOWER_CAP,
+    CONTEXT_ADVICE_SHORTEN_PROMPT,
     MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
     NO_BUDGET,
     REQUEST_KEY_REUSED,
+    RETRY_AFTER_MS_KEY,
     TIER_NOT_ALLOWED,
+    TOKENS_PER_MINUTE_LIMIT,
+    TOKENS_PER_MINUTE_NEVER_FITS,
     UNKNOWN_MODEL,
     AlreadyExists,
     NotFound,
@@ -65,6 +80,8 @@ from services.errors import (
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
+
+RATE_WINDOW = dt.timedelta(seconds=60)  # the tokens-per-minute window, sliding
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +186,8 @@ class AdmissionService:
                 max_output_tokens=existing.max_output_tokens,
                 deduplicated=True,
             )
+        if tenant.has_rate_limits:
+            await _check_rate_limits(session, prepared, run_id)
         await self._reserve(session, prepared)
         return Admitted(
             run_id=run_id,
@@ -211,6 +230,50 @@ class AdmissionService:
             if await budgets.try_reserve(tenant_id, tokens, cost):
                 return
         raise await _budget_refusal(budgets, prepared)
+
+
+async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id: uuid.UUID) -> None:
+    """Concurrent-run and tokens-per-minute limits, exact across all admission instances.
+
+    The tenant row lock (held to COMMIT) serializes this tenant's checks everywhere, and under it
+    each check reads committed state plus this transaction's own new run, so no interleaving of
+    instances can admit past a limit. Tenants without limits skip the lock entirely.
+    """
+    tenant = prepared.tenant
+    await TenantRepository(session).lock_for_admission(tenant.id)
+    runs = RunRepository(session)
+    if tenant.max_concurrent_runs is not None:
+        others = await runs.count_active(tenant.id) - 1  # the count includes the run just inserted
+        if others >= tenant.max_concurrent_runs:
+            raise ResourceExhausted(CONCURRENCY_LIMIT.format(active=others, limit=tenant.max_concurrent_runs))
+    if tenant.tokens_per_minute is not None:
+        await _check_tokens_per_minute(runs, prepared, tenant.tokens_per_minute, run_id)
+
+
+async def _check_tokens_per_minute(runs: RunRepository, prepared: _Prepared, limit: int,
+                                   run_id: uuid.UUID) -> None:
+    tenant_id, needed = prepared.tenant.id, prepared.reserved_tokens
+    admitted = await runs.tokens_admitted_in_window(tenant_id, RATE_WINDOW, excluding=run_id)
+    if admitted + needed <= limit:
+        return
+    if needed > limit:
+        advice = _advice_for_limit(limit, len(prepared.prompt_token_ids))
+        raise ResourceExhausted(
+            TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice)
+        )
+    entries = await runs.admitted_in_window(tenant_id, RATE_WINDOW, excluding=run_id)
+    wait = rate_window_retry_after(entries, limit, needed, RATE_WINDOW)
+    wait_ms = math.ceil(wait / dt.timedelta(milliseconds=1))
+    raise ResourceExhausted(
+        TOKENS_PER_MINUTE_LIMIT.format(admitted=admitted, limit=limit, needed=needed, retry_after_ms=wait_ms),
+        metadata=[(RETRY_AFTER_MS_KEY, str(wait_ms))],
+    )
+
+
+def _advice_for_limit(limit: int, prompt_tokens: int) -> str:
+    if prompt_tokens < limit:
+        return CONTEXT_ADVICE_LOWER_CAP.format(fit=limit - prompt_tokens)
+    return CONTEXT_ADVICE_SHORTEN_PROMPT.format(limit=limit)
 
 
 async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> ResourceExhausted:

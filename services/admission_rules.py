@@ -6,12 +6,15 @@ the service (services/admission.py) runs them in order around its database work.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ledger.pricing import PriceCard, largest_output_cap_within_cost
+from ledger.repositories import WindowEntry
 from services.errors import (
     CONTEXT_ADVICE_LOWER_CAP,
     CONTEXT_ADVICE_SHORTEN_PROMPT,
@@ -135,3 +138,21 @@ def largest_cap_that_fits(model: PriceCard, prompt_tokens: int, tokens_left: int
     fit = min(tokens_left - prompt_tokens, context_limit - prompt_tokens)
     by_cost = largest_output_cap_within_cost(model, prompt_tokens, cost_left_micros)
     return fit if by_cost is None else min(fit, by_cost)
+
+
+def rate_window_retry_after(entries: Sequence[WindowEntry], limit: int, needed: int,
+                            window: dt.timedelta) -> dt.timedelta:
+    """How long until enough of the window's admissions age out for `needed` more tokens to fit.
+
+    `entries` are oldest first; each leaves the window when its age reaches `window`. Requires
+    needed <= limit (a request larger than the limit never fits; the caller says so instead).
+    """
+    assert needed <= limit, f"request of {needed} tokens can never fit a limit of {limit}"
+    total = sum(entry.tokens for entry in entries)
+    wait = dt.timedelta(0)
+    for entry in entries:
+        if total + needed <= limit:
+            break
+        total -= entry.tokens
+        wait = window - entry.age
+    return max(wait, dt.timedelta(0))

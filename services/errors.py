@@ -71,6 +71,20 @@ BUDGET_TOO_SMALL_FOR_PROMPT = (
 )
 NO_BUDGET = "no budget is configured for this tenant in the current period: ask an operator to set one"
 
+# Limits shared by all admission instances (RESOURCE_EXHAUSTED)
+CONCURRENCY_LIMIT = (
+    "concurrent run limit reached: {active} runs of this tenant are in flight and the limit is {limit}:"
+    " retry when one of them finishes"
+)
+TOKENS_PER_MINUTE_LIMIT = (
+    "tokens-per-minute limit reached: {admitted:,} of {limit:,} tokens admitted in the last 60 s and"
+    " this request needs {needed:,} (prompt + max_output_tokens): retry after {retry_after_ms} ms"
+)
+TOKENS_PER_MINUTE_NEVER_FITS = (
+    "this request needs {needed:,} tokens (prompt + max_output_tokens), more than this tenant's"
+    " tokens-per-minute limit of {limit:,}: {advice}"
+)
+
 # Trailing-metadata keys that carry machine-readable hints with the error.
 MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
 RETRY_AFTER_MS_KEY = "retry-after-ms"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from ledger.repositories import WindowEntry
 from services import errors
 from services.admission_rules import (
     Sampling,
@@ -13,6 +16,7 @@ from services.admission_rules import (
     largest_cap_that_fits,
     normalize_float,
     payload_hash,
+    rate_window_retry_after,
 )
 from services.auth import api_key_from_metadata
 from tests.support.ledger_factories import DEFAULT_MODEL
@@ -113,3 +117,12 @@ def test_no_usable_key_is_unauthenticated(metadata):
     with pytest.raises(errors.Unauthenticated) as caught:
         api_key_from_metadata(metadata)
     assert caught.value.message == errors.MISSING_API_KEY
+
+
+def test_retry_after_waits_for_just_enough_of_the_oldest_admissions_to_age_out():
+    window = timedelta(seconds=60)
+    entries = [WindowEntry(timedelta(seconds=50), 300), WindowEntry(timedelta(seconds=20), 300),
+               WindowEntry(timedelta(seconds=5), 300)]
+    assert rate_window_retry_after(entries, limit=1_000, needed=100, window=window) == timedelta(0)
+    assert rate_window_retry_after(entries, limit=1_000, needed=400, window=window) == timedelta(seconds=10)
+    assert rate_window_retry_after(entries, limit=1_000, needed=700, window=window) == timedelta(seconds=40)
