@@ -266,7 +266,7 @@ class EngineCore:
             return 0
         block_size = self.pool.block_size
         hits = self.pool.lookup(block_hashes(token_ids, block_size))
-        return min(len(hits), (len(token_ids) - 1) // block_size) * block_size
+        return max(0, min(len(hits), (len(token_ids) - 1) // block_size)) * block_size
 
     @property
     def num_running(self) -> int:

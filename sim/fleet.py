@@ -190,6 +190,8 @@ class _Run:
                     self.wake(replica, at)
             elif turn is not None:
                 self.arrive(turn, at)
+        for replica in self.fleet.replicas:
+            self.flush_plan(replica, end)
         return self.report(time.process_time() - cpu, time.perf_counter() - wall)
 
     def send_next_turn(self, conversation: Conversation, at: float, fresh: bool = False) -> None:
@@ -258,6 +260,17 @@ class _Run:
         replica.plan_ends = []
         replica.pending = ()
         self.push_wake(ends[started - 1], replica)
+
+    def flush_plan(self, replica: SimReplica, end: float) -> None:
+        """At the end of the run, apply the planned steps that started by `end`, as single steps
+        would have been; what they would deliver after `end` is not delivered."""
+        ends = replica.plan_ends
+        if ends:
+            started = min(bisect_right(ends, end) + 1, len(ends))
+            replica.kv_area += replica.engine.pool.num_used * (ends[started - 1] - replica.plan_start)
+            run = replica.engine.run_decode(started)
+            self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+            replica.plan_ends = []
 
     def wake(self, replica: SimReplica, at: float) -> None:
         if replica.plan_ends:
