@@ -80,14 +80,17 @@ def _migrate(dsn: str) -> None:
     command.upgrade(config, "head")
 
 
-async def _prepare(dsn: str) -> None:
+async def _prepare(dsn: str, limits: bool) -> None:
     await asyncio.to_thread(_migrate, dsn)
     engine = make_engine(dsn, pool_size=1, max_overflow=0)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
             await upsert_model(session, TINY_CHAT)
+            # --limits: limits too high to refuse anything, so every submit pays for checking them.
             bench_tenant = TenantSeed("bench", BENCH_KEY, ("standard",), token_budget=10**12,
-                                      cost_budget_micros=10**15)
+                                      cost_budget_micros=10**15,
+                                      max_concurrent_runs=10**6 if limits else None,
+                                      tokens_per_minute=10**12 if limits else None)
             await ensure_tenant(session, bench_tenant, dt.datetime.now(dt.UTC).date().replace(day=1))
     finally:
         await engine.dispose()
@@ -123,12 +126,12 @@ async def _concurrent(stub: admission_pb2_grpc.AdmissionStub, count: int, concur
     return Figures(f"concurrency {concurrency}", count, time.perf_counter() - started, latencies)
 
 
-async def run(count: int, concurrency: int, warmup: int) -> list[Figures]:
+async def run(count: int, concurrency: int, warmup: int, limits: bool = False) -> list[Figures]:
     database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE DATABASE "{database}"')
     dsn = _url(configured_dsn(), database)
     try:
-        await _prepare(dsn)
+        await _prepare(dsn, limits)
         engine = make_engine(dsn, pool_size=max(4, concurrency), max_overflow=0)
         server = grpc.aio.server()
         add_admission_servicer(server, make_sessionmaker(engine), load_config())
@@ -151,9 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", "--count", type=int, default=1000, help="submits per phase")
     parser.add_argument("-c", "--concurrency", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--limits", action="store_true",
+                        help="give the tenant (non-binding) concurrency and tokens-per-minute limits")
     args = parser.parse_args(argv)
-    figures = asyncio.run(run(args.count, args.concurrency, args.warmup))
-    print(f"Submit latency, prompt of {len(PROMPT)} chars, cap 64, in-process grpc.aio + PostgreSQL")
+    figures = asyncio.run(run(args.count, args.concurrency, args.warmup, args.limits))
+    limits = "with" if args.limits else "without"
+    print(f"Submit latency, prompt of {len(PROMPT)} chars, cap 64, in-process grpc.aio + PostgreSQL,"
+          f" tenant {limits} rate limits")
     for figure in figures:
         print(figure.render())
 

@@ -101,6 +101,12 @@ class BudgetState:
 
 
 @dataclass(frozen=True, slots=True)
+class LimitUsage:
+    active_runs: int                 # runs not yet terminal
+    tokens_in_window: int            # prompt + cap reserved by runs admitted within the window
+
+
+@dataclass(frozen=True, slots=True)
 class WindowEntry:
     age: dt.timedelta                # how long ago the run was admitted (database clock)
     tokens: int                      # what it reserved: prompt + output cap
@@ -190,28 +196,26 @@ class RunRepository:
         """The run if it belongs to `tenant_id`; another tenant's run is indistinguishable from none."""
         return await self._session.scalar(select(Run).where(Run.id == run_id, Run.tenant_id == tenant_id))
 
-    async def count_active(self, tenant_id: uuid.UUID) -> int:
-        """The tenant's runs not yet terminal (including any this transaction inserted)."""
-        return int(
-            await self._session.scalar(
-                select(func.count()).select_from(Run).where(
-                    Run.tenant_id == tenant_id, Run.status.in_([s.value for s in ACTIVE_STATUSES])
-                )
-            )
-            or 0
-        )
+    async def limit_usage(self, tenant_id: uuid.UUID, window: dt.timedelta,
+                          excluding: uuid.UUID) -> LimitUsage:
+        """What the tenant's OTHER runs hold against its limits, in one round trip.
 
-    async def tokens_admitted_in_window(self, tenant_id: uuid.UUID, window: dt.timedelta,
-                                        excluding: uuid.UUID) -> int:
-        """Tokens (prompt + cap) reserved by the tenant's other runs created within `window`."""
-        return int(
-            await self._session.scalar(
-                select(func.coalesce(func.sum(Run.reserved_tokens), 0)).where(
-                    Run.tenant_id == tenant_id, Run.created_at > func.now() - window, Run.id != excluding
-                )
-            )
-            or 0
+        Call it after locking the tenant row: each subquery then reads everything committed
+        before the lock was granted (READ COMMITTED takes the statement's snapshot after it).
+        """
+        others = (Run.tenant_id == tenant_id, Run.id != excluding)
+        active = (
+            select(func.count()).select_from(Run)
+            .where(*others, Run.status.in_([s.value for s in ACTIVE_STATUSES]))
+            .scalar_subquery()
         )
+        in_window = (
+            select(func.coalesce(func.sum(Run.reserved_tokens), 0))
+            .where(*others, Run.created_at > func.now() - window)
+            .scalar_subquery()
+        )
+        row = (await self._session.execute(select(active, in_window))).one()
+        return LimitUsage(active_runs=int(row[0]), tokens_in_window=int(row[1]))
 
     async def admitted_in_window(self, tenant_id: uuid.UUID, window: dt.timedelta,
                                  excluding: uuid.UUID) -> list[WindowEntry]:

@@ -242,30 +242,25 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
     tenant = prepared.tenant
     await TenantRepository(session).lock_for_admission(tenant.id)
     runs = RunRepository(session)
-    if tenant.max_concurrent_runs is not None:
-        others = await runs.count_active(tenant.id) - 1  # the count includes the run just inserted
-        if others >= tenant.max_concurrent_runs:
-            raise ResourceExhausted(CONCURRENCY_LIMIT.format(active=others, limit=tenant.max_concurrent_runs))
-    if tenant.tokens_per_minute is not None:
-        await _check_tokens_per_minute(runs, prepared, tenant.tokens_per_minute, run_id)
-
-
-async def _check_tokens_per_minute(runs: RunRepository, prepared: _Prepared, limit: int,
-                                   run_id: uuid.UUID) -> None:
-    tenant_id, needed = prepared.tenant.id, prepared.reserved_tokens
-    admitted = await runs.tokens_admitted_in_window(tenant_id, RATE_WINDOW, excluding=run_id)
-    if admitted + needed <= limit:
+    usage = await runs.limit_usage(tenant.id, RATE_WINDOW, excluding=run_id)
+    max_runs = tenant.max_concurrent_runs
+    if max_runs is not None and usage.active_runs >= max_runs:
+        raise ResourceExhausted(CONCURRENCY_LIMIT.format(active=usage.active_runs, limit=max_runs))
+    limit, needed = tenant.tokens_per_minute, prepared.reserved_tokens
+    if limit is None or usage.tokens_in_window + needed <= limit:
         return
     if needed > limit:
         advice = _advice_for_limit(limit, len(prepared.prompt_token_ids))
         raise ResourceExhausted(
             TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice)
         )
-    entries = await runs.admitted_in_window(tenant_id, RATE_WINDOW, excluding=run_id)
+    entries = await runs.admitted_in_window(tenant.id, RATE_WINDOW, excluding=run_id)
     wait = rate_window_retry_after(entries, limit, needed, RATE_WINDOW)
     wait_ms = math.ceil(wait / dt.timedelta(milliseconds=1))
     raise ResourceExhausted(
-        TOKENS_PER_MINUTE_LIMIT.format(admitted=admitted, limit=limit, needed=needed, retry_after_ms=wait_ms),
+        TOKENS_PER_MINUTE_LIMIT.format(
+            admitted=usage.tokens_in_window, limit=limit, needed=needed, retry_after_ms=wait_ms
+        ),
         metadata=[(RETRY_AFTER_MS_KEY, str(wait_ms))],
     )
 
