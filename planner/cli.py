@@ -27,8 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--simulate", action="store_true",
                         help="run the fleet simulator on the planned fleet and print its p95 TTFT, ITL and "
                              "utilization beside the analytical figures")
-    parser.add_argument("--sim-seconds", type=float, default=120.0,
-                        help="simulated seconds of peak traffic for --simulate (default 120)")
+    parser.add_argument("--sim-seconds", type=float, default=300.0,
+                        help="simulated seconds of peak traffic for --simulate (default 300)")
     return parser
 
 
