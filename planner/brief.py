@@ -216,9 +216,8 @@ def _model(section: Reader) -> ModelProfile:
     shape_given = [key for key in _MODEL_SHAPE if section.has(key)]
     if section.has("preset"):
         if shape_given:
-            field = section.field("preset")
-            raise BriefError(field, PRESET_OR_SHAPE.format(field=section.field(""), known=", ".join(
-                _MODEL_SHAPE)))
+            raise BriefError(section.path, PRESET_OR_SHAPE.format(field=section.path,
+                                                                  known=", ".join(_MODEL_SHAPE)))
         preset = section.text("preset")
         if preset not in MODEL_PRESETS:
             field = section.field("preset")
@@ -286,8 +285,7 @@ def _demand(section: Reader) -> Demand:
     turn = section.optional_number("turn_period_s")
     read = section.optional_number("read_and_type_s")
     if not ((duty is not None and turn is not None) or (duty is None and turn is None and read is not None)):
-        field = section.field("")[:-1]
-        raise BriefError(field, DUTY_OR_READ_TIME.format(field=field))
+        raise BriefError(section.path, DUTY_OR_READ_TIME.format(field=section.path))
     return Demand(
         users=section.number("users"),
         duty_cycle=duty,

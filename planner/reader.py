@@ -43,6 +43,10 @@ class Reader:
                 field = self.field(str(key))
                 raise BriefError(field, UNKNOWN_FIELD.format(field=field, known=", ".join(known)))
 
+    @property
+    def path(self) -> str:
+        return self._path
+
     def field(self, key: str) -> str:
         return f"{self._path}.{key}" if self._path else key
 

@@ -8,8 +8,9 @@ the chain follows exactly.
 from pathlib import Path
 
 import pytest
+import yaml
 
-from planner import Plan, load_brief, plan
+from planner import Plan, load_brief, parse_brief, plan
 
 SEED000 = Path(__file__).resolve().parents[1] / "examples" / "briefs" / "seed000.yaml"
 
@@ -76,3 +77,12 @@ def test_the_cost_model_shows_the_measured_goodput_is_the_conservative_input(see
 def test_without_a_prefix_cache_there_is_no_hit_rate_to_fall(seed000: Plan) -> None:
     assert [row.key for row in seed000.scenarios] == [
         "traffic_doubles", "inputs_double", "one_node_lost", "two_nodes_lost"]
+
+
+def test_ten_thousand_users_at_the_same_ratios_is_37_replicas_not_the_seeds_45() -> None:
+    # 50,000 ÷ 2,000 = 25 → ÷ 0.7 = 35.7 → 36 → + 1 spare = 37. Seed 000's "about 45" is 5 × 9:
+    # it multiplies the spare along with the serving replicas.
+    data = yaml.safe_load(SEED000.read_text())
+    del data["reference"]
+    data["demand"]["users"] = 10_000
+    assert plan(parse_brief(data)).replicas == 37
