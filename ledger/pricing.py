@@ -13,9 +13,14 @@ TOKENS_PER_PRICE_UNIT = 1_000_000
 
 
 class PriceCard(Protocol):
-    price_input_per_m_micros: int
-    price_cached_input_per_m_micros: int
-    price_output_per_m_micros: int
+    """Anything with a price card: the Model row, ModelInfo, a test spec."""
+
+    @property
+    def price_input_per_m_micros(self) -> int: ...
+    @property
+    def price_cached_input_per_m_micros(self) -> int: ...
+    @property
+    def price_output_per_m_micros(self) -> int: ...
 
 
 def cost_micros(model: PriceCard, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> int:

@@ -17,8 +17,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Date, cast, func, literal_column, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Date,
+    Interval,
+    cast,
+    func,
+    literal_column,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Result
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, Tenant
@@ -220,7 +232,7 @@ class RunRepository:
     async def admitted_in_window(self, tenant_id: uuid.UUID, window: dt.timedelta,
                                  excluding: uuid.UUID) -> list[WindowEntry]:
         """(age, reserved tokens) of the tenant's other runs created within `window`, oldest first."""
-        age = func.now() - Run.created_at
+        age = type_coerce(func.now() - Run.created_at, Interval)
         rows = await self._session.execute(
             select(age, Run.reserved_tokens)
             .where(Run.tenant_id == tenant_id, Run.created_at > func.now() - window, Run.id != excluding)
@@ -267,7 +279,7 @@ class BudgetRepository:
             )
             .execution_options(synchronize_session=False)
         )
-        return result.rowcount == 1  # type: ignore[attr-defined]
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
     async def current(self, tenant_id: uuid.UUID) -> BudgetState | None:
         budget = await self._session.scalar(
@@ -302,13 +314,14 @@ class BudgetRepository:
             .order_by(Budget.period_start.desc())
             .limit(1)
         )
-        statement = (
+        columns = ["tenant_id", "period_start", "token_budget", "cost_budget_micros"]
+        opened: Result[Any] = await self._session.execute(
             pg_insert(Budget)
-            .from_select(["tenant_id", "period_start", "token_budget", "cost_budget_micros"], latest)
+            .from_select(columns, latest)
             .on_conflict_do_nothing(index_elements=[Budget.tenant_id, Budget.period_start])
             .returning(literal_column("1"))
         )
-        return (await self._session.execute(statement)).first() is not None
+        return opened.first() is not None
 
     async def settle(self, tenant_id: uuid.UUID, run_created_at: dt.datetime, *, released_tokens: int,
                      released_cost_micros: int, used_tokens: int, used_cost_micros: int) -> None:

@@ -29,7 +29,7 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc.aio
 from sqlalchemy import func
@@ -293,8 +293,8 @@ async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> Res
 # --- gRPC edge ------------------------------------------------------------------------------------
 
 
-def run_status_to_proto(status: RunStatus | str) -> common_pb2.RunStatus.ValueType:
-    return common_pb2.RunStatus.Value(f"RUN_STATUS_{RunStatus(status).value}")
+def run_status_to_proto(status: RunStatus | str) -> common_pb2.RunStatus:
+    return cast("common_pb2.RunStatus", common_pb2.RunStatus.Value(f"RUN_STATUS_{RunStatus(status).value}"))
 
 
 def intent_from_proto(request: admission_pb2.SubmitRequest) -> SubmitIntent:

@@ -210,7 +210,7 @@ def grpc_errors(method: Callable[P, R]) -> Callable[P, R]:
         async def stream_wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
             context = args[-1]
             try:
-                async for item in method(*args, **kwargs):  # type: ignore[attr-defined]
+                async for item in method(*args, **kwargs):
                     yield item
             except SluiceError as error:
                 await abort_with(context, error)
@@ -219,7 +219,7 @@ def grpc_errors(method: Callable[P, R]) -> Callable[P, R]:
             except Exception as error:
                 await _abort_unexpected(context, name, error)
 
-        return stream_wrapper  # type: ignore[return-value]
+        return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
