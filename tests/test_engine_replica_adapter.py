@@ -1,0 +1,160 @@
+"""The engine core behind the Triton host: the adapter alone, then a real pytriton replica."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.sampling import TokenSpace, tokens_between
+from replica.engine_api import EngineRequestError, GenerationRequest
+from replica.engine_core_adapter import ERR_OUTPUT_LENGTH, CoreEngine, CoreSettings, batcher_stats
+from replica.generator import prompt_seed
+
+SPACE = TokenSpace(vocab_size=4096, first_normal_id=4)
+SETTINGS = CoreSettings(model="llama-3-8b", hardware="h100-sxm", tp=1, block_size=4, num_blocks=64,
+                        max_num_seqs=8, max_num_tokens=64, time_scale=0.5)
+
+
+def expected(prompt: tuple[int, ...], count: int, seed: int | None = None) -> list[int]:
+    return tokens_between(SPACE, prompt_seed(prompt) if seed is None else seed, 0, count)
+
+
+def drain(engine: CoreEngine) -> list[tuple[str, tuple[int, ...], bool, str | None]]:
+    seen = []
+    while engine.has_work():
+        for output in engine.step().outputs:
+            seen.append((output.request_id, output.new_token_ids, output.finished, output.finish_reason))
+    return seen
+
+
+def test_the_adapter_streams_the_cores_tokens_one_per_step() -> None:
+    engine = CoreEngine(SETTINGS)
+    prompt = (11, 12, 13)
+    engine.add_request(GenerationRequest("a", prompt, 5, None, prompt_seed(prompt)))
+    outputs = drain(engine)
+    assert [ids for _, ids, _, _ in outputs] == [(t,) for t in expected(prompt, 5)]
+    assert outputs[-1][2:] == (True, "length")
+
+
+def test_step_durations_are_the_cost_model_times_the_time_scale() -> None:
+    engine = CoreEngine(SETTINGS)
+    engine.add_request(GenerationRequest("a", (1, 2, 3), 2, None, 7))
+    result = engine.step()
+    assert result.duration_s == pytest.approx(engine.last_modelled_s * 0.5)
+    assert engine.last_modelled_s == engine.cost_model.step_time_totals_s(3, 0, 0, 3)
+
+
+def test_abort_frees_the_request_and_reports_it_known_once() -> None:
+    engine = CoreEngine(SETTINGS)
+    engine.add_request(GenerationRequest("a", (1, 2, 3, 4, 5), 50, None, 7))
+    engine.step()
+    assert engine.stats().kv_used_blocks == 2
+    assert engine.abort("a") is True
+    assert engine.abort("a") is False
+    assert (engine.stats().kv_used_blocks, engine.stats().active, engine.has_work()) == (0, 0, False)
+
+
+def test_core_errors_become_the_hosts_request_errors() -> None:
+    engine = CoreEngine(SETTINGS)
+    with pytest.raises(EngineRequestError, match="needs 75 KV blocks"):
+        engine.add_request(GenerationRequest("big", tuple(range(200)), 100, None, 1))
+
+
+def test_stats_carry_the_cores_kv_counters() -> None:
+    engine = CoreEngine(SETTINGS)
+    for rid in ("a", "b"):
+        engine.add_request(GenerationRequest(rid, tuple(range(10, 19)), 3, None, 1))
+        drain(engine)
+    stats = engine.stats()
+    assert (stats.kv_max_blocks, stats.kv_tokens_per_block, stats.kv_reused_blocks) == (64, 4, 2)
+    assert batcher_stats(engine)["kv_fraction"] == 0.0
+
+
+def test_settings_read_the_replica_section() -> None:
+    settings = CoreSettings.from_section({"engine": "core", "model": "llama-3-70b", "weights": "fp8", "tp": 8,
+                                          "time_scale": 0.25, "prefix_reuse": False, "token_delay_ms": 20})
+    assert (settings.model, settings.weights, settings.tp, settings.time_scale, settings.prefix_reuse) == (
+        "llama-3-70b", "fp8", 8, 0.25, False)
+    assert CoreEngine(settings).core.pool.num_blocks == settings.cost_model().kv_capacity_blocks(32)
+
+
+def test_an_unknown_output_length_mode_is_rejected() -> None:
+    with pytest.raises(ValueError) as error:
+        CoreSettings(output_length="uniform")
+    assert str(error.value) == ERR_OUTPUT_LENGTH.format("uniform")
+
+
+# --- a real Triton replica (pytriton) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def core_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from tests.support.replica_proc import ReplicaProcess, free_ports, replica_env, stop_replica, wait_ready
+
+    log_dir: Path = tmp_path_factory.mktemp("core-replica")
+    grpc_port, http_port, metrics_port = free_ports(3)
+    settings = {"engine": "core", "model": "llama-3-8b", "hardware": "h100-sxm", "tp": 1, "block_size": 4,
+                "num_blocks": 256, "time_scale": 1.0, "vocab_size": 4096, "first_normal_id": 4}
+    log_path = log_dir / "replica.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "replica.engine_core_adapter", "--name", "c0"],
+            env=replica_env("c0", grpc_port, http_port, metrics_port, settings),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    replica = ReplicaProcess("c0", f"127.0.0.1:{grpc_port}", http_port, metrics_port, process, log_path)
+    try:
+        wait_ready(replica)
+        yield replica
+    finally:
+        stop_replica(replica)
+
+
+def scrape(replica: object) -> dict[str, float]:
+    port = replica.metrics_port  # type: ignore[attr-defined]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in body.splitlines():
+        match = re.match(r'nv_trt_llm_(\w+)_metrics\{(?:\w+)="(\w+)".*\} ([0-9.e+-]+)', line)
+        if match:
+            values[f"{match.group(1)}.{match.group(2)}"] = float(match.group(3))
+    return values
+
+
+@pytest.mark.integration
+async def test_a_core_replica_streams_reuses_prefixes_stops_and_reports_state(core_replica: object) -> None:
+    from services import replica_client as rc
+
+    address = core_replica.grpc_address  # type: ignore[attr-defined]
+    prompt = tuple(range(100, 110))
+    first = [chunk async for chunk in rc.stream_generate(address, "first", prompt, 6)]
+    assert [chunk.token_ids for chunk in first] == [(t,) for t in expected(prompt, 6)]
+    assert {(c.num_input_tokens, c.kv_cache_reused_blocks) for c in first} == {(10, 0)}
+    second = [chunk async for chunk in rc.stream_generate(address, "second", prompt, 2)]
+    assert {c.kv_cache_reused_blocks for c in second} == {2}          # (10 − 1) // 4 full blocks cached
+
+    stream = rc.stream_generate(address, "long", tuple(range(500, 540)), 5000 // 4)
+    received = []
+    async for chunk in stream:
+        received.append(chunk)
+        if len(received) == 20:
+            metrics = await asyncio.to_thread(scrape, core_replica)
+            # 40 prompt tokens + ~20 generated on 4-token blocks: ~15 blocks held by the one request.
+            assert metrics["request.active"] == 1
+            assert 13 <= metrics["kv_cache_block.used"] <= 18
+            assert metrics["kv_cache_block.max"] == 256
+            started = time.monotonic()
+            await rc.stop(address, "long")
+            assert time.monotonic() - started < 1.0
+    assert received[-1].stopped
+    await asyncio.sleep(0.3)
+    after = await asyncio.to_thread(scrape, core_replica)
+    assert (after["request.active"], after["kv_cache_block.used"]) == (0, 0)
+    assert after["kv_cache_block.reused"] == 2
