@@ -1,4 +1,5 @@
-"""Admission Submit latency on the real PostgreSQL: `python -m bench.bench_submit [-n 1000] [-c 16]`.
+"""Admission Submit latency on the real PostgreSQL:
+`python -m bench.bench_submit [-n 1000] [-c 16] [--tenants 16] [--limits]`.
 
 Runs Admission in-process (grpc.aio on a free loopback port) against a throwaway database created
 on the configured server, migrated with alembic and seeded with the tiny-chat model, and measures
@@ -52,7 +53,7 @@ class Figures:
             return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
         return (
-            f"{self.label:<28} n={self.count:<5} p50={pct(50):6.2f} ms  p95={pct(95):6.2f} ms"
+            f"{self.label:<30} n={self.count:<5} p50={pct(50):6.2f} ms  p95={pct(95):6.2f} ms"
             f"  p99={pct(99):6.2f} ms  max={ordered[-1]:6.2f} ms  mean={statistics.fmean(ordered):6.2f} ms"
             f"  throughput={self.count / self.wall_s:7.1f}/s"
         )
@@ -80,28 +81,33 @@ def _migrate(dsn: str) -> None:
     command.upgrade(config, "head")
 
 
-async def _prepare(dsn: str, limits: bool) -> None:
+def bench_key(tenant: int) -> str:
+    return f"{BENCH_KEY}-{tenant}"
+
+
+async def _prepare(dsn: str, limits: bool, tenants: int) -> None:
     await asyncio.to_thread(_migrate, dsn)
     engine = make_engine(dsn, pool_size=1, max_overflow=0)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
             await upsert_model(session, TINY_CHAT)
             # --limits: limits too high to refuse anything, so every submit pays for checking them.
-            bench_tenant = TenantSeed("bench", BENCH_KEY, ("standard",), token_budget=10**12,
-                                      cost_budget_micros=10**15,
-                                      max_concurrent_runs=10**6 if limits else None,
-                                      tokens_per_minute=10**12 if limits else None)
-            await ensure_tenant(session, bench_tenant, dt.datetime.now(dt.UTC).date().replace(day=1))
+            for tenant in range(tenants):
+                bench_tenant = TenantSeed(f"bench-{tenant}", bench_key(tenant), ("standard",),
+                                          token_budget=10**12, cost_budget_micros=10**15,
+                                          max_concurrent_runs=10**6 if limits else None,
+                                          tokens_per_minute=10**12 if limits else None)
+                await ensure_tenant(session, bench_tenant, dt.datetime.now(dt.UTC).date().replace(day=1))
     finally:
         await engine.dispose()
 
 
-async def _submit_timed(stub: admission_pb2_grpc.AdmissionStub, latencies: list[float]) -> None:
+async def _submit_timed(stub: admission_pb2_grpc.AdmissionStub, latencies: list[float], key: str) -> None:
     request = admission_pb2.SubmitRequest(
         model="chat", input=PROMPT.encode(), max_output_tokens=64, request_key=uuid.uuid4().hex
     )
     started = time.perf_counter()
-    await stub.Submit(request, metadata=(("x-api-key", BENCH_KEY),))
+    await stub.Submit(request, metadata=(("x-api-key", key),))
     latencies.append((time.perf_counter() - started) * 1000)
 
 
@@ -109,29 +115,33 @@ async def _sequential(stub: admission_pb2_grpc.AdmissionStub, count: int) -> Fig
     latencies: list[float] = []
     started = time.perf_counter()
     for _ in range(count):
-        await _submit_timed(stub, latencies)
+        await _submit_timed(stub, latencies, bench_key(0))
     return Figures("sequential", count, time.perf_counter() - started, latencies)
 
 
-async def _concurrent(stub: admission_pb2_grpc.AdmissionStub, count: int, concurrency: int) -> Figures:
+async def _concurrent(stub: admission_pb2_grpc.AdmissionStub, count: int, concurrency: int,
+                      tenants: int) -> Figures:
+    """`concurrency` workers; worker i submits as tenant i mod `tenants` (1: all share one budget row)."""
     latencies: list[float] = []
     remaining = iter(range(count))
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
         for _ in remaining:
-            await _submit_timed(stub, latencies)
+            await _submit_timed(stub, latencies, bench_key(index % tenants))
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Figures(f"concurrency {concurrency}", count, time.perf_counter() - started, latencies)
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    label = f"concurrency {concurrency}, {tenants} tenant{'s' if tenants > 1 else ''}"
+    return Figures(label, count, time.perf_counter() - started, latencies)
 
 
-async def run(count: int, concurrency: int, warmup: int, limits: bool = False) -> list[Figures]:
+async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
+              tenants: int = 1) -> list[Figures]:
     database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE DATABASE "{database}"')
     dsn = _url(configured_dsn(), database)
     try:
-        await _prepare(dsn, limits)
+        await _prepare(dsn, limits, max(tenants, 1))
         engine = make_engine(dsn, pool_size=max(4, concurrency), max_overflow=0)
         server = grpc.aio.server()
         add_admission_servicer(server, make_sessionmaker(engine), load_config())
@@ -141,7 +151,10 @@ async def run(count: int, concurrency: int, warmup: int, limits: bool = False) -
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = admission_pb2_grpc.AdmissionStub(channel)
                 await _sequential(stub, warmup)  # tokenizer load, pool fill, statement caches
-                return [await _sequential(stub, count), await _concurrent(stub, count, concurrency)]
+                figures = [await _sequential(stub, count), await _concurrent(stub, count, concurrency, 1)]
+                if tenants > 1:
+                    figures.append(await _concurrent(stub, count, concurrency, tenants))
+                return figures
         finally:
             await server.stop(None)
             await engine.dispose()
@@ -156,8 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--limits", action="store_true",
                         help="give the tenant (non-binding) concurrency and tokens-per-minute limits")
+    parser.add_argument("--tenants", type=int, default=16,
+                        help="also run the concurrent phase spread over this many tenants")
     args = parser.parse_args(argv)
-    figures = asyncio.run(run(args.count, args.concurrency, args.warmup, args.limits))
+    figures = asyncio.run(run(args.count, args.concurrency, args.warmup, args.limits, args.tenants))
     limits = "with" if args.limits else "without"
     print(f"Submit latency, prompt of {len(PROMPT)} chars, cap 64, in-process grpc.aio + PostgreSQL,"
           f" tenant {limits} rate limits")
