@@ -10,8 +10,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from ledger.db import make_engine
-from ledger.models import Base
+from ledger.db import make_engine, make_sessionmaker
+from ledger.models import Base, Model
+from ledger.repositories import TenantRepository
+from ledger.seed import DEMO_API_KEY, OTHER_API_KEY, seed
 from tests.support.db import create_database, drop_database, run_alembic, unique_name
 
 pytestmark = pytest.mark.integration
@@ -84,3 +86,26 @@ async def test_the_budget_check_constraints_refuse_an_overshoot_even_without_adm
                 await connection.execute(text("UPDATE budgets SET reserved_tokens = 60, used_tokens = 41"))
     finally:
         await engine.dispose()
+
+
+async def test_the_seed_is_idempotent_and_its_demo_key_authenticates(empty_database):
+    await run_alembic(empty_database, "upgrade", "head")
+
+    await seed(empty_database, DEMO_API_KEY, OTHER_API_KEY)
+    await seed(empty_database, DEMO_API_KEY, OTHER_API_KEY)
+
+    engine = make_engine(empty_database, pool_size=1, max_overflow=0)
+    try:
+        async with make_sessionmaker(engine)() as session:
+            counts = {
+                table: await session.scalar(text(f"SELECT count(*) FROM {table}"))
+                for table in ("models", "tenants", "api_keys", "budgets", "runs")
+            }
+            model = await session.get(Model, "tiny-chat-v1")
+            demo = await TenantRepository(session).by_api_key(DEMO_API_KEY)
+    finally:
+        await engine.dispose()
+    assert counts == {"models": 1, "tenants": 2, "api_keys": 2, "budgets": 2, "runs": 0}
+    assert model is not None
+    assert (model.alias, model.end_id, model.context_limit) == ("chat", 0, 4096)  # end_id: <|endoftext|>
+    assert demo is not None and demo.name == "demo"
