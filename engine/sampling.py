@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol
 
+import numpy as np
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_MIX = 0xBF58476D1CE4E5B9
 _LENGTH_STREAM = 0xA5A5_5A5A   # distinct stream for the length draw
+_SHORT = 16                    # below this many tokens plain Python beats numpy's call overhead
 
 INFEASIBLE_LOGNORMAL = ("no log-normal has mean {mean} and p95 {p95}: p95/mean must be in (1, 3.87); "
                         "model such tails as a mixture (e.g. multi-turn history)")
@@ -61,8 +65,13 @@ def tokens_between(space: TokenSpace, seed: int, start: int, stop: int) -> list[
     base = splitmix64(seed & _MASK64)
     low = space.first_normal_id
     span = space.vocab_size - low
-    return [low + ((((base ^ (i * _GOLDEN)) * 0xBF58476D1CE4E5B9) & _MASK64) >> 24) % span
-            for i in range(start, stop)]
+    if stop - start <= _SHORT:
+        return [low + ((((base ^ (i * _GOLDEN)) * _MIX) & _MASK64) >> 24) % span for i in range(start, stop)]
+    # The same arithmetic in wrapping uint64: (x * c) mod 2^64 depends only on x mod 2^64.
+    index = np.arange(start, stop, dtype=np.uint64)
+    mixed = (np.uint64(base) ^ (index * np.uint64(_GOLDEN))) * np.uint64(_MIX)
+    values: list[int] = ((mixed >> np.uint64(24)) % np.uint64(span) + np.uint64(low)).tolist()
+    return values
 
 
 class LengthDistribution(Protocol):

@@ -9,6 +9,10 @@
     E2E   last token − arrival
     goodput  requests per second that met every SLO given (TTFT, TPOT, E2E)
 
+Times are the replica's: arrival is when the router placed the request, so
+TTFT is queueing + prefill on the replica, without network, gateway or
+tokenization (seed 003 budgets ~47 ms for those on top).
+
 A request resumed after a pause (max_utilization) recomputes its context; that
 stall shows in its TPOT and E2E but not as an ITL sample.
 """
