@@ -126,6 +126,9 @@ class Fleet:
                          for index in range(config.replicas)]
         self._by_name = {replica.name: replica for replica in self.replicas}
 
+    def replica(self, name: str) -> SimReplica | None:
+        return self._by_name.get(name)
+
     def cached_tokens(self, replica: str, token_ids: Sequence[int]) -> int:
         """The oracle's probe: prompt tokens `replica` has cached right now."""
         return self._by_name[replica].engine.cached_prefix_tokens(token_ids)
@@ -215,7 +218,7 @@ class _Run:
         if decision is None:
             self.reject(turn, at)
             return
-        replica = self.fleet._by_name.get(decision.replica)
+        replica = self.fleet.replica(decision.replica)
         if replica is None:
             raise ValueError(UNKNOWN_REPLICA.format(name=decision.replica))
         self.policy.on_routed(request, decision, at)

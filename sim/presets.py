@@ -9,7 +9,8 @@ p95 output 1,200, a turn every ~180 s per user):
   n − 1 earlier exchanges: the mean prompt over all requests comes to ~1,200 tokens;
 - think time: exponential with mean 166 s after each answer (~14 s of answer → ~180 s a turn).
 Engine: the seed's vLLM settings mapped to TensorRT-LLM's (max_num_seqs 160, max_num_tokens
-2,048, chunked context, block reuse, 90% of HBM), 32-token blocks, guaranteed_no_evict.
+2,048, chunked context, block reuse, 90% of HBM), 32-token blocks, guaranteed_no_evict, and the
+seed's "+3 ms scheduler and sampling overhead" per step as the cost model's fixed overhead.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Preset:
 def _seed003() -> Preset:
     return Preset(
         fleet=FleetConfig(
-            replicas=8, tp=8, efficiency=CostFactors(memory_fraction=0.9),
+            replicas=8, tp=8, efficiency=CostFactors(memory_fraction=0.9, fixed_overhead_s=0.003),
             engine=EngineConfig(block_size=32, max_num_seqs=160, max_num_tokens=2048, stream_tokens=False),
         ),
         workload=WorkloadConfig(duration_s=600.0, users=10_000, think_time_s=166.0, warmup_s=60.0),

@@ -193,3 +193,21 @@ def test_an_unknown_arrival_mode_is_a_value_error() -> None:
     with pytest.raises(ValueError) as error:
         WorkloadConfig(arrival="burst")  # type: ignore[arg-type]
     assert str(error.value) == UNKNOWN_ARRIVAL.format(mode="burst")
+
+
+def test_the_cli_runs_a_preset_and_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.__main__ import main
+
+    main(["--preset", "small", "--duration", "20", "--users", "40"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("policy round_robin: 2 replicas, 18 s measured")
+    for label in ("TTFT", "TPOT", "ITL", "E2E", "goodput", "KV cache   hit rate", "simulated in"):
+        assert label in printed
+
+
+def test_an_unknown_preset_names_the_known_ones() -> None:
+    from sim.presets import UNKNOWN_PRESET, get_preset
+
+    with pytest.raises(ValueError) as error:
+        get_preset("seed999")
+    assert str(error.value) == UNKNOWN_PRESET.format(name="seed999", known="seed003, small")
