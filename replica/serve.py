@@ -49,6 +49,7 @@ LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
+ERR_TRITON_EXITED = "tritonserver exited during startup (its log lines above say why)"
 
 
 class StartupError(RuntimeError):
@@ -231,6 +232,38 @@ def build_engine(settings: ReplicaSettings) -> Engine:
     return SimpleGenerator(settings.generator)
 
 
+class _TritonExited(RuntimeError):
+    pass
+
+
+def _run_until_ready(triton: Any) -> None:
+    """triton.run(), but fail at once when tritonserver exits during startup.
+
+    pytriton itself only notices after its 120 s readiness timeout; here a
+    watcher sees the server process gone (e.g. a port taken after our check).
+    """
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            triton.run()
+            outcome.append(None)
+        except BaseException as exc:          # handed to the main thread
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, name="triton-start", daemon=True)
+    runner.start()
+    while not outcome:
+        runner.join(0.2)
+        # pytriton internals (guarded): the server object and its `sh` process handle once spawned.
+        server = getattr(triton, "_triton_server", None)
+        spawned = getattr(server, "_tritonserver_running_cmd", None) is not None
+        if server is not None and spawned and not server.is_alive() and not outcome:
+            raise _TritonExited(ERR_TRITON_EXITED)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
 def serve(settings: ReplicaSettings, started_at: float) -> int:
     check_ports_free(settings)
     ensure_libpython_on_library_path()
@@ -258,7 +291,10 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     triton = Triton(config=triton_config)
     try:
         bind_model(triton, TensorrtLlmModel(host))
-        triton.run()
+        _run_until_ready(triton)
+    except _TritonExited as exc:
+        # No triton.stop(): the stuck startup thread holds pytriton's lock until its 120 s timeout.
+        raise StartupError(ERR_TRITON_START.format(name=settings.name, error=exc)) from exc
     except Exception as exc:
         triton.stop()
         raise StartupError(ERR_TRITON_START.format(name=settings.name, error=exc)) from exc
