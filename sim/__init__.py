@@ -7,9 +7,9 @@
 `python -m sim --preset seed003` runs seed 003's fleet and prints the report.
 """
 
-from sim.fleet import Fleet, FleetConfig, SimReplica, run_fleet
+from sim.fleet import Fleet, FleetConfig, ReplicaRestart, SimReplica, run_fleet
 from sim.metrics import SLO, Distribution, FleetReport, ReplicaSummary
 from sim.workload import WorkloadConfig
 
-__all__ = ["Fleet", "FleetConfig", "SimReplica", "run_fleet", "SLO", "Distribution", "FleetReport",
-           "ReplicaSummary", "WorkloadConfig"]
+__all__ = ["Fleet", "FleetConfig", "ReplicaRestart", "SimReplica", "run_fleet", "SLO", "Distribution",
+           "FleetReport", "ReplicaSummary", "WorkloadConfig"]

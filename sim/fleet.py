@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from engine.core import EngineCore
 from engine.cost_model import CostFactors, CostModel
 from engine.profiles import HardwareProfile, ModelProfile, get_hardware, get_model
-from engine.types import EngineConfig, EngineRequest, EngineRequestError, RequestOutput
+from engine.types import EngineConfig, EngineRequest, EngineRequestError, EngineStats, RequestOutput
 from router.policy import ReplicaView, RouteRequest, RoutingPolicy, make_policy
 from sim.metrics import (
     SLO,
@@ -58,6 +58,19 @@ from sim.metrics import (
 from sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
 
 UNKNOWN_REPLICA = "the policy chose {name!r}, which is not a replica of this fleet"
+DOWN_REPLICA = "the policy chose {name!r}, which is down and was not among the candidates"
+
+_WAKE, _ARRIVAL, _DOWN, _UP = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRestart:
+    """Replica `replica` (index) dies at `at_s` and is serving again, with an empty cache, `down_s` later.
+    Its in-flight requests end INTERRUPTED and their users resend them at once (a new submit)."""
+
+    at_s: float
+    replica: int
+    down_s: float = 60.0
 
 
 
@@ -73,7 +86,8 @@ class FleetConfig:
     long_context_replicas: int = 0          # the last N replicas report long_context=True to the router
     name_prefix: str = "r"
     decode_runs: bool = True                # False: every step is its own event (the reference the
-                                            # fast path is tested against; ~5x slower)
+                                            # fast path is tested against)
+    restarts: tuple[ReplicaRestart, ...] = ()
 
     def cost_model(self) -> CostModel:
         return CostModel(self.model, self.hardware, self.tp, self.efficiency)
@@ -84,7 +98,7 @@ class SimReplica:
 
     __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
                  "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
-                 "paused")
+                 "paused", "down", "start_time", "retired")
 
     def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
         self.name = name
@@ -102,13 +116,17 @@ class SimReplica:
         self.gen_tokens = 0
         self.gen_steps = 0
         self.paused = 0
+        self.down = False
+        self.start_time = 0.0                  # changes at a restart, as the replica's gauge does
+        self.retired: list[EngineStats] = []   # final stats of engines lost to restarts
 
     def view(self, pool: str) -> ReplicaView:
         engine = self.engine
         return ReplicaView(name=self.name, pool=pool, block_size=engine.pool.block_size,
                            kv_capacity_blocks=engine.pool.num_blocks, long_context=self.long_context,
                            waiting=engine.num_waiting, running=engine.num_running,
-                           kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight)
+                           kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight,
+                           start_time=self.start_time)
 
 
 class Fleet:
@@ -117,14 +135,17 @@ class Fleet:
     def __init__(self, config: FleetConfig, workload: WorkloadConfig) -> None:
         self.config = config
         self.workload_config = workload
-        cost = config.cost_model()
-        engine_config = replace(config.engine, output_length=workload.output_tokens, tokens=workload.tokens,
-                                stream_tokens=False)
+        self._cost = config.cost_model()
+        self._engine_config = replace(config.engine, output_length=workload.output_tokens,
+                                      tokens=workload.tokens, stream_tokens=False)
         first_long = config.replicas - config.long_context_replicas
-        self.replicas = [SimReplica(f"{config.name_prefix}{index}", EngineCore(engine_config, cost),
+        self.replicas = [SimReplica(f"{config.name_prefix}{index}", self.fresh_engine(),
                                     long_context=index >= first_long)
                          for index in range(config.replicas)]
         self._by_name = {replica.name: replica for replica in self.replicas}
+
+    def fresh_engine(self) -> EngineCore:
+        return EngineCore(self._engine_config, self._cost)
 
     def replica(self, name: str) -> SimReplica | None:
         return self._by_name.get(name)
@@ -157,13 +178,15 @@ class _Run:
         self.config = fleet.workload_config
         self.workload = Workload(self.config)
         self.pool = self.config.model_version
-        # (time, insertion order, replica to wake, its version then, turn arriving): one of the two is set
-        self.heap: list[tuple[float, int, SimReplica | None, int, Turn | None]] = []
+        # (time, insertion order, kind, replica, its version then, turn): arrivals carry the turn,
+        # the other kinds the replica
+        self.heap: list[tuple[float, int, int, SimReplica | None, int, Turn | None]] = []
         self.counter = 0
         self.records: dict[str, RequestRecord] = {}
         self.turns: dict[str, tuple[Turn, RouteRequest, SimReplica]] = {}
         self.itl = ItlRecorder()
         self.rejected = 0
+        self.interrupted = 0
         self.arrived = 0
         self.outcomes: Counter[str] = Counter()
         self.events = 0
@@ -173,26 +196,40 @@ class _Run:
     def push_wake(self, at: float, replica: SimReplica) -> None:
         replica.version += 1
         self.counter += 1
-        heapq.heappush(self.heap, (at, self.counter, replica, replica.version, None))
+        heapq.heappush(self.heap, (at, self.counter, _WAKE, replica, replica.version, None))
 
     def push_arrival(self, at: float, turn: Turn) -> None:
         self.counter += 1
-        heapq.heappush(self.heap, (at, self.counter, None, 0, turn))
+        heapq.heappush(self.heap, (at, self.counter, _ARRIVAL, None, 0, turn))
+
+    def push_restart(self, restart: ReplicaRestart) -> None:
+        replica = self.fleet.replicas[restart.replica]
+        for at, kind in ((restart.at_s, _DOWN), (restart.at_s + restart.down_s, _UP)):
+            self.counter += 1
+            heapq.heappush(self.heap, (at, self.counter, kind, replica, 0, None))
 
     def execute(self) -> FleetReport:
         cpu, wall = time.process_time(), time.perf_counter()
         for at, conversation in self.workload.initial_arrivals():
             self.send_next_turn(conversation, at, fresh=True)
+        for restart in self.fleet.config.restarts:
+            self.push_restart(restart)
         end = self.config.duration_s
         heap = self.heap
         while heap and heap[0][0] <= end:
-            at, _, replica, version, turn = heapq.heappop(heap)
+            at, _, kind, replica, version, turn = heapq.heappop(heap)
             self.events += 1
-            if replica is not None:
-                if version == replica.version:     # else a wake that settle_plan replaced
-                    self.wake(replica, at)
-            elif turn is not None:
+            if kind == _ARRIVAL and turn is not None:
                 self.arrive(turn, at)
+            elif replica is None:
+                continue
+            elif kind == _WAKE:
+                if version == replica.version:     # else a wake that settle_plan or a restart replaced
+                    self.wake(replica, at)
+            elif kind == _DOWN:
+                self.replica_down(replica, at)
+            else:
+                self.replica_up(replica, at)
         for replica in self.fleet.replicas:
             self.flush_plan(replica, end)
         return self.report(time.process_time() - cpu, time.perf_counter() - wall)
@@ -213,7 +250,7 @@ class _Run:
         request = RouteRequest(request_id=turn.request_id, model_version=self.pool, token_ids=turn.prompt,
                                max_output_tokens=turn.max_output_tokens,
                                conversation_id=turn.conversation.conversation_id)
-        views = [replica.view(self.pool) for replica in self.fleet.replicas]
+        views = [replica.view(self.pool) for replica in self.fleet.replicas if not replica.down]
         decision = self.policy.choose(request, views, at)
         if decision is None:
             self.reject(turn, at)
@@ -221,6 +258,8 @@ class _Run:
         replica = self.fleet.replica(decision.replica)
         if replica is None:
             raise ValueError(UNKNOWN_REPLICA.format(name=decision.replica))
+        if replica.down:
+            raise ValueError(DOWN_REPLICA.format(name=decision.replica))
         self.policy.on_routed(request, decision, at)
         self.outcomes[decision.outcome] += 1
         self.settle_plan(replica, at)
@@ -244,6 +283,32 @@ class _Run:
         self.rejected += 1
         turn.conversation.turns_left = 0          # the user gives up on this conversation
         self.send_next_turn(turn.conversation, at + self.workload.think_time())
+
+    # --- restarts ---------------------------------------------------------------------------
+
+    def replica_down(self, replica: SimReplica, at: float) -> None:
+        """The replica dies: its runs end INTERRUPTED (tokens so far stay consumed, nothing is
+        regenerated), each user resends its turn as a new request, the cache is gone."""
+        self.flush_plan(replica, at)
+        replica.down = True
+        replica.busy = False
+        replica.pending = ()
+        replica.version += 1                      # its pending wake is void
+        replica.retired.append(replica.engine.stats())
+        lost = [request_id for request_id, (_, _, held) in self.turns.items() if held is replica]
+        for request_id in lost:
+            turn, request, _ = self.turns.pop(request_id)
+            self.records[request_id].finish_reason = "interrupted"
+            self.interrupted += 1
+            self.policy.on_finished(request, replica.name, at)
+            self.push_arrival(at, self.workload.resend(turn))
+        replica.in_flight = 0
+
+    def replica_up(self, replica: SimReplica, at: float) -> None:
+        replica.engine = self.fleet.fresh_engine()
+        replica.down = False
+        replica.start_time = at
+        self.policy.on_replica_restarted(replica.name)
 
     # --- replica steps ----------------------------------------------------------------------
 
@@ -353,7 +418,8 @@ class _Run:
         config, slo = self.config, self.slo
         start, end = config.warmup_s, config.duration_s
         window = max(end - start, 1e-9)
-        measured = [r for r in self.records.values() if r.arrival_s >= start]
+        measured = [r for r in self.records.values()
+                    if r.arrival_s >= start and r.finish_reason != "interrupted"]
         done = [r for r in measured if not math.isnan(r.finish_s)]
         ttft = [r.first_token_s - r.arrival_s for r in done]
         e2e = [r.finish_s - r.arrival_s for r in done]
@@ -367,7 +433,9 @@ class _Run:
         return FleetReport(
             policy=self.policy.name, duration_s=window, replicas=len(summaries),
             requests_arrived=self.arrived, requests_completed=len(done), requests_rejected=self.rejected,
-            requests_unfinished=sum(1 for r in self.records.values() if math.isnan(r.finish_s)),
+            requests_unfinished=sum(1 for r in self.records.values()
+                                    if math.isnan(r.finish_s) and r.finish_reason != "interrupted"),
+            requests_interrupted=self.interrupted,
             ttft=Distribution.of(ttft), tpot=Distribution.of(tpot), itl=self.itl.distribution(),
             e2e=Distribution.of(e2e), request_throughput=len(done) / window,
             output_token_throughput=outputs / window, total_token_throughput=(inputs + outputs) / window,
@@ -382,12 +450,16 @@ class _Run:
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:
-        stats = replica.engine.stats()
-        blocks = stats.kv.max_blocks
+        lives = [*replica.retired, replica.engine.stats()]
+        blocks = lives[-1].kv.max_blocks
+        reused = sum(stats.kv.reused_blocks for stats in lives)
+        looked_up = reused + sum(stats.kv.missed_blocks for stats in lives)
         return ReplicaSummary(
-            name=replica.name, requests=replica.routed, busy_fraction=min(1.0, stats.busy_s / end),
+            name=replica.name, requests=replica.routed,
+            busy_fraction=min(1.0, sum(stats.busy_s for stats in lives) / end),
             mean_batch=replica.gen_tokens / replica.gen_steps if replica.gen_steps else 0.0,
             kv_utilization_mean=replica.kv_area / end / blocks, kv_utilization_peak=replica.kv_peak / blocks,
-            cache_hit_rate=stats.kv.cache_hit_rate, paused=replica.paused, steps=stats.num_steps,
+            cache_hit_rate=reused / looked_up if looked_up else 0.0, paused=replica.paused,
+            steps=sum(stats.num_steps for stats in lives),
         )
 

@@ -152,6 +152,7 @@ class FleetReport:
     sim_cpu_s: float                 # CPU time of the simulation itself
     sim_wall_s: float
     events: int
+    requests_interrupted: int = 0    # lost with a replica that restarted (their users resent them)
 
     def format(self) -> str:
         slo = self.slo
@@ -160,7 +161,8 @@ class FleetReport:
         lines = [
             f"policy {self.policy}: {self.replicas} replicas, {self.duration_s:.0f} s measured",
             f"requests   arrived {self.requests_arrived}  completed {self.requests_completed}  "
-            f"rejected {self.requests_rejected}  unfinished {self.requests_unfinished}",
+            f"rejected {self.requests_rejected}  interrupted {self.requests_interrupted}  "
+            f"unfinished {self.requests_unfinished}",
             f"tokens     mean input {self.mean_input_tokens:.0f}  mean output {self.mean_output_tokens:.0f}",
             f"TTFT       {self.ttft.format_ms()}",
             f"TPOT       {self.tpot.format_ms()}",

@@ -162,6 +162,13 @@ class Workload:
                     conversation=conversation, prompt=tuple(conversation.history), max_output_tokens=cap,
                     seed=self._rng.getrandbits(63))
 
+    def resend(self, turn: Turn) -> Turn:
+        """The same prompt as a new request (new id and seed): what a client does after INTERRUPTED."""
+        self._requests += 1
+        return Turn(request_id=f"{turn.request_id}-resent{self._requests}", conversation=turn.conversation,
+                    prompt=turn.prompt, max_output_tokens=turn.max_output_tokens,
+                    seed=self._rng.getrandbits(63))
+
     def answer_finished(self, turn: Turn, num_output_tokens: int) -> None:
         """Append the answer the replica streamed, so the next turn sends it back as history."""
         turn.conversation.history.extend(tokens_between(self.config.tokens, turn.seed, 0, num_output_tokens))

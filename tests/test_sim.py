@@ -9,7 +9,16 @@ from engine.profiles import get_model
 from engine.sampling import FixedLength, GeometricLength
 from engine.types import EngineConfig
 from router.policy import ReplicaView, RouteDecision, RouteRequest, make_policy
-from sim import SLO, Distribution, Fleet, FleetConfig, FleetReport, WorkloadConfig, run_fleet
+from sim import (
+    SLO,
+    Distribution,
+    Fleet,
+    FleetConfig,
+    FleetReport,
+    ReplicaRestart,
+    WorkloadConfig,
+    run_fleet,
+)
 from sim.workload import UNKNOWN_ARRIVAL, Workload
 
 SMALL_FLEET = FleetConfig(replicas=2, tp=1, model=get_model("llama-3-8b"),
@@ -211,3 +220,26 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as error:
         get_preset("seed999")
     assert str(error.value) == UNKNOWN_PRESET.format(name="seed999", known="seed003, small")
+
+
+def test_a_restarted_replica_interrupts_its_runs_comes_back_cold_and_the_policy_hears_of_it() -> None:
+    restarts: list[str] = []
+
+    class Watching(Recorder):
+        def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+                   now: float) -> RouteDecision | None:
+            self.views.append(tuple(replicas))
+            return RouteDecision(replica=replicas[-1].name, outcome="last")
+
+        def on_replica_restarted(self, replica: str) -> None:
+            restarts.append(replica)
+
+    policy = Watching()
+    fleet = replace(SMALL_FLEET, restarts=(ReplicaRestart(at_s=20.0, replica=1, down_s=10.0),))
+    report = Fleet(fleet, CHAT).run(policy)
+    assert report.requests_interrupted > 0
+    assert restarts == ["r1"]
+    names_seen = [tuple(view.name for view in views) for views in policy.views]
+    assert ("r0",) in names_seen                          # while r1 was down only r0 was offered
+    assert policy.views[-1][-1].start_time == 30.0        # r1's new start time after the restart
+    assert policy.finished == report.requests_completed + report.requests_interrupted
