@@ -49,6 +49,7 @@ LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
+EXIT_STARTUP_FAILED = 2
 ERR_TRITON_EXITED = "tritonserver exited during startup (its log lines above say why)"
 
 
@@ -232,36 +233,32 @@ def build_engine(settings: ReplicaSettings) -> Engine:
     return SimpleGenerator(settings.generator)
 
 
-class _TritonExited(RuntimeError):
-    pass
+def _run_until_ready(triton: Any, name: str) -> None:
+    """triton.run(), but end the process at once when tritonserver exits during startup.
 
-
-def _run_until_ready(triton: Any) -> None:
-    """triton.run(), but fail at once when tritonserver exits during startup.
-
-    pytriton itself only notices after its 120 s readiness timeout; here a
-    watcher sees the server process gone (e.g. a port taken after our check).
+    pytriton itself only notices after its 120 s readiness timeout. run() must
+    stay on the main thread: pytriton spawns tritonserver with
+    PR_SET_PDEATHSIG, which fires when the *thread* that spawned it exits. So a
+    daemon watcher polls the server process and, if it is gone before ready,
+    reports and exits (pytriton's own stop() would block on the stuck run()).
     """
-    outcome: list[BaseException | None] = []
+    ready = threading.Event()
 
-    def run() -> None:
-        try:
-            triton.run()
-            outcome.append(None)
-        except BaseException as exc:          # handed to the main thread
-            outcome.append(exc)
+    def watch() -> None:
+        while not ready.wait(0.2):
+            # pytriton internals (guarded): the server object and its `sh` process handle once spawned.
+            server = getattr(triton, "_triton_server", None)
+            spawned = getattr(server, "_tritonserver_running_cmd", None) is not None
+            if server is not None and spawned and not server.is_alive() and not ready.is_set():
+                print(f"ERROR: {ERR_TRITON_START.format(name=name, error=ERR_TRITON_EXITED)}",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_STARTUP_FAILED)
 
-    runner = threading.Thread(target=run, name="triton-start", daemon=True)
-    runner.start()
-    while not outcome:
-        runner.join(0.2)
-        # pytriton internals (guarded): the server object and its `sh` process handle once spawned.
-        server = getattr(triton, "_triton_server", None)
-        spawned = getattr(server, "_tritonserver_running_cmd", None) is not None
-        if server is not None and spawned and not server.is_alive() and not outcome:
-            raise _TritonExited(ERR_TRITON_EXITED)
-    if outcome[0] is not None:
-        raise outcome[0]
+    threading.Thread(target=watch, name="triton-start-watch", daemon=True).start()
+    try:
+        triton.run()
+    finally:
+        ready.set()
 
 
 def serve(settings: ReplicaSettings, started_at: float) -> int:
@@ -291,10 +288,7 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     triton = Triton(config=triton_config)
     try:
         bind_model(triton, TensorrtLlmModel(host))
-        _run_until_ready(triton)
-    except _TritonExited as exc:
-        # No triton.stop(): the stuck startup thread holds pytriton's lock until its 120 s timeout.
-        raise StartupError(ERR_TRITON_START.format(name=settings.name, error=exc)) from exc
+        _run_until_ready(triton, settings.name)
     except Exception as exc:
         triton.stop()
         raise StartupError(ERR_TRITON_START.format(name=settings.name, error=exc)) from exc
@@ -327,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(settings, started_at)
     except StartupError as exc:
         print(f"ERROR: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_STARTUP_FAILED
 
 
 if __name__ == "__main__":

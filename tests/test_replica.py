@@ -17,7 +17,7 @@ import pytest
 from replica.engine_api import GenerationRequest
 from replica.generator import GeneratorConfig, expected_tokens, prompt_seed
 from replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
-from replica.serve import ERR_PORT_IN_USE
+from replica.serve import ERR_PORT_IN_USE, ERR_TRITON_EXITED, ERR_TRITON_START, EXIT_STARTUP_FAILED
 from services import replica_client as rc
 from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from tests.support.replica_proc import (
@@ -205,3 +205,29 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert ERR_PORT_IN_USE.format(name="busy", kind="grpc", port=grpc_port, host="127.0.0.1") in result.stderr
+
+
+def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error():
+    # The port check is skipped so that tritonserver itself meets the taken port (a race in real life).
+    grpc_port, http_port, metrics_port = free_ports(3)
+    script = (
+        "import sys, time\n"
+        "import replica.serve as serve\n"
+        "serve.check_ports_free = lambda settings: None\n"
+        f"settings = serve.ReplicaSettings('racy', '127.0.0.1', {http_port}, {grpc_port}, {metrics_port},"
+        " serve.GeneratorConfig())\n"
+        "try:\n"
+        "    serve.serve(settings, time.time())\n"
+        "except serve.StartupError as exc:\n"
+        "    print('ERROR:', exc, file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+    )
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", grpc_port))
+        squatter.listen()
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                                cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == EXIT_STARTUP_FAILED
+    assert ERR_TRITON_START.format(name="racy", error=ERR_TRITON_EXITED) in result.stderr
+    assert time.monotonic() - started < 20
