@@ -181,16 +181,23 @@ class TensorrtLlmModel:
         num_input_tokens, kv_reused = len(generation.prompt_ids), 0
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Aborted):
-                    finished = True
-                    break
-                finished = item.finished
-                num_input_tokens, kv_reused = item.num_input_tokens, item.kv_cache_reused_blocks
-                if streaming and item.new_token_ids:
-                    yield [_token_response(item.new_token_ids, num_input_tokens, kv_reused)]
+                items = [await queue.get()]
+                # One response per step while we keep up; when the transport falls behind, the
+                # tokens queued meanwhile leave in one response (as a client-side coalescer would).
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                fresh: list[int] = []
+                for item in items:
+                    if isinstance(item, Aborted):
+                        finished = True
+                        break
+                    finished = item.finished
+                    num_input_tokens, kv_reused = item.num_input_tokens, item.kv_cache_reused_blocks
+                    fresh.extend(item.new_token_ids)
+                if streaming and fresh:
+                    yield [_token_response(tuple(fresh), num_input_tokens, kv_reused)]
                 else:
-                    held.extend(item.new_token_ids)
+                    held.extend(fresh)
         finally:
             if not finished:
                 self._host.forget(generation.request_id)
