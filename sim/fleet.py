@@ -180,7 +180,7 @@ class _Run:
         self.pool = self.config.model_version
         # (time, insertion order, kind, replica, its version then, turn): arrivals carry the turn,
         # the other kinds the replica
-        self.heap: list[tuple[float, int, int, SimReplica | None, int, Turn | None]] = []
+        self.heap: list[tuple[float, int, int, SimReplica | None, int, Conversation | Turn | None]] = []
         self.counter = 0
         self.records: dict[str, RequestRecord] = {}
         self.turns: dict[str, tuple[Turn, RouteRequest, SimReplica]] = {}
@@ -198,9 +198,11 @@ class _Run:
         self.counter += 1
         heapq.heappush(self.heap, (at, self.counter, _WAKE, replica, replica.version, None))
 
-    def push_arrival(self, at: float, turn: Turn) -> None:
+    def push_arrival(self, at: float, what: Conversation | Turn) -> None:
+        """A conversation's next turn (drawn when it arrives, so only requests in flight hold a
+        prompt) or a ready-made turn (a resend)."""
         self.counter += 1
-        heapq.heappush(self.heap, (at, self.counter, _ARRIVAL, None, 0, turn))
+        heapq.heappush(self.heap, (at, self.counter, _ARRIVAL, None, 0, what))
 
     def push_restart(self, restart: ReplicaRestart) -> None:
         replica = self.fleet.replicas[restart.replica]
@@ -211,16 +213,18 @@ class _Run:
     def execute(self) -> FleetReport:
         cpu, wall = time.process_time(), time.perf_counter()
         for at, conversation in self.workload.initial_arrivals():
-            self.send_next_turn(conversation, at, fresh=True)
+            self.push_arrival(at, conversation)
         for restart in self.fleet.config.restarts:
             self.push_restart(restart)
         end = self.config.duration_s
         heap = self.heap
         while heap and heap[0][0] <= end:
-            at, _, kind, replica, version, turn = heapq.heappop(heap)
+            at, _, kind, replica, version, arriving = heapq.heappop(heap)
             self.events += 1
-            if kind == _ARRIVAL and turn is not None:
-                self.arrive(turn, at)
+            if kind == _ARRIVAL and arriving is not None:
+                turn = arriving if isinstance(arriving, Turn) else self.draw_turn(arriving)
+                if turn is not None:
+                    self.arrive(turn, at)
             elif replica is None:
                 continue
             elif kind == _WAKE:
@@ -234,14 +238,12 @@ class _Run:
             self.flush_plan(replica, end)
         return self.report(time.process_time() - cpu, time.perf_counter() - wall)
 
-    def send_next_turn(self, conversation: Conversation, at: float, fresh: bool = False) -> None:
-        """Queue the conversation's next turn at `at`; when it is over, a closed-loop user opens
-        a new conversation at `at` instead (`at` already includes the reading time)."""
+    def draw_turn(self, conversation: Conversation) -> Turn | None:
+        """The conversation's next turn; when it is over, a closed-loop user opens a new one."""
         turn = self.workload.next_turn(conversation)
-        if turn is not None:
-            self.push_arrival(at, turn)
-        elif conversation.user >= 0 and not fresh:
-            self.send_next_turn(self.workload.new_conversation(conversation.user), at, fresh=True)
+        if turn is None and conversation.user >= 0 and conversation.turn > 0:
+            turn = self.workload.next_turn(self.workload.new_conversation(conversation.user))
+        return turn
 
     # --- arrivals ---------------------------------------------------------------------------
 
@@ -282,7 +284,7 @@ class _Run:
     def reject(self, turn: Turn, at: float) -> None:
         self.rejected += 1
         turn.conversation.turns_left = 0          # the user gives up on this conversation
-        self.send_next_turn(turn.conversation, at + self.workload.think_time())
+        self.push_arrival(at + self.workload.think_time(), turn.conversation)
 
     # --- restarts ---------------------------------------------------------------------------
 
@@ -410,7 +412,7 @@ class _Run:
         replica.in_flight -= 1
         self.policy.on_finished(request, replica.name, at)
         self.workload.answer_finished(turn, output.num_output_tokens)
-        self.send_next_turn(turn.conversation, at + self.workload.think_time())
+        self.push_arrival(at + self.workload.think_time(), turn.conversation)
 
     # --- the report -------------------------------------------------------------------------
 

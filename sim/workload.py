@@ -32,6 +32,7 @@ A conversation ends early when its next prompt plus the output cap would pass
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -79,7 +80,8 @@ class WorkloadConfig:
 class Conversation:
     conversation_id: str
     user: int                  # the closed-loop user who owns it (-1 for open-loop arrivals)
-    history: list[int]         # every token of the conversation so far
+    history: array[int]        # every token so far, 4 bytes each: 10,000 conversations of a few
+                               # thousand tokens stay small
     turns_left: int
     turn: int = 0
 
@@ -101,8 +103,8 @@ class Workload:
     def __init__(self, config: WorkloadConfig) -> None:
         self.config = config
         self._rng = random.Random(config.seed)
-        self._systems = [tokens_between(config.tokens, config.seed * 1_000_003 + index, 0,
-                                        config.system_prompt_tokens)
+        self._systems = [array("i", tokens_between(config.tokens, config.seed * 1_000_003 + index, 0,
+                                                   config.system_prompt_tokens))
                          for index in range(config.num_system_prompts)]
         self._conversations = 0
         self._requests = 0
@@ -133,7 +135,7 @@ class Workload:
         config, rng = self.config, self._rng
         index = self._conversations
         self._conversations += 1
-        history = list(self._systems[index % len(self._systems)]) if config.system_prompt_tokens else []
+        history = array("i", self._systems[index % len(self._systems)] if config.system_prompt_tokens else ())
         if in_progress:
             for _ in range(config.turns.quantile(rng.random()) - 1):
                 for lengths in (config.user_tokens, config.output_tokens):
