@@ -271,6 +271,10 @@ def _run_until_ready(triton: Any, name: str) -> None:
 def serve(settings: ReplicaSettings, started_at: float) -> int:
     check_ports_free(settings)
     ensure_libpython_on_library_path()
+    # Our tensors are a few bytes: pytriton's shared-memory TensorStore costs a round trip to its
+    # block-manager process per response and capped streaming near 1k responses/s on 2 cores;
+    # base64 over its zmq socket is cheaper. Read by pytriton here and in the backend stub.
+    os.environ.setdefault("PYTRITON_NO_TENSORSTORE", "1")
     from pytriton.triton import Triton, TritonConfig
 
     from replica import pytriton_fixes
