@@ -139,17 +139,16 @@ def test_a_follow_up_at_exactly_the_bound_still_goes_home():
 
 def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load():
     policy = PrefixAware(EXACT)
-    views = [view("r0"), view("r1")]
-    route(policy, request("a", turn(1, 1)), views)
-    route(policy, request("b", turn(2, 1)), views)
-    decision = policy.choose(request("c", turn(3, 1)), [view("r0", running=1), view("r1", running=0)], 1.0)
+    assert route(policy, request("a", turn(1, 1)), [view("r0"), view("r1", running=100)]).replica == "r0"
+    assert route(policy, request("b", turn(2, 1)), [view("r0", running=100), view("r1")]).replica == "r1"
+    decision = policy.choose(request("c", turn(3, 1)), [view("r0", running=3), view("r1", running=2)], 1.0)
     assert decision is not None
-    assert decision.outcome == OUTCOME_FALLBACK
+    assert (decision.replica, decision.outcome) == ("r1", OUTCOME_FALLBACK)
     assert decision.predicted_cached_tokens == len(SYSTEM)
 
 
-def test_the_cost_trades_saved_prefill_against_decode_load():
-    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
+def test_with_dynamo_weight_the_cost_trades_saved_prefill_block_for_block_against_decode_load():
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100, prefill_weight=1.0))
     views = [view("r0"), view("r1")]
     previous = request("t1", turn(7, 10))                           # 96 tokens: 24 blocks cached there
     first = route(policy, previous, views)
@@ -180,6 +179,20 @@ def test_the_index_keeps_one_entry_per_64_tokens_by_default():
     assert policy.index.entries("r0") == 3                          # of at most 100 // 16 = 6
     decision = policy.choose(request("b", list(range(190)) + [7] * 50), views, 1.0)
     assert decision is not None and decision.predicted_cached_tokens == 128   # 2 units: 190 tokens match
+
+
+def test_by_default_a_saved_prefill_block_outweighs_64_blocks_of_decode_load():
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
+    views = [view("r0"), view("r1")]
+    previous = request("t1", turn(7, 10))                           # 24 blocks cached on its replica
+    first = route(policy, previous, views)
+    policy.on_finished(previous, first.replica, 1.0)
+    other = "r1" if first.replica == "r0" else "r0"
+    # Saving 24 blocks of prefill is worth 24 * 64 = 1,536 blocks of decode KV.
+    near = policy.choose(request("t2", turn(7, 11)), [view(first.replica, kv_used=1535), view(other)], 1.0)
+    far = policy.choose(request("t3", turn(7, 11)), [view(first.replica, kv_used=1537), view(other)], 1.0)
+    assert near is not None and near.replica == first.replica
+    assert far is not None and far.replica == other
 
 
 # -- prefix_aware: the imbalance bound -----------------------------------------------------------
