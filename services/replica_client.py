@@ -11,6 +11,8 @@ Outcomes of `stream_generate`, as the routing worker needs to tell them apart:
   replica, like TensorRT-LLM, just ends a stopped stream; the client knows it
   asked, so it marks the end. A stop sent by another process ends the
   iterator without the marker.);
+- abandoned (the consumer stops iterating, or is cancelled, before the end):
+  the client sends `stop` for it in the background so the replica frees it;
 - the replica refused the request (bad input, id already streaming):
   `ReplicaRejected` with Triton's message;
 - the replica went away (connection refused/reset, process killed, nothing
@@ -21,6 +23,7 @@ Outcomes of `stream_generate`, as the routing worker needs to tell them apart:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +36,8 @@ from numpy.typing import NDArray
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
 from replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
+
+LOG = logging.getLogger(__name__)
 
 DEFAULT_FIRST_TOKEN_TIMEOUT_S = 30.0     # queueing on a busy replica may delay the first token
 DEFAULT_INACTIVITY_TIMEOUT_S = 10.0      # between two responses of a running stream
@@ -71,6 +76,7 @@ class _LoopState:
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     # (address, request id) of streams open on this loop -> whether stop() was sent for them.
     stop_sent: dict[tuple[str, str], bool] = field(default_factory=dict)
+    background: set[asyncio.Task[None]] = field(default_factory=set)   # stops for abandoned streams
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
@@ -196,6 +202,7 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     stop_sent = _state().stop_sent
     key = (address, request_id)
     stop_sent[key] = False
+    ended = False                                # the replica sent the final response, or is gone
     try:
         async for response in _exchange(address, request, first_token_timeout_s, inactivity_timeout_s):
             if not response.outputs:             # the empty final response
@@ -205,11 +212,36 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
             num_input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
             reused = int(result.as_numpy("kv_cache_reused_blocks").reshape(-1)[0])
             yield TokenChunk(chunk, num_input_tokens, reused)
+        ended = True
         stopped = stop_sent.get(key, False)
+    except ReplicaError:
+        ended = True
+        raise
     finally:
         stop_sent.pop(key, None)
+        if not ended:
+            _stop_in_background(address, request_id)
     if stopped:
         yield TokenChunk((), num_input_tokens, reused, stopped=True)
+
+
+def _stop_in_background(address: str, request_id: str) -> None:
+    """The consumer abandoned a live stream: stop it on the replica so it frees its slot.
+
+    Needed because the pytriton replica does not see gRPC stream cancellation
+    (TensorRT-LLM's Triton does; the extra stop is then a harmless no-op).
+    """
+    state = _state()
+
+    async def quietly() -> None:
+        try:
+            await stop(address, request_id)
+        except ReplicaError as exc:
+            LOG.debug("stop for abandoned request %s on %s failed: %s", request_id, address, exc)
+
+    task = asyncio.get_running_loop().create_task(quietly())
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
 
 
 async def stop(address: str, request_id: str, timeout_s: float = 5.0) -> None:

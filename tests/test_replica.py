@@ -121,6 +121,16 @@ async def test_stop_ends_the_stream_early_and_the_replica_keeps_serving(replica:
     assert tokens_of(after) == expected([5, 6], 3)
 
 
+async def test_abandoning_a_stream_stops_the_request_on_the_replica(replica: ReplicaProcess):
+    stream = rc.stream_generate(replica.grpc_address, "abandoned", [5, 6], 500)
+    async for _chunk in stream:
+        break
+    await stream.aclose()
+    await asyncio.sleep(0.3)                      # the background stop reaches the replica
+    # The id is free again: a live request with it would be rejected as already streaming.
+    assert tokens_of(await collect(replica.grpc_address, "abandoned", [5, 6], 2)) == expected([5, 6], 2)
+
+
 async def test_stop_for_an_unknown_request_returns_promptly(replica: ReplicaProcess):
     started = time.monotonic()
     await rc.stop(replica.grpc_address, "never-sent")
