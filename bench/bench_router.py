@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from engine.sampling import GeometricLength
 from router.policy import ReplicaView, RouteRequest, make_policy
-from sim.fleet import FleetConfig, run_fleet
+from sim.fleet import Fleet, FleetConfig
 from sim.workload import WorkloadConfig
 
 DECISION_REPLICAS = 64
@@ -173,7 +173,9 @@ def fleet_config(kv_blocks: int | None) -> FleetConfig:
 def fleet_row(policy: str, users: int, duration_s: float, kv_blocks: int | None = None,
               **options: float) -> FleetRow:
     started = time.perf_counter()
-    report = run_fleet(fleet_config(kv_blocks), chat_workload(users, duration_s), policy, **options)
+    fleet = Fleet(fleet_config(kv_blocks), chat_workload(users, duration_s))
+    # The very factory the routing service calls; the oracle gets the fleet's exact-cache probe.
+    report = fleet.run(make_policy(policy, cached_tokens=fleet.cached_tokens, **options))
     return FleetRow(
         policy=policy, hit_rate=report.cache_hit_rate, ttft_p95_s=report.ttft.p95, itl_p95_s=report.itl.p95,
         throughput=report.request_throughput, output_tokens_per_s=report.output_token_throughput,
@@ -243,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policies", default=",".join(FLEET_POLICIES))
     parser.add_argument("--kv-blocks", type=int, default=None, help="cut each replica's KV pool (blocks)")
     parser.add_argument("--kv-pressure", action="store_true",
-                        help=f"also run prefix_aware and oracle on {KV_PRESSURE_BLOCKS:,} KV blocks per replica")
+                        help=f"also prefix_aware and oracle on {KV_PRESSURE_BLOCKS:,} KV blocks a replica")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="PolicyOptions override for every policy, e.g. imbalance_bound=0.2")
     args = parser.parse_args(argv)
