@@ -7,7 +7,9 @@ exist give the same NOT_FOUND.
 Stream never reads tokens from the ledger: it reads the event log from where
 the run's events start (recorded in the ledger by whoever published the first
 event), drops sequences <= after, and follows the log to the terminal event.
-Until the run's first event exists, it waits (polling the ledger with backoff).
+Until the run's first event exists, it waits: woken by the NOTIFY that commits
+with the run's RUNNING transition (or its terminal event), re-polling the ledger
+on a timeout in case a notification was lost.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc.aio
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from eventlog.events import status_value
@@ -37,7 +39,8 @@ from ledger.repositories import RunRepository
 from ledger.settlement import settled_usage
 from services.auth import Metadata, authenticate
 from services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
-from services.routing.claims import CANCEL_CHANNEL
+from services.notify import ChannelListener, notify
+from services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
 from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 from sluice_config import load_config
@@ -46,8 +49,7 @@ RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to
 NEGATIVE_CURSOR = "after must be 0 (from the start) or the last sequence received (got {after})"
 DETAIL_CANCELLED_BEFORE_START = "cancelled by the caller before a replica took the run"
 
-WAIT_POLL_MIN_S = 0.02     # ledger polling while a run has no events yet: from 20 ms ...
-WAIT_POLL_MAX_S = 0.25     # ... backing off to 250 ms
+WAIT_REPOLL_S = 0.5        # while a run has no events yet: re-read the ledger at least this often
 
 
 def _ms(value: Any) -> int:
@@ -63,11 +65,16 @@ class StreamStart:
 
 class RunsService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
-                 lease_seconds: float, owner: str | None = None) -> None:
+                 lease_seconds: float, dsn: str | None = None, owner: str | None = None) -> None:
         self.sessions = sessions
         self.events = events
         self.lease_seconds = lease_seconds
         self.owner = owner or f"runs:{os.getpid()}"
+        self._started = ChannelListener(dsn, EVENTS_CHANNEL) if dsn else None
+
+    async def close(self) -> None:
+        if self._started is not None:
+            await self._started.close()
 
     async def _own_run(self, session: AsyncSession, metadata: Metadata, run_id: str,
                        *, lock: bool = False) -> Run:
@@ -133,19 +140,32 @@ class RunsService:
             raise OutOfRange(str(exc)) from exc
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int) -> StreamStart:
-        """Poll the ledger until the run's events have a recorded start in the log."""
-        delay = WAIT_POLL_MIN_S
+        """Wait until the run's events have a recorded start in the log (or nothing is left)."""
         while True:
-            async with self.sessions() as session:
-                row = (await session.execute(
-                    select(Run.event_partition, Run.event_first_offset, Run.terminal_sequence,
-                           Run.terminal_published).where(Run.id == run_id))).one()
-            if row.terminal_sequence is not None and after >= row.terminal_sequence:
-                return StreamStart(None)
-            if row.event_partition is not None and row.event_first_offset is not None:
-                return StreamStart(LogPosition(row.event_partition, row.event_first_offset))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, WAIT_POLL_MAX_S)
+            if self._started is None:
+                start = await self._event_start(run_id, after)
+                if start is not None:
+                    return start
+                await asyncio.sleep(WAIT_REPOLL_S / 10)
+                continue
+            # Register before reading, so a NOTIFY committed in between is not missed.
+            with self._started.waiter(str(run_id)) as started:
+                start = await self._event_start(run_id, after)
+                if start is not None:
+                    return start
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(started.wait(), WAIT_REPOLL_S)
+
+    async def _event_start(self, run_id: uuid.UUID, after: int) -> StreamStart | None:
+        async with self.sessions() as session:
+            row = (await session.execute(
+                select(Run.event_partition, Run.event_first_offset, Run.terminal_sequence)
+                .where(Run.id == run_id))).one()
+        if row.terminal_sequence is not None and after >= row.terminal_sequence:
+            return StreamStart(None)
+        if row.event_partition is not None and row.event_first_offset is not None:
+            return StreamStart(LogPosition(row.event_partition, row.event_first_offset))
+        return None
 
     # --- Cancel -------------------------------------------------------------------------------
 
@@ -167,8 +187,7 @@ class RunsService:
                                       .values(cancel_requested_at=func.now())
                                       .execution_options(synchronize_session=False))
                 # Delivered on commit to the driving worker's LISTEN; its lease renewal polls too.
-                await session.execute(text("SELECT pg_notify(:channel, :run_id)"),
-                                      {"channel": CANCEL_CHANNEL, "run_id": str(run.id)})
+                await notify(session, CANCEL_CHANNEL, str(run.id))
         if record is not None:
             await publish_terminal(self.events, self.sessions, record)
         return runs_pb2.CancelResponse(run_id=run_id, status=status_value(status.value))
@@ -199,7 +218,8 @@ def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[
                       config: Mapping[str, Any], events: EventLog) -> RunsService:
     """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
     started and closed by the caller on the server's event loop)."""
-    service = RunsService(sessionmaker, events, float(config["routing"].get("lease_seconds", 5)))
+    service = RunsService(sessionmaker, events, float(config["routing"].get("lease_seconds", 5)),
+                          dsn=str(config["database"]["dsn"]))
     runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(service), server)
     return service
 
@@ -210,7 +230,7 @@ async def serve(config: Mapping[str, Any], listen: str) -> None:
     events = KafkaEventLog.from_config(config)
     await events.start()
     server = grpc.aio.server()
-    add_runs_servicer(server, make_sessionmaker(engine), config, events)
+    service = add_runs_servicer(server, make_sessionmaker(engine), config, events)
     server.add_insecure_port(listen)
     await server.start()
     stopping = asyncio.Event()
@@ -223,6 +243,7 @@ async def serve(config: Mapping[str, Any], listen: str) -> None:
         await stopping.wait()
     finally:
         await server.stop(grace=1.0)
+        await service.close()
         await events.close()
         await engine.dispose()
 

@@ -21,9 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from eventlog.interface import LogPosition
 from ledger.models import Model, Run, RunStatus
+from services.notify import notify
 
 ACTIVE_CLAIMED = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
-CANCEL_CHANNEL = "sluice_run_cancel"  # NOTIFY payload: the run id whose cancel was requested
+CANCEL_CHANNEL = "sluice_run_cancel"    # NOTIFY payload: the run id whose cancel was requested
+EVENTS_CHANNEL = "sluice_run_events"    # NOTIFY payload: a run id whose event-log start was recorded
 
 
 def lease_until(lease_seconds: float) -> ColumnElement[dt.datetime]:
@@ -83,7 +85,8 @@ async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, ow
 
 async def mark_running(session: AsyncSession, run_id: str, owner: str, first: LogPosition,
                        last_sequence: int) -> bool:
-    """QUEUED → RUNNING with where the run's events start; False if the lease is gone."""
+    """QUEUED → RUNNING with where the run's events start; False if the lease is gone.
+    Streams waiting for the run's first event are woken when this commits."""
     result = await session.execute(
         update(Run)
         .where(Run.id == uuid.UUID(run_id), Run.lease_owner == owner,
@@ -91,7 +94,10 @@ async def mark_running(session: AsyncSession, run_id: str, owner: str, first: Lo
         .values(status=RunStatus.RUNNING.value, started_at=func.now(), event_partition=first.partition,
                 event_first_offset=first.offset, last_sequence=last_sequence)
     )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    await notify(session, EVENTS_CHANNEL, run_id)
+    return True
 
 
 @dataclass(frozen=True, slots=True)

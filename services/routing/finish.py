@@ -24,7 +24,8 @@ from eventlog.events import status_value, terminal_event
 from eventlog.interface import EventLog, LogPosition
 from ledger.models import Run, RunStatus
 from ledger.settlement import settle_run, settled_usage
-from services.routing.claims import lease_until
+from services.notify import notify
+from services.routing.claims import EVENTS_CHANNEL, lease_until
 from sluice.v1 import common_pb2
 
 
@@ -100,4 +101,5 @@ async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSess
                     event_first_offset=func.coalesce(Run.event_first_offset, position.offset))
             .execution_options(synchronize_session=False)
         )
+        await notify(session, EVENTS_CHANNEL, record.run_id)
     return position

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from eventlog.events import tokens_in
@@ -36,6 +35,7 @@ from router.load import LoadTracker
 from router.policy import RouteDecision, RouteRequest, RoutingPolicy
 from router.registry import ReplicaRegistry
 from services import replica_client
+from services.notify import ChannelListener
 from services.routing.claims import (
     CANCEL_CHANNEL,
     ClaimedRun,
@@ -61,6 +61,9 @@ DETAIL_EXPIRED_BEFORE_START = "deadline passed before a replica took the run"
 DETAIL_DRIVER_LOST = "routing worker {owner} stopped renewing its lease; ended from the last durable event"
 LOCATE_MARGIN_MS = 5_000     # clock skew allowed between Postgres (queued_at) and the Kafka broker
 REAP_BATCH = 8
+# Runs claimed per transaction: small batches spread a burst over every routing process
+# instead of letting the first poller take it all (the loop claims again at once when full).
+CLAIM_BATCH = 8
 HEALTH = HealthOptions(failure_threshold=2, open_s=3.0, check_interval_s=1.0, probe_interval_s=1.0)
 HEALTH_TICK_S = 0.25
 REPLICA_STOP_TIMEOUT_S = 2.0
@@ -138,8 +141,11 @@ class RoutingWorker:
                  self._every(self.renew_once, self.settings.renew_interval_s),
                  self._every(self.reap_once, self.settings.lease_seconds / 2),
                  self._every(self.check_health_once, HEALTH_TICK_S)]
-        if self._dsn:
-            loops.append(self._listen_for_cancels(self._dsn))
+        # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds;
+        # lease renewals poll cancel_requested_at too, should a notification be lost.
+        cancels = ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified) if self._dsn else None
+        if cancels is not None:
+            cancels.start()
         tasks = [asyncio.create_task(loop) for loop in loops]
         try:
             await self._stopping.wait()
@@ -147,6 +153,8 @@ class RoutingWorker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if cancels is not None:
+                await cancels.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -177,7 +185,7 @@ class RoutingWorker:
 
     async def claim_once(self) -> bool:
         """Claim up to the free capacity; True when it filled it (more may be waiting)."""
-        free = self.settings.max_runs - len(self.drivers)
+        free = min(CLAIM_BATCH, self.settings.max_runs - len(self.drivers))
         if free <= 0 or self._stopping.is_set():
             return False
         now = time.time()
@@ -296,37 +304,10 @@ class RoutingWorker:
                 driver.request_cancel()
         return False
 
-    async def _listen_for_cancels(self, dsn: str) -> None:
-        """LISTEN for Runs.Cancel's NOTIFY so a cancel reaches the driver in milliseconds."""
-        raw_dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
-
-        def on_notify(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-            driver = self.drivers.get(payload)
-            if driver is not None:
-                driver.request_cancel()
-
-        while not self._stopping.is_set():
-            try:
-                await self._listen_until_closed(raw_dsn, on_notify)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("cancel listener: %s; reconnecting", exc)
-                await asyncio.sleep(1.0)
-
-    async def _listen_until_closed(self, raw_dsn: str, on_notify: Any) -> None:
-        conn = await asyncpg.connect(raw_dsn)
-        closed = asyncio.Event()
-        conn.add_termination_listener(lambda _conn: closed.set())
-        waits = [asyncio.ensure_future(closed.wait()), asyncio.ensure_future(self._stopping.wait())]
-        try:
-            await conn.add_listener(CANCEL_CHANNEL, on_notify)
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-            with contextlib.suppress(Exception):
-                await conn.close()
+    def _cancel_notified(self, run_id: str) -> None:
+        driver = self.drivers.get(run_id)
+        if driver is not None:
+            driver.request_cancel()
 
     # --- reaper -------------------------------------------------------------------------------
 

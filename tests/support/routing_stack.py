@@ -35,7 +35,7 @@ from router.registry import ReplicaRegistry
 from services import replica_client
 from services.admission import add_admission_servicer
 from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
-from services.runs import add_runs_servicer
+from services.runs import RunsService, add_runs_servicer
 from services.usage import add_usage_servicer
 from sluice_config import REPO_ROOT, load_config
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
@@ -137,10 +137,12 @@ class RunsServer:
     port: int
     server: grpc.aio.Server
     events: KafkaEventLog
+    service: RunsService
 
     async def stop(self) -> None:
         """Stop at once: open streams break (clients see UNAVAILABLE or a reset)."""
         await self.server.stop(None)
+        await self.service.close()
         await self.events.close()
 
 
@@ -182,10 +184,10 @@ class Stack:
         events = KafkaEventLog(str(self.config["kafka"]["bootstrap"]), self.events.topic)
         await events.start()
         server = grpc.aio.server()
-        add_runs_servicer(server, self.sessionmaker, self.config, events)
+        service = add_runs_servicer(server, self.sessionmaker, self.config, events)
         bound = server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        handle = RunsServer(f"127.0.0.1:{bound}", bound, server, events)
+        handle = RunsServer(f"127.0.0.1:{bound}", bound, server, events, service)
         self._runs_servers.append(handle)
         return handle
 
@@ -242,7 +244,7 @@ async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession
     await events.start()
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
-    add_runs_servicer(server, sessionmaker, config, events)
+    runs_service = add_runs_servicer(server, sessionmaker, config, events)
     add_usage_servicer(server, sessionmaker, config)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -251,7 +253,7 @@ async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession
     built = Stack(config=config, sessionmaker=sessionmaker, channel=channel, address=address, events=events,
                   tenant=tenant, other=other, log_dir=replica_logs)
     built._servers.append(server)
-    built._closers.append(events.close)
+    built._closers.extend([runs_service.close, events.close])
     try:
         yield built
     finally:

@@ -1,0 +1,26 @@
+"""Measured figures of the run path on the real stack (printed; bounds are loose sanity checks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_run_path import measure
+from clients.sdk import SluiceClient
+from tests.support.routing_stack import Stack
+
+pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
+pytestmark = pytest.mark.integration
+
+
+async def test_submit_to_first_token_and_event_throughput(stack: Stack, capsys):
+    await stack.start_worker()
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        await measure(sdk, 2, 1, 4)
+        sequential = await measure(sdk, 20, 1, 20)
+        concurrent = await measure(sdk, 32, 32, 100)
+    with capsys.disabled():
+        print(f"\n[one at a time]\n{sequential.render()}")
+        print(f"[32 concurrent × 100 tokens]\n{concurrent.render()}")
+    assert sequential.completed == 20 and concurrent.completed == 32
+    assert concurrent.tokens == 32 * 100
+    assert sequential.percentile(50) < 1_000
