@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from router.load import LoadSnapshot, LoadTracker
 from router.policies import (
     OUTCOME_AFFINITY_HIT,
     OUTCOME_BALANCED_AWAY,
@@ -198,12 +199,14 @@ def test_by_default_a_saved_prefill_block_outweighs_64_blocks_of_decode_load():
 # -- prefix_aware: the imbalance bound -----------------------------------------------------------
 
 
-def test_the_bound_holds_under_a_skewed_workload():
+@pytest.mark.parametrize("options", [replace(EXACT, imbalance_bound=0.1, imbalance_slack=2), PolicyOptions()],
+                         ids=["bound 0.1 + 2", "defaults"])
+def test_the_bound_holds_under_a_skewed_workload(options: PolicyOptions):
     """Nine in ten requests continue one hot conversation; runs finish at random.
 
     Every decision picks a replica whose load is within the bound of the least-loaded one."""
-    options = PolicyOptions(imbalance_bound=0.1, imbalance_slack=2)
     policy = PrefixAware(options)
+    bound, slack = options.imbalance_bound, options.imbalance_slack
     names = [f"r{i}" for i in range(8)]
     running: dict[str, list[RouteRequest]] = {name: [] for name in names}
     rng = random.Random(4)
@@ -220,7 +223,7 @@ def test_the_bound_holds_under_a_skewed_workload():
         decision = policy.choose(req, views, float(n))
         assert decision is not None
         loads = {name: policy.in_flight(name) for name in names}
-        assert loads[decision.replica] <= load_limit(min(loads.values()), 0.1, 2)
+        assert loads[decision.replica] <= load_limit(min(loads.values()), bound, slack)
         policy.on_routed(req, decision, float(n))
         running[decision.replica].append(req)
         served[decision.replica] += 1
@@ -230,8 +233,8 @@ def test_the_bound_holds_under_a_skewed_workload():
                 running[name].remove(done)
                 policy.on_finished(done, name, float(n))
     # The hot conversation could not keep its home: the bound pushed its turns around the fleet.
-    assert min(served.values()) > 3000 / 8 * 0.8
-    assert outcomes[OUTCOME_BALANCED_AWAY] > 600
+    assert min(served.values()) > 3000 / 8 * 0.5
+    assert outcomes[OUTCOME_BALANCED_AWAY] > 300
 
 
 def test_the_bound_uses_the_larger_of_scraped_and_own_counts():
@@ -262,6 +265,17 @@ def test_a_restarted_replica_loses_its_prefixes_and_its_conversations():
     assert decision is not None
     assert (decision.replica, decision.outcome) == (other, OUTCOME_FALLBACK)
     assert decision.predicted_cached_tokens == 0
+
+
+def test_a_restart_seen_in_a_scrape_drops_the_replica_from_the_index():
+    policy = PrefixAware(EXACT)
+    loads = LoadTracker()
+    loads.on_scrape("r0", LoadSnapshot(start_time=100.0))
+    route(policy, request("t1", turn(7, 5), conversation="c7"), [view("r0")])
+    assert policy.index.entries("r0") > 0
+    if loads.on_scrape("r0", LoadSnapshot(start_time=160.0)):     # what the host does on each scrape
+        policy.on_replica_restarted("r0")
+    assert policy.index.entries("r0") == 0
 
 
 # -- long-context pool ---------------------------------------------------------------------------
