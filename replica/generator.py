@@ -64,7 +64,7 @@ def prompt_seed(prompt_ids: Iterable[int]) -> int:
 @dataclass(frozen=True, slots=True)
 class GeneratorConfig:
     vocab_size: int = 4096
-    first_normal_id: int = 4             # ids below are special (pad/bos/eos/...): never generated
+    first_normal_id: int = 5             # ids below are special (models/tiny-chat: 0..4): never generated
     output_length: str = "cap"           # "cap" | "uniform"
     min_fraction: float = 0.25           # uniform mode: shortest output as a fraction of the cap
     token_delay_s: float = 0.02          # modelled time of one step

@@ -32,9 +32,9 @@ from tests.support.replica_proc import (
 pytestmark = pytest.mark.integration
 
 TOKEN_DELAY_MS = 20
-SETTINGS = {"token_delay_ms": TOKEN_DELAY_MS, "vocab_size": 4096, "first_normal_id": 4,
+SETTINGS = {"token_delay_ms": TOKEN_DELAY_MS, "vocab_size": 4096, "first_normal_id": 5,
             "output_length": "cap"}
-GENERATOR = GeneratorConfig(vocab_size=4096, first_normal_id=4, token_delay_s=TOKEN_DELAY_MS / 1000)
+GENERATOR = GeneratorConfig(vocab_size=4096, first_normal_id=5, token_delay_s=TOKEN_DELAY_MS / 1000)
 
 
 @pytest.fixture(scope="module")
