@@ -1,0 +1,167 @@
+"""Routing edges on the real stack: deadlines, a terminal event whose publication was
+interrupted, the Routing API, and the `sluice` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import grpc
+import grpc.aio
+import pytest
+from sqlalchemy import select
+
+from clients import cli
+from clients.sdk import SluiceClient
+from ledger.models import Run, RunStatus
+from services.routing.finish import Ending, settle_and_fix_terminal
+from services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
+from services.routing.worker import DETAIL_EXPIRED_BEFORE_START
+from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
+from tests.support.routing_stack import MODEL, Stack
+
+pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
+pytestmark = pytest.mark.integration
+
+PROMPT = "Tell me about sluice gates."
+
+
+async def collect(stream) -> list[runs_pb2.RunEvent]:  # type: ignore[no-untyped-def]
+    return [event async for event in stream]
+
+
+def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
+    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
+
+
+# --- deadlines -------------------------------------------------------------------------------
+
+
+async def test_a_run_past_its_deadline_mid_stream_ends_expired_and_pays_for_what_it_produced(stack: Stack):
+    await stack.start_worker()
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=500, deadline_ms=800)
+        events = await collect(sdk.stream(run.run_id))
+    terminal = events[-1]
+    assert terminal.status == common_pb2.RUN_STATUS_EXPIRED
+    assert 0 < terminal.usage.output_tokens == deltas_tokens(events) < 500
+
+
+async def test_a_run_whose_deadline_passed_before_any_worker_took_it_expires_without_running(stack: Stack):
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=50, deadline_ms=1)
+        await asyncio.sleep(0.1)
+        await stack.start_worker()
+        events = await collect(sdk.stream(run.run_id))
+    assert [(e.sequence, e.status, e.detail) for e in events] == [
+        (1, common_pb2.RUN_STATUS_EXPIRED, DETAIL_EXPIRED_BEFORE_START)]
+    assert events[0].usage == common_pb2.TokenUsage()
+    assert (await stack.run_row(run.run_id)).replica is None
+
+
+# --- a terminal event that was settled but never published ------------------------------------
+
+
+async def test_a_settled_run_whose_terminal_event_was_never_published_gets_it_from_a_reaper(stack: Stack):
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=50)
+        # Step 1 of finishing (settle + terminal sequence) commits; the process dies before step 2.
+        async with stack.sessionmaker() as session, session.begin():
+            await settle_and_fix_terminal(session, run.run_id, Ending(RunStatus.CANCELLED, 0, 0, "gone"),
+                                          owner="crashed:1:abc", lease_seconds=1)
+        reader = asyncio.create_task(collect(sdk.stream(run.run_id)))
+        await asyncio.sleep(0.3)
+        assert not reader.done()  # nothing in the log yet: the stream waits
+        await stack.start_worker()
+        events = await asyncio.wait_for(reader, 15)
+    assert [(e.sequence, e.type, e.status, e.detail) for e in events] == [
+        (1, runs_pb2.EVENT_TYPE_TERMINAL, common_pb2.RUN_STATUS_CANCELLED, "gone")]
+    row = await stack.run_row(run.run_id)
+    assert row.terminal_published and row.lease_owner != "crashed:1:abc"
+
+
+# --- Routing API -------------------------------------------------------------------------------
+
+
+async def test_the_routing_api_lists_edits_and_explains_the_registry_of_its_process(stack: Stack):
+    worker = await stack.start_worker()
+    server = grpc.aio.server()
+    add_routing_servicer(server, worker)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            routing = routing_pb2_grpc.RoutingStub(channel)
+            listed = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+            explained = await routing.Explain(routing_pb2.ExplainRequest(model_version=MODEL.version,
+                                                                         token_ids=[5, 6, 7]))
+            added = await routing.UpsertReplica(routing_pb2.Replica(name="r7", pool=MODEL.version,
+                                                                    grpc_address="127.0.0.1:1"))
+            relisted = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+            after_add = [r.name for r in relisted.replicas]
+            removed = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
+            removed_again = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await routing.UpsertReplica(routing_pb2.Replica(grpc_address="127.0.0.1:1"))
+    finally:
+        await server.stop(None)
+    assert listed.policy == "round_robin"
+    assert [(r.name, r.pool, r.healthy) for r in listed.replicas] == [
+        ("r0", MODEL.version, True), ("r1", MODEL.version, True)]
+    assert explained.replica in ("r0", "r1") and explained.outcome == "round_robin"
+    assert added.name == "r7" and after_add == ["r0", "r1", "r7"]
+    assert (removed.removed, removed_again.removed) == (True, False)
+    assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                             REPLICA_NAME_MISSING)
+
+
+# --- the sluice CLI -------------------------------------------------------------------------------
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = cli.main(list(argv), out=out)
+    return code, out.getvalue()
+
+
+async def test_sluice_chat_streams_the_answer_and_runs_get_tail_and_usage_report_on_it(stack: Stack):
+    await stack.start_worker()
+    key = ("--api-key", stack.tenant.api_key, "--address", stack.address)
+    code, chat = await asyncio.to_thread(run_cli, "chat", PROMPT, "--max-tokens", "12", *key)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run_id = (await collect_run_ids(stack))[0]
+        events = await collect(sdk.stream(run_id))
+    text = "".join(e.text for e in events)
+    assert code == cli.EXIT_OK
+    assert chat.startswith(text) and "[COMPLETED: " in chat and " 12 output tokens" in chat
+    code, got = await asyncio.to_thread(run_cli, "runs", "get", run_id, *key)
+    assert code == cli.EXIT_OK and json.loads(got)["status"] == "RUN_STATUS_COMPLETED"
+    code, tail = await asyncio.to_thread(run_cli, "runs", "tail", run_id, "--after", "3", *key)
+    assert [json.loads(line)["sequence"] for line in tail.splitlines()] == [
+        str(e.sequence) for e in events[3:]]  # int64 travels as a string in proto JSON
+    code, usage = await asyncio.to_thread(run_cli, "usage", *key)
+    assert json.loads(usage)["settled_total"]["output_tokens"] == "12"
+
+
+async def test_sluice_without_an_api_key_says_how_to_give_one(stack: Stack, monkeypatch):
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    assert await asyncio.to_thread(run_cli, "runs", "get", "x", "--address", stack.address) == (
+        cli.EXIT_USAGE, "")
+
+
+async def test_sluice_runs_cancel_and_a_strangers_get_is_not_found(stack: Stack, capsys):
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=50)
+    code, said = await asyncio.to_thread(run_cli, "runs", "cancel", run.run_id, "--api-key",
+                                         stack.tenant.api_key, "--address", stack.address)
+    assert (code, said.strip()) == (cli.EXIT_OK, f"cancel requested for run {run.run_id} (status CANCELLED)")
+    code, _ = await asyncio.to_thread(run_cli, "runs", "get", run.run_id, "--api-key", stack.other.api_key,
+                                      "--address", stack.address)
+    assert code == cli.EXIT_RPC_ERROR
+    assert capsys.readouterr().err.startswith("sluice: NOT_FOUND: run ")
+
+
+async def collect_run_ids(stack: Stack) -> list[str]:
+    async with stack.sessionmaker() as session:
+        return [str(run_id) for run_id in (await session.scalars(select(Run.id))).all()]
