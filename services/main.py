@@ -1,0 +1,123 @@
+"""`python -m services.main`: Sluice's gateway services, one process, several instances allowed.
+
+Roles (each process may take several):
+
+    gateway   Admission, Runs and UsageService on every address in --listen
+              (default: [admission].listen, [runs].listen, [usage].listen);
+              stateless, so run as many instances as you like on other ports.
+    routing   a routing worker (claims accepted runs, drives replicas, reaps
+              expired leases) and, with --routing-api, the Routing API on
+              [routing].listen. Several routing processes share the work.
+
+`--role all` (the default) is the all-in-one development process: gateway +
+routing worker + Routing API. Replicas are separate processes
+(`python -m replica.serve --name r0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc.aio
+
+from eventlog.kafka import KafkaEventLog
+from ledger.db import make_engine, make_sessionmaker
+from services import replica_client
+from services.admission import add_admission_servicer
+from services.routing.app import DRAIN_S, build_worker
+from services.routing.servicer import add_routing_servicer
+from services.runs import add_runs_servicer
+from services.usage import add_usage_servicer
+from sluice_config import load_config
+
+log = logging.getLogger("sluice")
+
+ROLES = ("all", "gateway", "routing")
+
+
+def gateway_addresses(config: Mapping[str, Any]) -> list[str]:
+    """The configured per-service addresses, deduplicated in order."""
+    addresses = [str(config[section]["listen"]) for section in ("admission", "runs", "usage")]
+    return list(dict.fromkeys(addresses))
+
+
+def _bind(server: grpc.aio.Server, addresses: Sequence[str]) -> None:
+    for address in addresses:
+        if server.add_insecure_port(address) == 0:
+            raise SystemExit(f"cannot listen on {address}: the port is taken or the address is invalid")
+
+
+async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str],
+                routing_api: bool) -> None:
+    engine = make_engine(str(config["database"]["dsn"]))
+    sessions = make_sessionmaker(engine)
+    events = KafkaEventLog.from_config(config)
+    await events.start()
+    servers: list[grpc.aio.Server] = []
+    worker = build_worker(config, events, sessions) if "routing" in roles else None
+    try:
+        if "gateway" in roles:
+            gateway = grpc.aio.server()
+            add_admission_servicer(gateway, sessions, config)
+            add_runs_servicer(gateway, sessions, config, events)
+            add_usage_servicer(gateway, sessions, config)
+            _bind(gateway, listen)
+            await gateway.start()
+            servers.append(gateway)
+            print(f"gateway (admission, runs, usage) listening on {', '.join(listen)}", flush=True)
+        if worker is not None and routing_api:
+            api = grpc.aio.server()
+            add_routing_servicer(api, worker)
+            _bind(api, [str(config["routing"]["listen"])])
+            await api.start()
+            servers.append(api)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stopping.set)
+        if worker is not None:
+            print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
+            serving = asyncio.create_task(worker.serve())
+            await stopping.wait()
+            worker.stop()
+            await serving
+            await worker.drain(DRAIN_S)
+        else:
+            await stopping.wait()
+    finally:
+        for server in servers:
+            await server.stop(grace=1.0)
+        await events.close()
+        await replica_client.close_channels()
+        await engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.main", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", action="append", choices=ROLES,
+                        help="what this process serves (repeatable; default all)")
+    parser.add_argument("--listen", action="append", default=None,
+                        help="gateway address (repeatable; default the configured ones)")
+    parser.add_argument("--routing-api", action="store_true",
+                        help="with role routing: also serve the Routing API on [routing].listen")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config()
+    chosen = set(args.role or ["all"])
+    routing_api = args.routing_api
+    if "all" in chosen:
+        chosen = {"gateway", "routing"}
+        routing_api = True
+    asyncio.run(serve(config, chosen, args.listen or gateway_addresses(config), routing_api))
+
+
+if __name__ == "__main__":
+    main()

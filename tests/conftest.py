@@ -1,0 +1,12 @@
+"""Suite-wide fixtures: the real-server fixtures live in tests/support and are registered here once.
+
+- tests.support.db: a fresh migrated PostgreSQL database per test (template migrated once)
+- tests.support.ledger_services: Admission + Usage served in-process on a free port
+- tests.support.routing_stack: real Triton replicas, the Kafka event log and routing workers
+"""
+
+pytest_plugins = [
+    "tests.support.db",
+    "tests.support.ledger_services",
+    "tests.support.routing_stack",
+]
