@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -26,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ from replica.protocol import (
     MODEL_NAME,
     REQUEST_ID_PARAM,
 )
+from sluice_config import data_dir, load_config
 
 LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
@@ -65,6 +68,7 @@ class ReplicaSettings:
     grpc_port: int
     metrics_port: int
     generator: GeneratorConfig
+    workspace: Path | None = None        # pytriton workspace (model store, sockets); None: a temp dir
 
 
 def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSettings:
@@ -85,7 +89,8 @@ def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSetting
     )
     return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=int(entry["http_port"]),
                            grpc_port=int(grpc_port), metrics_port=int(entry["metrics_port"]),
-                           generator=generator)
+                           generator=generator,
+                           workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}")
 
 
 def ensure_libpython_on_library_path() -> None:
@@ -112,6 +117,18 @@ def check_ports_free(settings: ReplicaSettings) -> None:
             except OSError as exc:
                 raise StartupError(ERR_PORT_IN_USE.format(name=settings.name, kind=kind, port=port,
                                                           host=settings.host)) from exc
+
+
+def _fresh_workspace(path: Path | None) -> str | None:
+    """A fixed per-replica workspace, so a killed replica's copy of tritonserver (~20 MB) is
+    reused on restart instead of piling up under ~/.cache/pytriton. The port check has already
+    shown that no live replica uses it."""
+    if path is None:
+        return None
+    if path.exists():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def _scalar(data: Mapping[str, NDArray[Any]], name: str, default: Any = None) -> Any:
@@ -240,7 +257,7 @@ def build_engine(settings: ReplicaSettings) -> Engine:
     return SimpleGenerator(settings.generator)
 
 
-def _run_until_ready(triton: Any, name: str) -> None:
+def _run_until_ready(triton: Any, name: str, workspace: Path | None) -> None:
     """triton.run(), but end the process at once when tritonserver exits during startup.
 
     pytriton itself only notices after its 120 s readiness timeout. run() must
@@ -259,6 +276,8 @@ def _run_until_ready(triton: Any, name: str) -> None:
             if server is not None and spawned and not server.is_alive() and not ready.is_set():
                 print(f"ERROR: {ERR_TRITON_START.format(name=name, error=ERR_TRITON_EXITED)}",
                       file=sys.stderr, flush=True)
+                if workspace is not None:
+                    shutil.rmtree(workspace, ignore_errors=True)
                 os._exit(EXIT_STARTUP_FAILED)
 
     threading.Thread(target=watch, name="triton-start-watch", daemon=True).start()
@@ -296,10 +315,10 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
         grpc_http2_min_recv_ping_interval_without_data=1000,
         grpc_http2_max_ping_strikes=0,
     )
-    triton = Triton(config=triton_config)
+    triton = Triton(config=triton_config, workspace=_fresh_workspace(settings.workspace))
     try:
         bind_model(triton, TensorrtLlmModel(host))
-        _run_until_ready(triton, settings.name)
+        _run_until_ready(triton, settings.name, settings.workspace)
     except Exception as exc:
         triton.stop()
         raise StartupError(ERR_TRITON_START.format(name=settings.name, error=exc)) from exc
@@ -325,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sluice_config import load_config
 
     try:
         settings = settings_from_config(load_config(), args.name)

@@ -217,15 +217,15 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
     assert ERR_PORT_IN_USE.format(name="busy", kind="grpc", port=grpc_port, host="127.0.0.1") in result.stderr
 
 
-def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error():
+def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error(tmp_path: Path):
     # The port check is skipped so that tritonserver itself meets the taken port (a race in real life).
     grpc_port, http_port, metrics_port = free_ports(3)
     script = (
-        "import sys, time\n"
+        "import pathlib, sys, time\n"
         "import replica.serve as serve\n"
         "serve.check_ports_free = lambda settings: None\n"
         f"settings = serve.ReplicaSettings('racy', '127.0.0.1', {http_port}, {grpc_port}, {metrics_port},"
-        " serve.GeneratorConfig())\n"
+        f" serve.GeneratorConfig(), workspace=pathlib.Path({str(tmp_path / 'ws')!r}))\n"
         "try:\n"
         "    serve.serve(settings, time.time())\n"
         "except serve.StartupError as exc:\n"
@@ -241,3 +241,4 @@ def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error()
     assert result.returncode == EXIT_STARTUP_FAILED
     assert ERR_TRITON_START.format(name="racy", error=ERR_TRITON_EXITED) in result.stderr
     assert time.monotonic() - started < 20
+    assert not (tmp_path / "ws").exists()         # the failed start leaves no pytriton workspace behind

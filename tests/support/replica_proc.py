@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice_config import REPO_ROOT
+from sluice_config import REPO_ROOT, data_dir, load_config
 
 READY_MARKER = "ready model=tensorrt_llm"
 
@@ -44,6 +45,12 @@ class ReplicaProcess:
     metrics_port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+
+    @property
+    def workspace(self) -> Path:
+        """Where replica.serve keeps its pytriton workspace (a killed replica leaves it behind)."""
+        port = self.grpc_address.rpartition(":")[2]
+        return data_dir(load_config()) / "replicas" / f"{self.name}-{port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -106,6 +113,7 @@ def kill_replica(replica: ReplicaProcess) -> None:
     except ProcessLookupError:
         pass
     replica.process.wait(timeout=10)
+    shutil.rmtree(replica.workspace, ignore_errors=True)
 
 
 def stop_replica(replica: ReplicaProcess, grace_s: float = 10.0) -> None:
@@ -122,3 +130,4 @@ def stop_replica(replica: ReplicaProcess, grace_s: float = 10.0) -> None:
     except ProcessLookupError:
         pass
     replica.process.wait(timeout=10)
+    shutil.rmtree(replica.workspace, ignore_errors=True)
