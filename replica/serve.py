@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from sluice_config import data_dir, load_config
 
 LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
+ERR_UNKNOWN_ENGINE = "[replica].engine must be \"simple\" or \"core\", got {!r}"
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
 EXIT_STARTUP_FAILED = 2
@@ -69,6 +70,7 @@ class ReplicaSettings:
     metrics_port: int
     generator: GeneratorConfig
     workspace: Path | None = None        # pytriton workspace (model store, sockets); None: a temp dir
+    section: Mapping[str, Any] = field(default_factory=dict)   # raw [replica] table (engine choice)
 
 
 def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSettings:
@@ -90,7 +92,8 @@ def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSetting
     return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=int(entry["http_port"]),
                            grpc_port=int(grpc_port), metrics_port=int(entry["metrics_port"]),
                            generator=generator,
-                           workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}")
+                           workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}",
+                           section=dict(section))
 
 
 def ensure_libpython_on_library_path() -> None:
@@ -254,7 +257,15 @@ def bind_model(triton: Any, model: TensorrtLlmModel) -> None:
 
 
 def build_engine(settings: ReplicaSettings) -> Engine:
-    return SimpleGenerator(settings.generator)
+    """`[replica].engine`: "simple" (replica/generator.py) or "core" (engine/ via the adapter)."""
+    kind = str(settings.section.get("engine", "simple"))
+    if kind == "simple":
+        return SimpleGenerator(settings.generator)
+    if kind == "core":
+        from replica.engine_core_adapter import build_engine_from_section
+
+        return build_engine_from_section(settings.section)
+    raise StartupError(ERR_UNKNOWN_ENGINE.format(kind))
 
 
 def _run_until_ready(triton: Any, name: str, workspace: Path | None) -> None:
@@ -289,6 +300,7 @@ def _run_until_ready(triton: Any, name: str, workspace: Path | None) -> None:
 
 def serve(settings: ReplicaSettings, started_at: float) -> int:
     check_ports_free(settings)
+    engine = build_engine(settings)
     ensure_libpython_on_library_path()
     # Our tensors are a few bytes: pytriton's shared-memory TensorStore costs a round trip to its
     # block-manager process per response and capped streaming near 1k responses/s on 2 cores;
@@ -301,7 +313,6 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     pytriton_fixes.apply()
     metrics = ReplicaMetrics(start_time=started_at)
     metrics.serve(settings.metrics_port, settings.host)
-    engine = build_engine(settings)
     metrics.update(engine.stats())
     host = EngineHost(engine, on_stats=metrics.update)
     triton_config = TritonConfig(

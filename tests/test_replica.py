@@ -17,7 +17,13 @@ import pytest
 from replica.engine_api import GenerationRequest
 from replica.generator import GeneratorConfig, expected_tokens, prompt_seed
 from replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
-from replica.serve import ERR_PORT_IN_USE, ERR_TRITON_EXITED, ERR_TRITON_START, EXIT_STARTUP_FAILED
+from replica.serve import (
+    ERR_PORT_IN_USE,
+    ERR_TRITON_EXITED,
+    ERR_TRITON_START,
+    ERR_UNKNOWN_ENGINE,
+    EXIT_STARTUP_FAILED,
+)
 from services import replica_client as rc
 from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from tests.support.replica_proc import (
@@ -215,6 +221,15 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert ERR_PORT_IN_USE.format(name="busy", kind="grpc", port=grpc_port, host="127.0.0.1") in result.stderr
+
+
+def test_an_unknown_engine_fails_startup_with_a_clear_error():
+    ports = free_ports(3)
+    result = subprocess.run([sys.executable, "-m", "replica.serve", "--name", "odd"],
+                            env=replica_env("odd", *ports, {**SETTINGS, "engine": "magic"}),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_STARTUP_FAILED
+    assert ERR_UNKNOWN_ENGINE.format("magic") in result.stderr
 
 
 def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error(tmp_path: Path):
