@@ -24,24 +24,30 @@ class Child:
     ready_marker: str
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    log_offset: int = 0          # where this start's output begins (the log is appended to)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen([sys.executable, *self.argv], cwd=REPO_ROOT, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
-        self._offset = self.log_path.stat().st_size
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         assert self.process is not None, f"{self.label} was never started"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.ready_marker in self.log_path.read_text(errors="replace"):
+            if self.ready_marker in self._output_since_start():
                 return
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.label} exited with {self.process.returncode}; see {self.log_path}")
             time.sleep(0.2)
         raise TimeoutError(f"{self.label} not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def _output_since_start(self) -> str:
+        with self.log_path.open("rb") as log:
+            log.seek(self.log_offset)
+            return log.read().decode(errors="replace")
 
     def kill(self) -> None:
         """SIGKILL the whole group: no goodbye, like a lost machine."""
