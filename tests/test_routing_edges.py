@@ -77,8 +77,8 @@ async def test_a_settled_run_whose_terminal_event_was_never_published_gets_it_fr
         events = await asyncio.wait_for(reader, 15)
     assert [(e.sequence, e.type, e.status, e.detail) for e in events] == [
         (1, runs_pb2.EVENT_TYPE_TERMINAL, common_pb2.RUN_STATUS_CANCELLED, "gone")]
-    row = await stack.run_row(run.run_id)
-    assert row.terminal_published and row.lease_owner != "crashed:1:abc"
+    row = await stack.wait_for_published(run.run_id)
+    assert row.lease_owner != "crashed:1:abc"
 
 
 # --- Routing API -------------------------------------------------------------------------------

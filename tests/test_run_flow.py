@@ -48,8 +48,8 @@ async def test_an_accepted_run_streams_events_1_to_n_and_completes_with_its_usag
     assert terminal.status == common_pb2.RUN_STATUS_COMPLETED
     assert deltas_tokens(events) == 40 == terminal.usage.output_tokens
     assert terminal.usage.input_tokens == run.input_tokens
-    row = await stack.run_row(run.run_id)
-    assert row.status == RunStatus.COMPLETED and row.terminal_published
+    row = await stack.wait_for_published(run.run_id)
+    assert row.status == RunStatus.COMPLETED
     assert row.terminal_sequence == terminal.sequence == row.last_sequence
 
 

@@ -170,3 +170,20 @@ async def test_a_cursor_whose_events_retention_deleted_gets_out_of_range(stack: 
 def _first(run: Run) -> LogPosition:
     assert run.event_partition is not None and run.event_first_offset is not None
     return LogPosition(run.event_partition, run.event_first_offset)
+
+
+async def test_a_routing_process_told_to_stop_finishes_its_runs_before_exiting(stack: Stack):
+    leaving = await asyncio.to_thread(stack.start_worker_process, "leaving")
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=150)  # 3 s: longer than the 2 s lease
+        events: list[runs_pb2.RunEvent] = []
+        stopping: asyncio.Task[None] | None = None
+        async for event in sdk.stream(run.run_id):
+            events.append(event)
+            if len(events) == 10:
+                stopping = asyncio.create_task(asyncio.to_thread(leaving.stop))  # SIGTERM
+        assert stopping is not None
+        await stopping
+    assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
+    assert deltas_tokens(events) == 150
+    assert leaving.process.returncode == 0

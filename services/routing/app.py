@@ -52,8 +52,7 @@ async def run_routing_process(config: Mapping[str, Any], listen: str | None = No
              worker.policy.name, [spec.name for spec in worker.registry.specs()], listen or "off")
     print(f"routing worker {worker.settings.owner} ready", flush=True)
     try:
-        await worker.serve()
-        await worker.drain(DRAIN_S)
+        await worker.serve(drain_s=DRAIN_S)
     finally:
         if server is not None:
             await server.stop(grace=1.0)

@@ -131,45 +131,47 @@ class RoutingWorker:
         self.health = HealthBook(HEALTH)
         self.loads = LoadTracker()
         self.health.sync([spec.name for spec in registry.specs()], time.time())
-        self._stopping = asyncio.Event()
+        self._stopping = asyncio.Event()   # set by stop(): claim nothing more
+        self._stopped = asyncio.Event()    # drained: every loop ends
 
     # --- process lifecycle ------------------------------------------------------------------
 
-    async def serve(self) -> None:
-        """Run every loop until stop() is called."""
-        loops = [self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True),
-                 self._every(self.renew_once, self.settings.renew_interval_s),
-                 self._every(self.reap_once, self.settings.lease_seconds / 2),
-                 self._every(self.check_health_once, HEALTH_TICK_S)]
+    async def serve(self, drain_s: float = 10.0) -> None:
+        """Run every loop until stop() is called, then drain: no more claims, while runs in
+        progress get up to `drain_s` to finish with their leases still renewed. Runs still
+        going after that are abandoned to another process's reaper (their leases lapse)."""
+        claiming = asyncio.create_task(
+            self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True))
+        upkeep = [asyncio.create_task(loop) for loop in (
+            self._every(self.renew_once, self.settings.renew_interval_s, until=self._stopped),
+            self._every(self.reap_once, self.settings.lease_seconds / 2),
+            self._every(self.check_health_once, HEALTH_TICK_S, until=self._stopped))]
         # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds;
         # lease renewals poll cancel_requested_at too, should a notification be lost.
         cancels = ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified) if self._dsn else None
         if cancels is not None:
             cancels.start()
-        tasks = [asyncio.create_task(loop) for loop in loops]
         try:
             await self._stopping.wait()
+            await _cancelled(claiming)
+            pending = list(self._tasks.values())
+            if pending:
+                await asyncio.wait(pending, timeout=drain_s)
         finally:
-            for task in tasks:
+            self._stopped.set()
+            for task in self._tasks.values():
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancelled(claiming, *upkeep)
             if cancels is not None:
                 await cancels.close()
 
     def stop(self) -> None:
         self._stopping.set()
 
-    async def drain(self, timeout_s: float) -> None:
-        """Let runs in progress finish; the ones still going after `timeout_s` are left to the
-        reaper of another process (their leases lapse)."""
-        pending = list(self._tasks.values())
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
-        for task in self._tasks.values():
-            task.cancel()
-
-    async def _every(self, step: Any, interval_s: float, busy_again: bool = False) -> None:
-        while not self._stopping.is_set():
+    async def _every(self, step: Any, interval_s: float, busy_again: bool = False,
+                     until: asyncio.Event | None = None) -> None:
+        done = until or self._stopping
+        while not done.is_set():
             busy = False
             try:
                 busy = bool(await step())
@@ -179,7 +181,7 @@ class RoutingWorker:
                 log.exception("%s failed; retrying", getattr(step, "__name__", step))
             if not (busy and busy_again):
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), interval_s)
+                    await asyncio.wait_for(done.wait(), interval_s)
 
     # --- claim --------------------------------------------------------------------------------
 
@@ -363,6 +365,12 @@ class RoutingWorker:
         now = time.time()
         views = self.registry.views(pool, now, self.health, self.loads)
         return copy.deepcopy(self.policy).choose(request, views, now)
+
+
+async def _cancelled(*tasks: asyncio.Task[None]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,7 +171,7 @@ class Stack:
                                ReplicaRegistry.from_config(self.config),
                                dsn=str(self.config["database"]["dsn"]))
         self.workers.append(worker)
-        self._tasks.append(asyncio.create_task(worker.serve()))
+        self._tasks.append(asyncio.create_task(worker.serve(drain_s=0.5)))
         return worker
 
     def start_worker_process(self, name: str) -> WorkerProcess:
@@ -215,13 +215,21 @@ class Stack:
                 raise AssertionError(f"run {run_id} still {run.status} after {timeout_s}s, wanted {statuses}")
             await asyncio.sleep(0.05)
 
+    async def wait_for_published(self, run_id: str, timeout_s: float = 10.0) -> Run:
+        """The run once its terminal event's publication is recorded (a reader may see the
+        event a moment before the publisher records that it did)."""
+        deadline = time.monotonic() + timeout_s
+        while not (run := await self.run_row(run_id)).terminal_published:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id}: terminal event not recorded published in {timeout_s}s")
+            await asyncio.sleep(0.02)
+        return run
+
     async def close(self) -> None:
         for worker in self.workers:
             worker.stop()
         for task in self._tasks:
             await task
-        for worker in self.workers:
-            await worker.drain(5.0)
         for process in self.processes:
             process.kill()
         for runs_server in self._runs_servers:
