@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from engine.sampling import GeometricLength
-from router.policy import ReplicaView, RouteRequest, make_policy
+from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
 from sim.fleet import Fleet, FleetConfig
 from sim.workload import WorkloadConfig
 
@@ -122,7 +122,8 @@ def print_decision_costs(rounds: int = 3) -> float:
 
 # -- fleet ---------------------------------------------------------------------------------------
 
-FLEET_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "oracle")
+FLEET_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "prefix_aware/no-conv-id", "oracle")
+NO_CONVERSATION_ID = "/no-conv-id"
 # Calibration (python bench/bench_router.py --calibrate): with the oracle, this fleet and workload
 # complete 127 req/s at 3,000 users, 165 at 4,000, 197 at 5,000 (TTFT p95 climbing past 0.6 s) and
 # saturate at ~212 req/s from 6,000 users (batches pinned at max_num_seqs, TTFT p95 8.5 s). 80% of
@@ -147,6 +148,28 @@ class FleetRow:
     routed_cov: float                   # CoV across replicas of requests routed
     outcomes: str
     wall_s: float
+
+
+class WithoutConversationIds:
+    """Hides conversation ids from a policy, so its affinity comes from the learned prefix index
+    alone (as for API callers that send none)."""
+
+    def __init__(self, inner: RoutingPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name + NO_CONVERSATION_ID
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               now: float) -> RouteDecision | None:
+        return self.inner.choose(replace(request, conversation_id=None), replicas, now)
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
+        self.inner.on_routed(replace(request, conversation_id=None), decision, now)
+
+    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+        self.inner.on_finished(request, replica, now)
+
+    def on_replica_restarted(self, replica: str) -> None:
+        self.inner.on_replica_restarted(replica)
 
 
 def chat_workload(users: int, duration_s: float, seed: int = 0) -> WorkloadConfig:
@@ -175,7 +198,11 @@ def fleet_row(policy: str, users: int, duration_s: float, kv_blocks: int | None 
     started = time.perf_counter()
     fleet = Fleet(fleet_config(kv_blocks), chat_workload(users, duration_s))
     # The very factory the routing service calls; the oracle gets the fleet's exact-cache probe.
-    report = fleet.run(make_policy(policy, cached_tokens=fleet.cached_tokens, **options))
+    name = policy.removesuffix(NO_CONVERSATION_ID)
+    chosen: RoutingPolicy = make_policy(name, cached_tokens=fleet.cached_tokens, **options)
+    if policy.endswith(NO_CONVERSATION_ID):
+        chosen = WithoutConversationIds(chosen)
+    report = fleet.run(chosen)
     return FleetRow(
         policy=policy, hit_rate=report.cache_hit_rate, ttft_p95_s=report.ttft.p95, itl_p95_s=report.itl.p95,
         throughput=report.request_throughput, output_tokens_per_s=report.output_token_throughput,
@@ -192,14 +219,15 @@ def print_fleet_table(users: int, duration_s: float, policies: Sequence[str] = F
     print(f"\nFleet: 8 x Llama-3-70B FP8 TP8 on H100 (sim/), {kv}, {users:,} chat users, 1,000-token shared "
           f"system prompt, ~5 turns per conversation, {duration_s:.0f} s simulated "
           f"({duration_s / 3:.0f} s warm-up)")
-    header = (f"{'policy':<14}{'hit rate':>9}{'TTFT p95':>11}{'ITL p95':>10}{'req/s':>8}{'out tok/s':>11}"
-              f"{'load CoV':>10}{'routed CoV':>11}{'sim s':>7}  outcomes")
+    width = max(len(policy) for policy in policies) + 2
+    header = (f"{'policy':<{width}}{'hit rate':>9}{'TTFT p95':>11}{'ITL p95':>10}{'req/s':>8}"
+              f"{'out tok/s':>11}{'load CoV':>10}{'routed CoV':>11}{'sim s':>7}  outcomes")
     print(header)
     rows: dict[str, FleetRow] = {}
     for policy in policies:
         row = fleet_row(policy, users, duration_s, kv_blocks, **options)
         rows[policy] = row
-        print(f"{row.policy:<14}{row.hit_rate:>9.1%}{row.ttft_p95_s * 1e3:>9.0f}ms"
+        print(f"{row.policy:<{width}}{row.hit_rate:>9.1%}{row.ttft_p95_s * 1e3:>9.0f}ms"
               f"{row.itl_p95_s * 1e3:>8.1f}ms{row.throughput:>8.1f}{row.output_tokens_per_s:>11,.0f}"
               f"{row.load_cov:>10.3f}"
               f"{row.routed_cov:>11.3f}{row.wall_s:>7.1f}  {row.outcomes}")
@@ -256,8 +284,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.decision_only:
         print_fleet_table(args.users, args.duration, args.policies.split(","), args.kv_blocks, **options)
         if args.kv_pressure:
-            print_fleet_table(args.users, args.duration, ("prefix_aware", "oracle"), KV_PRESSURE_BLOCKS,
-                              **options)
+            print_fleet_table(args.users, args.duration, ("prefix_aware", "prefix_aware" + NO_CONVERSATION_ID,
+                                                          "oracle"), KV_PRESSURE_BLOCKS, **options)
     if not args.fleet_only:
         print_decision_costs()
 
