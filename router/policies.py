@@ -75,6 +75,7 @@ OUTCOME_AFFINITY_HIT = "affinity_hit"
 OUTCOME_BALANCED_AWAY = "balanced_away"
 OUTCOME_FALLBACK = "fallback"
 UNKNOWN_OPTION = "unknown routing policy option {option!r}; known: {known}"
+NOT_WHOLE = "routing policy option {option!r} takes a whole number, got {value!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,8 @@ class PolicyOptions:
         for option, value in overrides.items():
             if option not in values:
                 raise ValueError(UNKNOWN_OPTION.format(option=option, known=", ".join(sorted(values))))
+            if isinstance(values[option], int) and not float(value).is_integer():
+                raise ValueError(NOT_WHOLE.format(option=option, value=value))
             values[option] = type(values[option])(value)
         return cls(**values)
 

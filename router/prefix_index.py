@@ -8,6 +8,11 @@ two prompts share ``h[i]`` only when they share the whole prefix up to block
 ``i``; the longest run of leading hashes a replica holds is the prefix it can
 reuse. A trailing partial block is never hashed: engines reuse full blocks only.
 
+The caller picks the unit: a policy may hash every KV block, or (as
+prefix_aware does by default) a whole number of blocks per entry, trading
+overlap precision for a shorter chain to hash and walk; "block" below means
+that unit.
+
 The index is a guess, not the replica's truth: it records what the router sent,
 not what the engine kept. It bounds that guess the way the engine bounds its
 cache: each replica holds at most ``kv_capacity_blocks`` entries, evicted least

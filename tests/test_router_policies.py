@@ -10,6 +10,7 @@ import pytest
 
 from router.load import LoadSnapshot, LoadTracker
 from router.policies import (
+    NOT_WHOLE,
     OUTCOME_AFFINITY_HIT,
     OUTCOME_BALANCED_AWAY,
     OUTCOME_FALLBACK,
@@ -341,6 +342,9 @@ def test_make_policy_rejects_unknown_names_and_options():
     assert str(unknown_option.value).startswith(UNKNOWN_OPTION.format(option="temperature", known="")[:-1])
     with pytest.raises(ValueError, match=ORACLE_NEEDS_PROBE):
         make_policy("oracle")
+    with pytest.raises(ValueError) as fractional:
+        make_policy("prefix_aware", imbalance_slack=2.5)
+    assert str(fractional.value) == NOT_WHOLE.format(option="imbalance_slack", value=2.5)
 
 
 def test_the_config_section_names_the_policy_and_its_options():
