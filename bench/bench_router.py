@@ -1,10 +1,10 @@
 """Router benchmark: policies on the fleet simulator, and the cost of one routing decision.
 
-    .venv/bin/python bench/bench_router.py            # fleet table + decision cost
-    .venv/bin/python bench/bench_router.py --decision-only
+    .venv/bin/python -m bench.bench_router                 # fleet table + decision cost (~1 min)
+    .venv/bin/python -m bench.bench_router --decision-only
 
-    .venv/bin/python bench/bench_router.py --kv-pressure   # + prefix_aware/oracle with a small KV pool
-    .venv/bin/python bench/bench_router.py --calibrate     # oracle throughput vs users: the capacity
+    .venv/bin/python -m bench.bench_router --kv-pressure   # + the three cache-aware rows on a small KV pool
+    .venv/bin/python -m bench.bench_router --calibrate     # oracle throughput vs users: the capacity
 
 Fleet part: a multi-turn chat workload (8 replicas, conversations sharing a
 system prompt and growing their history, ~80% of fleet capacity) run through
@@ -124,7 +124,7 @@ def print_decision_costs(rounds: int = 3) -> float:
 
 FLEET_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "prefix_aware/no-conv-id", "oracle")
 NO_CONVERSATION_ID = "/no-conv-id"
-# Calibration (python bench/bench_router.py --calibrate): with the oracle, this fleet and workload
+# Calibration (python -m bench.bench_router --calibrate): with the oracle, this fleet and workload
 # complete 127 req/s at 3,000 users, 165 at 4,000, 197 at 5,000 (TTFT p95 climbing past 0.6 s) and
 # saturate at ~212 req/s from 6,000 users (batches pinned at max_num_seqs, TTFT p95 8.5 s). 80% of
 # that is ~170 req/s, which the closed loop offers at ~4,100 users.
