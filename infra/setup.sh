@@ -44,6 +44,10 @@ LOCK_STAMP=.venv/.requirements.lock.sha256
 if [[ "$(cat "$LOCK_STAMP" 2>/dev/null)" != "$(sha requirements.lock)" ]]; then
   say "pip install -r requirements.lock (first time takes a few minutes)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.lock
+  # The repository root is the import root; an editable install (compat mode: a .pth
+  # naming the root) makes `python -m demo` work anywhere and installs the `sluice` CLI.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -e . --config-settings editable_mode=compat 2>/dev/null
   sha requirements.lock >"$LOCK_STAMP"
 else
   say "python packages up to date with requirements.lock"
