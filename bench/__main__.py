@@ -1,0 +1,33 @@
+"""`python -m bench` (`make bench`): every benchmark that needs no running stack, in turn.
+
+Each prints figures and ratios measured side by side in one run; none fails on
+timing. bench.bench_run_path needs a running Sluice (see its docstring).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+BENCHES = [
+    ("admission Submit latency (real PostgreSQL)", ["-m", "bench.bench_submit", "-n", "1000"]),
+    ("routing policies on the fleet simulator + decision cost", ["-m", "bench.bench_router"]),
+    ("replica: engine core behind real Triton", ["bench/bench_replica.py", "--concurrency", "1,8"]),
+    ("fleet simulator: seed 003's fleet, 10 simulated minutes", ["-m", "sim", "--preset", "seed003"]),
+]
+
+
+def main() -> int:
+    failures = 0
+    for title, argv in BENCHES:
+        print(f"\n=== {title}: python {' '.join(argv)}", flush=True)
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, *argv])
+        print(f"=== exit {code}, {time.monotonic() - started:.0f} s wall", flush=True)
+        failures += code != 0
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
