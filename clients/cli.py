@@ -25,6 +25,7 @@ from typing import TextIO
 import grpc
 import grpc.aio
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, StreamBroken
 from sluice.v1 import common_pb2, runs_pb2
@@ -79,12 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _json(message: object) -> str:
-    return json.dumps(MessageToDict(message, preserving_proto_field_name=True))  # type: ignore[arg-type]
+def _json(message: Message) -> str:
+    return json.dumps(MessageToDict(message, preserving_proto_field_name=True))
 
 
-def _status(value: int) -> str:
-    return common_pb2.RunStatus.Name(value).removeprefix("RUN_STATUS_")
+def _status(value: common_pb2.RunStatus) -> str:
+    return str(common_pb2.RunStatus.Name(value)).removeprefix("RUN_STATUS_")
 
 
 def _print_event(event: runs_pb2.RunEvent, out: TextIO, as_json: bool) -> None:

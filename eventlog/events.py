@@ -10,6 +10,7 @@ republished by a reaper) into "exactly the events with sequence > after".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from sluice.v1 import common_pb2, runs_pb2
 
@@ -22,14 +23,14 @@ TERMINAL_STATUSES = frozenset({
 })
 
 
-def status_value(name: str) -> int:
+def status_value(name: str) -> common_pb2.RunStatus:
     """Ledger status text ('RUNNING') -> RunStatus enum value."""
-    return common_pb2.RunStatus.Value(f"RUN_STATUS_{name}")
+    return cast(common_pb2.RunStatus, common_pb2.RunStatus.Value(f"RUN_STATUS_{name}"))
 
 
-def status_name(value: int) -> str:
+def status_name(value: common_pb2.RunStatus) -> str:
     """RunStatus enum value -> ledger status text ('RUNNING')."""
-    return common_pb2.RunStatus.Name(value).removeprefix("RUN_STATUS_")
+    return str(common_pb2.RunStatus.Name(value)).removeprefix("RUN_STATUS_")
 
 
 def delta_event(run_id: str, sequence: int, token_ids: Sequence[int], text: str,
@@ -38,13 +39,13 @@ def delta_event(run_id: str, sequence: int, token_ids: Sequence[int], text: str,
                              token_ids=list(token_ids), text=text, time_ms=time_ms)
 
 
-def status_event(run_id: str, sequence: int, status: int, time_ms: int) -> runs_pb2.RunEvent:
+def status_event(run_id: str, sequence: int, status: common_pb2.RunStatus, time_ms: int) -> runs_pb2.RunEvent:
     assert status not in TERMINAL_STATUSES, "terminal statuses travel in terminal events"
     return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_STATUS,
                              status=status, time_ms=time_ms)
 
 
-def terminal_event(run_id: str, sequence: int, status: int, usage: common_pb2.TokenUsage,
+def terminal_event(run_id: str, sequence: int, status: common_pb2.RunStatus, usage: common_pb2.TokenUsage,
                    detail: str, time_ms: int) -> runs_pb2.RunEvent:
     assert status in TERMINAL_STATUSES, f"{status_name(status)} is not terminal"
     return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_TERMINAL,
@@ -72,13 +73,13 @@ class RunEventSequencer:
         self._last += 1
         return self._last
 
-    def status(self, status: int, time_ms: int) -> runs_pb2.RunEvent:
+    def status(self, status: common_pb2.RunStatus, time_ms: int) -> runs_pb2.RunEvent:
         return status_event(self.run_id, self.next_sequence(), status, time_ms)
 
     def delta(self, token_ids: Sequence[int], text: str, time_ms: int) -> runs_pb2.RunEvent:
         return delta_event(self.run_id, self.next_sequence(), token_ids, text, time_ms)
 
-    def terminal(self, status: int, usage: common_pb2.TokenUsage, detail: str,
+    def terminal(self, status: common_pb2.RunStatus, usage: common_pb2.TokenUsage, detail: str,
                  time_ms: int) -> runs_pb2.RunEvent:
         return terminal_event(self.run_id, self.next_sequence(), status, usage, detail, time_ms)
 

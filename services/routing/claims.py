@@ -79,7 +79,7 @@ async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, ow
                 lease_owner=owner, lease_expires_at=lease_until(lease_seconds))
         .returning(Run.queued_at)
     )
-    assert queued_at is not None, f"run {run_id} was locked as ACCEPTED yet could not be queued"
+    assert isinstance(queued_at, dt.datetime), f"run {run_id} was locked as ACCEPTED yet could not be queued"
     return queued_at
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -246,7 +247,7 @@ class RoutingWorker:
         self._requests[run_id] = item
         task = asyncio.create_task(driver.run(), name=f"run-{run_id}")
         self._tasks[run_id] = task
-        task.add_done_callback(lambda done, rid=run_id: self._driver_done(rid, done))
+        task.add_done_callback(functools.partial(self._driver_done, run_id))
 
     def _driver_done(self, run_id: str, task: asyncio.Task[TerminalRecord | None]) -> None:
         self.drivers.pop(run_id, None)
