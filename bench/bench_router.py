@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.bench_router --decision-only
 
     .venv/bin/python -m bench.bench_router --kv-pressure   # + the three cache-aware rows on a small KV pool
+    .venv/bin/python -m bench.bench_router --restart       # + a replica restarting mid-run
     .venv/bin/python -m bench.bench_router --calibrate     # oracle throughput vs users: the capacity
 
 Fleet part: a multi-turn chat workload (8 replicas, conversations sharing a
@@ -29,12 +30,12 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from engine.sampling import GeometricLength
 from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
-from sim.fleet import Fleet, FleetConfig
+from sim.fleet import Fleet, FleetConfig, ReplicaRestart
 from sim.workload import WorkloadConfig
 
 DECISION_REPLICAS = 64
@@ -186,20 +187,22 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
     return statistics.pstdev(values) / mean if mean > 0 else 0.0
 
 
-def fleet_config(kv_blocks: int | None) -> FleetConfig:
+def fleet_config(kv_blocks: int | None, restart: bool = False) -> FleetConfig:
     """Seed 003's fleet; `kv_blocks` shrinks each replica's KV pool to put its prefix cache under
-    pressure (None: the pool the cost model leaves, ~3.2M tokens, which never evicts here)."""
+    pressure (None: the pool the cost model leaves, ~3.2M tokens, which never evicts here);
+    `restart` kills replica r3 at 75 s and brings it back cold 10 s later (seed 000's failure)."""
     config = FleetConfig()
-    return replace(config, engine=replace(config.engine, num_blocks=kv_blocks))
+    restarts = (ReplicaRestart(at_s=75.0, replica=3, down_s=10.0),) if restart else ()
+    return replace(config, engine=replace(config.engine, num_blocks=kv_blocks), restarts=restarts)
 
 
 def fleet_row(policy: str, users: int, duration_s: float, kv_blocks: int | None = None,
-              **options: float) -> FleetRow:
+              restart: bool = False, options: Mapping[str, float] | None = None) -> FleetRow:
     started = time.perf_counter()
-    fleet = Fleet(fleet_config(kv_blocks), chat_workload(users, duration_s))
+    fleet = Fleet(fleet_config(kv_blocks, restart), chat_workload(users, duration_s))
     # The very factory the routing service calls; the oracle gets the fleet's exact-cache probe.
     name = policy.removesuffix(NO_CONVERSATION_ID)
-    chosen: RoutingPolicy = make_policy(name, cached_tokens=fleet.cached_tokens, **options)
+    chosen: RoutingPolicy = make_policy(name, cached_tokens=fleet.cached_tokens, **(options or {}))
     if policy.endswith(NO_CONVERSATION_ID):
         chosen = WithoutConversationIds(chosen)
     report = fleet.run(chosen)
@@ -214,8 +217,11 @@ def fleet_row(policy: str, users: int, duration_s: float, kv_blocks: int | None 
 
 
 def print_fleet_table(users: int, duration_s: float, policies: Sequence[str] = FLEET_POLICIES,
-                      kv_blocks: int | None = None, **options: float) -> dict[str, FleetRow]:
+                      kv_blocks: int | None = None, restart: bool = False,
+                      options: Mapping[str, float] | None = None) -> dict[str, FleetRow]:
     kv = f"KV pool cut to {kv_blocks:,} blocks of 32" if kv_blocks else "full KV pool"
+    if restart:
+        kv += ", r3 restarts at 75 s (down 10 s, back cold)"
     print(f"\nFleet: 8 x Llama-3-70B FP8 TP8 on H100 (sim/), {kv}, {users:,} chat users, 1,000-token shared "
           f"system prompt, ~5 turns per conversation, {duration_s:.0f} s simulated "
           f"({duration_s / 3:.0f} s warm-up)")
@@ -225,7 +231,7 @@ def print_fleet_table(users: int, duration_s: float, policies: Sequence[str] = F
     print(header)
     rows: dict[str, FleetRow] = {}
     for policy in policies:
-        row = fleet_row(policy, users, duration_s, kv_blocks, **options)
+        row = fleet_row(policy, users, duration_s, kv_blocks, restart, options)
         rows[policy] = row
         print(f"{row.policy:<{width}}{row.hit_rate:>9.1%}{row.ttft_p95_s * 1e3:>9.0f}ms"
               f"{row.itl_p95_s * 1e3:>8.1f}ms{row.throughput:>8.1f}{row.output_tokens_per_s:>11,.0f}"
@@ -274,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="cut each replica's KV pool (blocks)")
     parser.add_argument("--kv-pressure", action="store_true",
                         help=f"also prefix_aware and oracle on {KV_PRESSURE_BLOCKS:,} KV blocks a replica")
+    parser.add_argument("--restart", action="store_true",
+                        help="also round_robin and prefix_aware with replica r3 restarting mid-run")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="PolicyOptions override for every policy, e.g. imbalance_bound=0.2")
     args = parser.parse_args(argv)
@@ -282,10 +290,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         calibrate(args.duration)
         return
     if not args.decision_only:
-        print_fleet_table(args.users, args.duration, args.policies.split(","), args.kv_blocks, **options)
+        print_fleet_table(args.users, args.duration, args.policies.split(","), args.kv_blocks,
+                          options=options)
         if args.kv_pressure:
             print_fleet_table(args.users, args.duration, ("prefix_aware", "prefix_aware" + NO_CONVERSATION_ID,
-                                                          "oracle"), KV_PRESSURE_BLOCKS, **options)
+                                                          "oracle"), KV_PRESSURE_BLOCKS, options=options)
+        if args.restart:
+            print_fleet_table(args.users, args.duration, ("round_robin", "prefix_aware"), restart=True,
+                              options=options)
     if not args.fleet_only:
         print_decision_costs()
 
