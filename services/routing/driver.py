@@ -38,6 +38,7 @@ from sluice.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 STOP_DRAIN_S = 3.0  # after `stop`, how long the replica may take to close the stream
+FENCE_FRACTION = 0.5  # a driver stops appending this far (in leases) after its last renewal was sent
 
 DETAIL_CANCELLED = "cancelled by the caller"
 DETAIL_EXPIRED = "deadline passed before the run completed"
@@ -105,6 +106,10 @@ class RunDriver:
     # Driver state read by the worker's lease keeper and cancel listener.
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     lease_lost: bool = False
+    # Self-fencing: the driver appends nothing at or after this monotonic time unless a lease
+    # renewal moved it. It trails the ledger's lease_expires_at by half a lease, so a driver
+    # cut off from the ledger (paused, partitioned) stops writing before any reaper may act.
+    fence_at: float = float("inf")
     last_sequence: int = 0       # last event durable in the log
     output_tokens: int = 0       # tokens in durable DELTA events
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -123,6 +128,15 @@ class RunDriver:
     def revoke_lease(self) -> None:
         self.lease_lost = True
         self._wake.set()
+
+    def extend_fence(self, renewal_sent_at: float) -> None:
+        """A renewal sent at `renewal_sent_at` (monotonic) succeeded."""
+        fence = renewal_sent_at + self.settings.lease_seconds * FENCE_FRACTION
+        self.fence_at = fence if self.fence_at == float("inf") else max(self.fence_at, fence)
+
+    def _check_lease(self) -> None:
+        if self.lease_lost or time.monotonic() >= self.fence_at:
+            raise LeaseLost()
 
     async def run(self) -> TerminalRecord | None:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
@@ -144,8 +158,7 @@ class RunDriver:
         try:
             while True:
                 self._wake.clear()
-                if self.lease_lost:
-                    raise LeaseLost()
+                self._check_lease()
                 now = time.monotonic()
                 if stop_reason is None:
                     stop_reason = self._stop_reason(pump, now, started)
@@ -226,9 +239,11 @@ class RunDriver:
         if sequencer.last_sequence == 0:
             # The first token makes the run RUNNING: STATUS event first, then the ledger
             # records the transition together with where the run's events start.
+            self._check_lease()
             first = await self.events.append(sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms))
             self.last_sequence = sequencer.last_sequence
             await self._mark_running(first)
+        self._check_lease()
         await self.events.append(sequencer.delta(tokens, decoder.push(tokens), now_ms))
         self.last_sequence = sequencer.last_sequence
         self.output_tokens += len(tokens)

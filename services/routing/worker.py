@@ -192,6 +192,7 @@ class RoutingWorker:
         if free <= 0 or self._stopping.is_set():
             return False
         now = time.time()
+        claim_sent_at = time.monotonic()  # the lease it grants runs from after this instant
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
         async with self.sessions() as session, session.begin():
@@ -212,7 +213,7 @@ class RoutingWorker:
                     self.loads.on_sent(item.decision.replica)
         for item in routed:
             self.policy.on_routed(item.request, item.decision, now)
-            self._start_driver(item)
+            self._start_driver(item, claim_sent_at)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
         return len(rows) == free
@@ -235,13 +236,14 @@ class RoutingWorker:
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at)
         return _Routed(claim, request, decision)
 
-    def _start_driver(self, item: _Routed) -> None:
+    def _start_driver(self, item: _Routed, claim_sent_at: float) -> None:
         entry = self.registry.get(item.decision.replica)
         assert entry is not None, f"policy chose {item.decision.replica}, which is not registered"
         settings = dataclasses.replace(self.settings.driver(), block_size=entry.block_size)
         driver = RunDriver(claim=item.claim, address=entry.grpc_address, settings=settings,
                            sessions=self.sessions, events=self.events, replicas=self.replicas,
                            on_replica_lost=self._replica_failed)
+        driver.extend_fence(claim_sent_at)
         run_id = item.claim.run_id
         self.drivers[run_id] = driver
         self._requests[run_id] = item
@@ -292,6 +294,7 @@ class RoutingWorker:
         drivers = dict(self.drivers)
         if not drivers:
             return False
+        sent_at = time.monotonic()
         async with self.sessions() as session, session.begin():
             states = await renew_leases(session, self.settings.owner, self.settings.lease_seconds,
                                         [driver.progress() for driver in drivers.values()])
@@ -303,8 +306,10 @@ class RoutingWorker:
                 # reaper took the run; in both cases it must stop writing.
                 if run_id in self.drivers and not self._tasks[run_id].done():
                     driver.revoke_lease()
-            elif state.cancel_requested:
-                driver.request_cancel()
+            else:
+                driver.extend_fence(sent_at)
+                if state.cancel_requested:
+                    driver.request_cancel()
         return False
 
     def _cancel_notified(self, run_id: str) -> None:
