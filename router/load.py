@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.policy import RoutingPolicy
+
 REQUEST_METRIC = "nv_trt_llm_request_metrics"
 KV_METRIC = "nv_trt_llm_kv_cache_block_metrics"
 START_TIME_METRIC = "sluice_replica_start_time_seconds"
@@ -149,3 +151,13 @@ class LoadTracker:
     def loads(self) -> Mapping[str, ReplicaLoad]:
         names = set(self._snapshots) | set(self._in_flight) | set(self._sent_since_scrape)
         return {name: self.load(name) for name in sorted(names)}
+
+
+def record_scrape(tracker: LoadTracker, policy: RoutingPolicy, replica: str,
+                  metrics_text: str) -> LoadSnapshot:
+    """What a host does with each scrape of a replica's /metrics: parse it, record it, and if it
+    reveals a restart tell the policy, which forgets the replica's cached prefixes."""
+    snapshot = parse_metrics(metrics_text)
+    if tracker.on_scrape(replica, snapshot):
+        policy.on_replica_restarted(replica)
+    return snapshot

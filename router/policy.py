@@ -18,6 +18,7 @@ Lifecycle, as the host drives it:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -159,3 +160,18 @@ def make_policy_from_config(routing: Mapping[str, object]) -> RoutingPolicy:
 
     options = PolicyOptions.with_overrides({str(key): float(value) for key, value in table.items()})
     return _build(str(routing.get("policy", "round_robin")), options, None)
+
+
+def explain(policy: RoutingPolicy, request: RouteRequest, replicas: Sequence[ReplicaView],
+            now: float) -> RouteDecision | None:
+    """What `policy` would choose now, without changing what it chooses next (an Explain API).
+
+    least_loaded and prefix_aware decide from state that choose() does not change
+    (it only catches up with `now`: TTL expiry, remembered views, a hash cache), so
+    they are asked directly; copying a prefix index of millions of entries would
+    block the caller for seconds. round_robin's choose() advances its turn, so it
+    is asked through a copy.
+    """
+    if isinstance(policy, RoundRobin):
+        return copy.deepcopy(policy).choose(request, replicas, now)
+    return policy.choose(request, replicas, now)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from router.load import LoadSnapshot, LoadTracker, parse_metrics, restarted
+from router.load import LoadSnapshot, LoadTracker, parse_metrics, record_scrape, restarted
+from router.policies import PrefixAware
+from router.policy import ReplicaView, RouteRequest
 
 TRT_LLM_TEXT = """\
 # HELP nv_trt_llm_request_metrics TRT LLM request metrics
@@ -97,3 +99,19 @@ def test_the_tracker_reports_a_restart_seen_in_a_scrape():
     assert not tracker.on_scrape("r0", LoadSnapshot(start_time=1.0))
     assert not tracker.on_scrape("r0", LoadSnapshot(start_time=1.0))
     assert tracker.on_scrape("r0", LoadSnapshot(start_time=2.0))
+
+
+def test_a_scrape_revealing_a_restart_makes_the_policy_forget_the_replica():
+    policy = PrefixAware()
+    tracker = LoadTracker()
+    record_scrape(tracker, policy, "r0", TRT_LLM_TEXT)
+    view = ReplicaView(name="r0", pool="m", block_size=16, kv_capacity_blocks=1000)
+    request = RouteRequest(request_id="a", model_version="m", token_ids=list(range(256)), max_output_tokens=8)
+    decision = policy.choose(request, [view], 1.0)
+    assert decision is not None
+    policy.on_routed(request, decision, 1.0)
+    assert policy.index.entries("r0") == 4
+    same = record_scrape(tracker, policy, "r0", TRT_LLM_TEXT)
+    assert same.start_time == 1.7e9 and policy.index.entries("r0") == 4
+    record_scrape(tracker, policy, "r0", TRT_LLM_TEXT.replace("1.7e+09", "1.8e+09"))
+    assert policy.index.entries("r0") == 0

@@ -28,6 +28,7 @@ from router.policy import (
     RoundRobin,
     RouteDecision,
     RouteRequest,
+    explain,
     make_policy,
     make_policy_from_config,
 )
@@ -356,3 +357,17 @@ def test_the_config_section_names_the_policy_and_its_options():
     with pytest.raises(ValueError) as bad:
         make_policy_from_config({"policy": "prefix_aware", "policy_options": {"imbalance_bound": "high"}})
     assert str(bad.value) == BAD_POLICY_OPTIONS.format(value={"imbalance_bound": "high"})
+
+
+def test_explain_answers_without_changing_the_next_decision():
+    views = [view("r0"), view("r1"), view("r2")]
+    rotation = make_policy("round_robin")
+    answers = [explain(rotation, request("x", range(8)), views, 0.0) for _ in range(3)]
+    assert answers == [RouteDecision("r0", "round_robin")] * 3
+    policy = PrefixAware(EXACT)
+    first = route(policy, request("t1", turn(7, 3), conversation="c7"), views)
+    follow_up = request("t2", turn(7, 4), conversation="c7")
+    asked = explain(policy, follow_up, views, 2.0)
+    assert asked is not None and asked.replica == first.replica
+    assert asked == policy.choose(follow_up, views, 2.0)
+    assert policy.in_flight(first.replica) == 1
