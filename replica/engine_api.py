@@ -67,6 +67,16 @@ class EngineStats:
     kv_used_blocks: int
     kv_tokens_per_block: int
     kv_reused_blocks: int                # cumulative prefix-cache block hits
+    # TensorRT-LLM's inflight-batcher gauges (nv_trt_llm_inflight_batcher_metrics) and step counter.
+    generation: int = 0                  # requests in the last step's batch doing generation (decode)
+    paused: int = 0                      # of `waiting`, requests paused to free KV (max_utilization)
+    total_context_tokens: int = 0        # prompt tokens computed in the last step
+    iterations: int = 0                  # steps executed since start (general_type="iteration_counter")
+
+    @property
+    def kv_fraction(self) -> float:
+        """Used share of the KV pool (kv_cache_block_type="fraction")."""
+        return self.kv_used_blocks / self.kv_max_blocks if self.kv_max_blocks else 0.0
 
 
 class Engine(Protocol):

@@ -14,11 +14,14 @@ real time and `0.1` ten times faster. `[replica]` keys read here:
     scheduler_policy = "guaranteed_no_evict" | "max_utilization"
     chunked_context = true  prefix_reuse = true
     output_length = "cap" | "lognormal" (output_mean, output_p95) | "fixed" (output_tokens)
-    vocab_size = 4096       first_normal_id = 4
+    vocab_size = 4096       first_normal_id = 5
 
-A request without end_id runs to request_output_len whatever `output_length`
-says (TensorRT-LLM can only stop early on end_id); the end token itself is
-not streamed.
+(config/sluice.toml documents each with its unit and default.) A request
+without end_id runs to request_output_len whatever `output_length` says
+(TensorRT-LLM can only stop early on end_id); with "cap" every request does,
+end_id or not. The end token itself is not streamed, and generated ids are
+never below first_normal_id, so a special end_id (tiny-chat: 0) is never
+produced by "sampling" either.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from replica.engine_api import (
 OUTPUT_LENGTH_MODES = ("cap", "lognormal", "fixed")
 ERR_OUTPUT_LENGTH = "[replica].output_length must be one of cap, lognormal, fixed; got {!r}"
 ERR_TIME_SCALE = "[replica].time_scale must be positive, got {}"
+ERR_NOT_BOOL = "[replica].{key} must be true or false, got {value!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,7 @@ class CoreSettings:
     output_p95: float = 1200.0
     output_tokens: int = 64
     vocab_size: int = 4096
-    first_normal_id: int = 4
+    first_normal_id: int = 5              # tiny-chat keeps 0..4 special (end_id 0)
 
     def __post_init__(self) -> None:
         if self.output_length not in OUTPUT_LENGTH_MODES:
@@ -84,8 +88,10 @@ class CoreSettings:
             if field.name in section:
                 default = getattr(cls(), field.name)
                 raw = section[field.name]
-                values[field.name] = (raw if isinstance(default, bool) and isinstance(raw, bool)
-                                      else type(default)(raw))
+                if isinstance(default, bool) and not isinstance(raw, bool):
+                    # bool("false") is True: a quoted boolean must not silently flip a switch.
+                    raise ValueError(ERR_NOT_BOOL.format(key=field.name, value=raw))
+                values[field.name] = raw if isinstance(default, bool) else type(default)(raw)
         return cls(**values)
 
     def cost_model(self) -> CostModel:
@@ -153,7 +159,8 @@ class CoreEngine:
             active=stats.active, waiting=stats.waiting, scheduled=stats.scheduled, context=stats.context,
             max_requests=stats.max_requests, kv_max_blocks=kv.max_blocks, kv_free_blocks=kv.free_blocks,
             kv_used_blocks=kv.used_blocks, kv_tokens_per_block=kv.tokens_per_block,
-            kv_reused_blocks=kv.reused_blocks,
+            kv_reused_blocks=kv.reused_blocks, generation=stats.generation, paused=stats.paused,
+            total_context_tokens=stats.total_context_tokens, iterations=stats.num_steps,
         )
 
 
@@ -185,25 +192,15 @@ def batcher_stats(engine: CoreEngine) -> Mapping[str, float]:
     }
 
 
-def _serve_with_core(argv: list[str] | None = None) -> int:
-    """`python -m replica.engine_core_adapter --name r0`: replica.serve with `[replica].engine` honoured,
-    for as long as replica.serve itself builds only the simple generator."""
+def _serve(argv: list[str] | None = None) -> int:
+    """`python -m replica.engine_core_adapter --name r0`: the same as `python -m replica.serve`, which
+    builds this engine when `[replica].engine = "core"` (the default); kept for bench_replica."""
     from replica import serve
-    from sluice_config import load_config
 
-    plain_build = serve.build_engine
-
-    def build_engine(settings: serve.ReplicaSettings) -> Any:
-        section = load_config().get("replica", {})
-        if str(section.get("engine", "simple")) == "core":
-            return build_engine_from_section(section)
-        return plain_build(settings)
-
-    serve.build_engine = build_engine
     return serve.main(argv)
 
 
 if __name__ == "__main__":
     import sys
 
-    sys.exit(_serve_with_core())
+    sys.exit(_serve())

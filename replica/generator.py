@@ -118,6 +118,8 @@ class SimpleGenerator:
     _live: dict[str, _Live] = field(default_factory=dict)   # insertion order = arrival order
     _last_scheduled: int = 0
     _last_context: int = 0
+    _last_context_tokens: int = 0
+    _steps: int = 0
 
     def add_request(self, request: GenerationRequest) -> None:
         if request.request_id in self._live:
@@ -137,10 +139,11 @@ class SimpleGenerator:
 
     def step(self) -> StepResult:
         outputs = []
-        self._last_context = 0
+        self._last_context = self._last_context_tokens = 0
         for live in list(self._live.values()):
             if live.produced == 0:
                 self._last_context += 1
+                self._last_context_tokens += len(live.request.prompt_ids)
             token = token_at(self.config, live.request.seed, live.produced)
             live.produced += 1
             finished = live.produced >= live.length
@@ -155,6 +158,7 @@ class SimpleGenerator:
                 kv_cache_reused_blocks=0,
             ))
         self._last_scheduled = len(outputs)
+        self._steps += 1 if outputs else 0
         return StepResult(tuple(outputs), self.config.token_delay_s if outputs else 0.0)
 
     def stats(self) -> EngineStats:
@@ -171,4 +175,7 @@ class SimpleGenerator:
             kv_used_blocks=used,
             kv_tokens_per_block=per_block,
             kv_reused_blocks=0,
+            generation=self._last_scheduled - self._last_context,
+            total_context_tokens=self._last_context_tokens,
+            iterations=self._steps,
         )

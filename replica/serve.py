@@ -51,6 +51,8 @@ from sluice_config import data_dir, load_config
 LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
 ERR_UNKNOWN_ENGINE = "[replica].engine must be \"simple\" or \"core\", got {!r}"
+ERR_ENGINE_CONFIG = "[replica] settings for engine {engine!r} are invalid: {error}"
+DEFAULT_ENGINE = "core"                  # as config/sluice.toml; used when [replica].engine is absent
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
 EXIT_STARTUP_FAILED = 2
@@ -68,7 +70,7 @@ class ReplicaSettings:
     http_port: int
     grpc_port: int
     metrics_port: int
-    generator: GeneratorConfig
+    generator: GeneratorConfig | None    # the simple engine's settings (None: another engine)
     workspace: Path | None = None        # pytriton workspace (model store, sockets); None: a temp dir
     section: Mapping[str, Any] = field(default_factory=dict)   # raw [replica] table (engine choice)
 
@@ -80,20 +82,30 @@ def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSetting
         raise StartupError(ERR_UNKNOWN_REPLICA.format(name, ", ".join(e.get("name", "?") for e in entries)))
     host, _, grpc_port = str(entry["grpc_address"]).rpartition(":")
     section = config.get("replica", {})
-    defaults = GeneratorConfig()
-    generator = GeneratorConfig(
-        vocab_size=int(section.get("vocab_size", defaults.vocab_size)),
-        first_normal_id=int(section.get("first_normal_id", defaults.first_normal_id)),
-        output_length=str(section.get("output_length", defaults.output_length)),
-        min_fraction=float(section.get("min_fraction", defaults.min_fraction)),
-        token_delay_s=float(section.get("token_delay_ms", defaults.token_delay_s * 1000)) / 1000.0,
-        max_batch=int(section.get("max_batch", defaults.max_batch)),
-    )
     return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=int(entry["http_port"]),
                            grpc_port=int(grpc_port), metrics_port=int(entry["metrics_port"]),
-                           generator=generator,
+                           generator=generator_config(section),
                            workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}",
                            section=dict(section))
+
+
+def generator_config(section: Mapping[str, Any]) -> GeneratorConfig | None:
+    """The simple engine's settings; None when `[replica].engine` picks another engine (whose
+    keys, e.g. output_length = "lognormal", the simple engine need not understand)."""
+    if str(section.get("engine", DEFAULT_ENGINE)) != "simple":
+        return None
+    defaults = GeneratorConfig()
+    try:
+        return GeneratorConfig(
+            vocab_size=int(section.get("vocab_size", defaults.vocab_size)),
+            first_normal_id=int(section.get("first_normal_id", defaults.first_normal_id)),
+            output_length=str(section.get("output_length", defaults.output_length)),
+            min_fraction=float(section.get("min_fraction", defaults.min_fraction)),
+            token_delay_s=float(section.get("token_delay_ms", defaults.token_delay_s * 1000)) / 1000.0,
+            max_batch=int(section.get("max_batch", defaults.max_batch)),
+        )
+    except (ValueError, AssertionError) as exc:
+        raise StartupError(ERR_ENGINE_CONFIG.format(engine="simple", error=exc)) from None
 
 
 def ensure_libpython_on_library_path() -> None:
@@ -257,14 +269,17 @@ def bind_model(triton: Any, model: TensorrtLlmModel) -> None:
 
 
 def build_engine(settings: ReplicaSettings) -> Engine:
-    """`[replica].engine`: "simple" (replica/generator.py) or "core" (engine/ via the adapter)."""
-    kind = str(settings.section.get("engine", "simple"))
+    """`[replica].engine`: "core" (engine/ via the adapter) or "simple" (replica/generator.py)."""
+    kind = str(settings.section.get("engine", DEFAULT_ENGINE))
     if kind == "simple":
-        return SimpleGenerator(settings.generator)
+        return SimpleGenerator(settings.generator or GeneratorConfig())
     if kind == "core":
         from replica.engine_core_adapter import build_engine_from_section
 
-        return build_engine_from_section(settings.section)
+        try:
+            return build_engine_from_section(settings.section)
+        except (ValueError, TypeError, AssertionError) as exc:
+            raise StartupError(ERR_ENGINE_CONFIG.format(engine=kind, error=exc)) from None
     raise StartupError(ERR_UNKNOWN_ENGINE.format(kind))
 
 

@@ -12,13 +12,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling import TokenSpace, tokens_between
 from replica.engine_api import EngineRequestError, GenerationRequest
-from replica.engine_core_adapter import ERR_OUTPUT_LENGTH, CoreEngine, CoreSettings, batcher_stats
+from replica.engine_core_adapter import (
+    ERR_NOT_BOOL,
+    ERR_OUTPUT_LENGTH,
+    CoreEngine,
+    CoreSettings,
+    batcher_stats,
+)
 from replica.generator import prompt_seed
+from replica.metrics import ReplicaMetrics
+from router.load import parse_metrics
 
-SPACE = TokenSpace(vocab_size=4096, first_normal_id=4)
+SPACE = TokenSpace(vocab_size=4096, first_normal_id=5)
 SETTINGS = CoreSettings(model="llama-3-8b", hardware="h100-sxm", tp=1, block_size=4, num_blocks=64,
                         max_num_seqs=8, max_num_tokens=64, time_scale=0.5)
 
@@ -102,7 +112,7 @@ def core_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     log_dir: Path = tmp_path_factory.mktemp("core-replica")
     grpc_port, http_port, metrics_port = free_ports(3)
     settings = {"engine": "core", "model": "llama-3-8b", "hardware": "h100-sxm", "tp": 1, "block_size": 4,
-                "num_blocks": 256, "time_scale": 1.0, "vocab_size": 4096, "first_normal_id": 4}
+                "num_blocks": 256, "time_scale": 1.0, "vocab_size": 4096, "first_normal_id": 5}
     log_path = log_dir / "replica.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -162,3 +172,109 @@ async def test_a_core_replica_streams_reuses_prefixes_stops_and_reports_state(co
     after = await asyncio.to_thread(scrape, core_replica)
     assert (after["request.active"], after["kv_cache_block.used"]) == (0, 0)
     assert after["kv_cache_block.reused"] == 2
+
+
+def test_a_quoted_boolean_is_rejected_rather_than_read_as_true() -> None:
+    with pytest.raises(ValueError) as error:
+        CoreSettings.from_section({"prefix_reuse": "false"})
+    assert str(error.value) == ERR_NOT_BOOL.format(key="prefix_reuse", value="false")
+
+
+def test_the_metrics_export_the_cores_state_under_tensorrt_llm_names() -> None:
+    engine = CoreEngine(SETTINGS)
+    metrics = ReplicaMetrics(start_time=1234.5, clock=lambda: 99.0)
+    engine.add_request(GenerationRequest("a", tuple(range(10, 22)), 5, None, 1))
+    engine.step()                                 # a's 12-token context
+    engine.add_request(GenerationRequest("b", tuple(range(10, 22)), 5, None, 2))
+    engine.step()                                 # a decodes; b's context reuses (12 − 1) // 4 = 2 blocks
+    metrics.update(engine.stats())
+    text = generate_latest(metrics.registry).decode()
+    snapshot = parse_metrics(text)
+    counts = (snapshot.active, snapshot.waiting, snapshot.scheduled, snapshot.context, snapshot.max_requests)
+    assert counts == (2, 0, 2, 1, 8)
+    used = engine.core.pool.stats().used_blocks
+    assert (snapshot.kv_max_blocks, snapshot.kv_used_blocks, snapshot.kv_free_blocks) == (64, used, 64 - used)
+    assert (snapshot.kv_tokens_per_block, snapshot.kv_reused_blocks) == (4, 2)
+    assert snapshot.kv_fraction == pytest.approx(used / 64)
+    assert snapshot.start_time == 1234.5
+    batcher = {key: value for (name, key), value in samples(text).items()
+               if name == "nv_trt_llm_inflight_batcher_metrics"}
+    assert batcher == {"total_context_tokens": 4.0, "generation_requests": 1.0, "micro_batch_id": 0.0,
+                       "paused_requests": 0.0}    # b computes only the 4 tokens past its cached blocks
+    general = {key: value for (name, key), value in samples(text).items()
+               if name == "nv_trt_llm_general_metrics"}
+    assert general == {"iteration_counter": 2.0, "timestamp": 99.0}
+
+
+def samples(text: str) -> dict[tuple[str, str], float]:
+    """(metric name, value of its one non-model label) -> value."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = next((v for k, v in sample.labels.items() if k not in ("model", "version")), "")
+            values[(sample.name, label)] = sample.value
+    return values
+
+
+# --- a replica exactly as config/sluice.toml configures it ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from tests.support.replica_proc import start_replica, stop_replica
+
+    replica = start_replica("d0", tmp_path_factory.mktemp("default-replica"))    # no [replica] overrides
+    try:
+        yield replica
+    finally:
+        stop_replica(replica)
+
+
+def scrape_text(replica: object) -> str:
+    port = replica.metrics_port  # type: ignore[attr-defined]
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+@pytest.mark.integration
+async def test_the_default_replica_runs_the_core_and_its_metrics_follow_the_cores_state(
+        default_replica: object) -> None:
+    from services import replica_client as rc
+    from sluice_config import load_config
+
+    settings = CoreSettings.from_section(load_config()["replica"])
+    space = TokenSpace(settings.vocab_size, settings.first_normal_id)
+    address = default_replica.grpc_address  # type: ignore[attr-defined]
+    before = parse_metrics(await asyncio.to_thread(scrape_text, default_replica))
+    assert (before.kv_tokens_per_block, before.max_requests, before.kv_max_blocks) == (
+        settings.block_size, settings.max_num_seqs, CoreEngine(settings).core.pool.num_blocks)
+
+    # 70 prompt tokens = 2 full blocks of 32. end_id 0 (tiny-chat's) is never generated: exactly the cap.
+    prompt = tuple(range(1000, 1070))
+    first = [c async for c in rc.stream_generate(address, "m-first", prompt, 12, end_id=0)]
+    assert [c.token_ids for c in first] == [(t,) for t in tokens_between(space, prompt_seed(prompt), 0, 12)]
+    second = [c async for c in rc.stream_generate(address, "m-second", prompt + (5, 6), 3, end_id=0)]
+    assert {(c.num_input_tokens, c.kv_cache_reused_blocks) for c in second} == {(72, 2)}
+    after_reuse = parse_metrics(await asyncio.to_thread(scrape_text, default_replica))
+    assert after_reuse.kv_reused_blocks == before.kv_reused_blocks + 2
+    assert (after_reuse.active, after_reuse.kv_used_blocks) == (0, 0)
+
+    long_prompt = tuple(range(3000, 3100))        # 100 tokens
+    received = 0
+    async for _chunk in rc.stream_generate(address, "m-long", long_prompt, 2000, end_id=0):
+        received += 1
+        if received == 30:
+            text = await asyncio.to_thread(scrape_text, default_replica)
+            await rc.stop(address, "m-long")
+    during = parse_metrics(text)
+    batcher = {key: value for (name, key), value in samples(text).items()
+               if name == "nv_trt_llm_inflight_batcher_metrics"}
+    assert (during.active, during.waiting, during.scheduled, during.context) == (1, 0, 1, 0)
+    assert batcher == {"total_context_tokens": 0.0, "generation_requests": 1.0, "micro_batch_id": 0.0,
+                       "paused_requests": 0.0}
+    # 100 prompt + ~30 generated tokens on 32-token blocks: 5 blocks (6 if the transport lagged a step).
+    assert 5 <= during.kv_used_blocks <= 6
+    assert during.kv_free_blocks == during.kv_max_blocks - during.kv_used_blocks
+    assert during.kv_fraction == pytest.approx(during.kv_used_blocks / during.kv_max_blocks)
+    await asyncio.sleep(0.3)
+    stopped = parse_metrics(await asyncio.to_thread(scrape_text, default_replica))
+    assert (stopped.active, stopped.kv_used_blocks, stopped.start_time) == (0, 0, before.start_time)

@@ -1,4 +1,7 @@
-"""A real replica (pytriton Triton, `python -m replica.serve`) driven by services.replica_client."""
+"""A real replica (pytriton Triton, `python -m replica.serve`) driven by services.replica_client.
+
+These pin the host's behaviour (streaming, stop, errors, loss) with the simple engine, whose tokens
+and timing are exact; the default engine (the core) is tested in tests/test_engine_replica_adapter.py."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from tests.support.replica_proc import (
 pytestmark = pytest.mark.integration
 
 TOKEN_DELAY_MS = 20
-SETTINGS = {"token_delay_ms": TOKEN_DELAY_MS, "vocab_size": 4096, "first_normal_id": 5,
+SETTINGS = {"engine": "simple", "token_delay_ms": TOKEN_DELAY_MS, "vocab_size": 4096, "first_normal_id": 5,
             "output_length": "cap"}
 GENERATOR = GeneratorConfig(vocab_size=4096, first_normal_id=5, token_delay_s=TOKEN_DELAY_MS / 1000)
 
