@@ -61,16 +61,18 @@ def decision_cost(policy_name: str, seed: int = 7, warm: int = 2000, measured: i
     views = [ReplicaView(name=f"r{i:02d}", pool="m", block_size=16, kv_capacity_blocks=60_000,
                          kv_used_blocks=30_000 + rng.randrange(200)) for i in range(DECISION_REPLICAS)]
     window: deque[tuple[RouteRequest, str]] = deque()
-    system = [rng.randrange(128_000) for _ in range(1000)]
-    histories: list[list[int]] = []
+    system = tuple(rng.randrange(128_000) for _ in range(1000))
+    histories: list[tuple[int, ...]] = []
 
-    def next_prompt() -> list[int]:
+    def next_prompt() -> tuple[int, ...]:
+        # Tuples, as both hosts send them (the routing worker and sim/ build RouteRequest with tuples).
         # Half follow-ups of an earlier conversation (long shared prefix), half new conversations.
         if histories and rng.random() < 0.5:
             base = histories[rng.randrange(len(histories))]
-            prompt = base[:DECISION_PROMPT_TOKENS - 200] + [rng.randrange(128_000) for _ in range(200)]
+            prompt = base[:DECISION_PROMPT_TOKENS - 200] + tuple(rng.randrange(128_000) for _ in range(200))
         else:
-            prompt = system + [rng.randrange(128_000) for _ in range(DECISION_PROMPT_TOKENS - len(system))]
+            fresh = DECISION_PROMPT_TOKENS - len(system)
+            prompt = system + tuple(rng.randrange(128_000) for _ in range(fresh))
         histories.append(prompt)
         if len(histories) > 500:
             histories.pop(0)
