@@ -92,7 +92,7 @@ def restarted(previous: LoadSnapshot | None, current: LoadSnapshot) -> bool:
 class ReplicaLoad:
     """What the host copies into ReplicaView for one replica."""
 
-    waiting: int                          # scraped waiting + runs sent since that scrape
+    waiting: int                          # scraped waiting + runs sent since that scrape (still in flight)
     running: int                          # scraped active
     kv_used_blocks: int                   # scraped used blocks
     in_flight: int                        # this router's runs sent and not finished
@@ -135,8 +135,10 @@ class LoadTracker:
 
     def load(self, replica: str) -> ReplicaLoad:
         scraped = self._snapshots.get(replica)
-        sent = self._sent_since_scrape.get(replica, 0)
         in_flight = self._in_flight.get(replica, 0)
+        # Runs sent since the scrape that are still running: at most all runs in flight. Without
+        # the cap, a replica that is never scraped would look loaded by every run it ever served.
+        sent = min(self._sent_since_scrape.get(replica, 0), in_flight)
         if scraped is None:
             return ReplicaLoad(waiting=sent, running=0, kv_used_blocks=0, in_flight=in_flight,
                                kv_capacity_blocks=None, block_size=None)

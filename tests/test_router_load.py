@@ -86,6 +86,17 @@ def test_runs_sent_since_the_last_scrape_count_as_waiting_until_the_next_scrape(
     assert (tracker.load("r0").waiting, tracker.load("r0").running) == (1, 8)
 
 
+def test_without_scrapes_a_replica_is_as_loaded_as_its_runs_in_flight():
+    tracker = LoadTracker()
+    for _ in range(50):
+        tracker.on_sent("r0")
+        tracker.on_finished("r0")
+    tracker.on_sent("r0")
+    tracker.on_sent("r0")
+    load = tracker.load("r0")
+    assert (load.waiting, load.running, load.in_flight) == (2, 0, 2)
+
+
 def test_in_flight_drops_as_runs_finish_and_never_below_zero():
     tracker = LoadTracker()
     tracker.on_sent("r0")
