@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from engine.sampling import GeometricLength
+from router.metrics import RouterMetrics
 from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
 from sim.fleet import Fleet, FleetConfig, ReplicaRestart
 from sim.workload import WorkloadConfig
@@ -142,7 +143,8 @@ TARGET_LOAD_COV = 0.10
 @dataclass(frozen=True, slots=True)
 class FleetRow:
     policy: str
-    hit_rate: float
+    hit_rate: float                     # prompt tokens the engines reused / prompt tokens
+    predicted_hit_rate: float           # prompt tokens the router predicted cached / prompt tokens
     ttft_p95_s: float
     itl_p95_s: float
     throughput: float                   # completed requests / s
@@ -153,26 +155,43 @@ class FleetRow:
     wall_s: float
 
 
-class WithoutConversationIds:
-    """Hides conversation ids from a policy, so its affinity comes from the learned prefix index
-    alone (as for API callers that send none)."""
+class Observed:
+    """Wraps a policy the way a host would: counts its decisions in router.metrics (from
+    `warmup_s` on, like the simulator's latency figures) and, with `hide_conversation_ids`, strips
+    conversation ids so affinity comes from the learned prefix index alone (as for API callers
+    that send none)."""
 
-    def __init__(self, inner: RoutingPolicy) -> None:
+    def __init__(self, inner: RoutingPolicy, warmup_s: float, hide_conversation_ids: bool) -> None:
         self.inner = inner
-        self.name = inner.name + NO_CONVERSATION_ID
+        self.name = inner.name + (NO_CONVERSATION_ID if hide_conversation_ids else "")
+        self.metrics = RouterMetrics()
+        self.prompt_tokens = 0
+        self._warmup_s = warmup_s
+        self._hide = hide_conversation_ids
+
+    def _seen(self, request: RouteRequest) -> RouteRequest:
+        return replace(request, conversation_id=None) if self._hide else request
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                now: float) -> RouteDecision | None:
-        return self.inner.choose(replace(request, conversation_id=None), replicas, now)
+        return self.inner.choose(self._seen(request), replicas, now)
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
-        self.inner.on_routed(replace(request, conversation_id=None), decision, now)
+        if now >= self._warmup_s:
+            self.metrics.record_decision(self.inner.name, decision)
+            self.prompt_tokens += len(request.token_ids)
+        self.inner.on_routed(self._seen(request), decision, now)
 
     def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
         self.inner.on_finished(request, replica, now)
 
     def on_replica_restarted(self, replica: str) -> None:
         self.inner.on_replica_restarted(replica)
+
+    @property
+    def predicted_hit_rate(self) -> float:
+        predicted = self.metrics.snapshot().predicted_cached_tokens
+        return predicted / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def chat_workload(users: int, duration_s: float, seed: int = 0) -> WorkloadConfig:
@@ -204,12 +223,12 @@ def fleet_row(policy: str, users: int, duration_s: float, kv_blocks: int | None 
     fleet = Fleet(fleet_config(kv_blocks, restart), chat_workload(users, duration_s))
     # The very factory the routing service calls; the oracle gets the fleet's exact-cache probe.
     name = policy.removesuffix(NO_CONVERSATION_ID)
-    chosen: RoutingPolicy = make_policy(name, cached_tokens=fleet.cached_tokens, **(options or {}))
-    if policy.endswith(NO_CONVERSATION_ID):
-        chosen = WithoutConversationIds(chosen)
+    chosen = Observed(make_policy(name, cached_tokens=fleet.cached_tokens, **(options or {})),
+                      warmup_s=duration_s / 3, hide_conversation_ids=policy.endswith(NO_CONVERSATION_ID))
     report = fleet.run(chosen)
     return FleetRow(
-        policy=policy, hit_rate=report.cache_hit_rate, ttft_p95_s=report.ttft.p95, itl_p95_s=report.itl.p95,
+        policy=policy, hit_rate=report.cache_hit_rate, predicted_hit_rate=chosen.predicted_hit_rate,
+        ttft_p95_s=report.ttft.p95, itl_p95_s=report.itl.p95,
         throughput=report.request_throughput, output_tokens_per_s=report.output_token_throughput,
         load_cov=coefficient_of_variation([replica.mean_batch for replica in report.per_replica]),
         routed_cov=coefficient_of_variation([replica.requests for replica in report.per_replica]),
@@ -228,14 +247,15 @@ def print_fleet_table(users: int, duration_s: float, policies: Sequence[str] = F
           f"system prompt, ~5 turns per conversation, {duration_s:.0f} s simulated "
           f"({duration_s / 3:.0f} s warm-up)")
     width = max(len(policy) for policy in policies) + 2
-    header = (f"{'policy':<{width}}{'hit rate':>9}{'TTFT p95':>11}{'ITL p95':>10}{'req/s':>8}"
-              f"{'out tok/s':>11}{'load CoV':>10}{'routed CoV':>11}{'sim s':>7}  outcomes")
+    header = (f"{'policy':<{width}}{'hit rate':>9}{'predicted':>10}{'TTFT p95':>11}{'ITL p95':>10}"
+              f"{'req/s':>8}{'out tok/s':>11}{'load CoV':>10}{'routed CoV':>11}{'sim s':>7}  outcomes")
     print(header)
     rows: dict[str, FleetRow] = {}
     for policy in policies:
         row = fleet_row(policy, users, duration_s, kv_blocks, restart, options)
         rows[policy] = row
-        print(f"{row.policy:<{width}}{row.hit_rate:>9.1%}{row.ttft_p95_s * 1e3:>9.0f}ms"
+        print(f"{row.policy:<{width}}{row.hit_rate:>9.1%}{row.predicted_hit_rate:>10.1%}"
+              f"{row.ttft_p95_s * 1e3:>9.0f}ms"
               f"{row.itl_p95_s * 1e3:>8.1f}ms{row.throughput:>8.1f}{row.output_tokens_per_s:>11,.0f}"
               f"{row.load_cov:>10.3f}"
               f"{row.routed_cov:>11.3f}{row.wall_s:>7.1f}  {row.outcomes}")
