@@ -226,7 +226,8 @@ class PrefixAware:
         self._views: dict[str, ReplicaView] = {}
         self._epoch: dict[str, int] = {}
         self._conversations: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self._hash_cache: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        # (request id, unit) -> (the prompt object hashed, its chain so far)
+        self._hash_cache: OrderedDict[tuple[str, int], tuple[Sequence[int], list[int]]] = OrderedDict()
         self._last_expiry = float("-inf")
 
     # -- the decision ----------------------------------------------------------------------------
@@ -333,12 +334,11 @@ class PrefixAware:
 
     def _overlap_units(self, request: RouteRequest, block_size: int, names: list[str]) -> dict[str, int]:
         unit = self._stride(block_size) * block_size
-        key = (request.request_id, unit)
-        cached = self._hash_cache.get(key)
+        cached = self._cached_hashes(request, unit)
         if cached is not None and len(cached) * unit > len(request.token_ids) - unit:
             return self._index.overlap_blocks(cached, names)
         units, hashes = self._index.match(request.token_ids, unit, names)
-        self._remember_hashes(key, hashes)
+        self._remember_hashes(request, unit, hashes)
         return units
 
     def _stride(self, block_size: int) -> int:
@@ -366,16 +366,20 @@ class PrefixAware:
 
     def _hashes(self, request: RouteRequest, unit: int) -> list[int]:
         """The prompt's full chain in index units; choose() may have left a partial one to complete."""
-        key = (request.request_id, unit)
-        hashes = self._hash_cache.get(key)
+        hashes = self._cached_hashes(request, unit)
         if hashes is None:
             hashes = []
-            self._remember_hashes(key, hashes)
+            self._remember_hashes(request, unit, hashes)
         return extend_hashes(request.token_ids, unit, hashes)
 
-    def _remember_hashes(self, key: tuple[str, int], hashes: list[int]) -> None:
-        # choose() and on_routed() hash the same prompt; keep the last few chains.
-        self._hash_cache[key] = hashes
+    def _cached_hashes(self, request: RouteRequest, unit: int) -> list[int] | None:
+        # choose() and on_routed() hash the same prompt object; a reused request id with another
+        # prompt (an Explain call, a resend) must not pick up a stale chain, hence the identity check.
+        entry = self._hash_cache.get((request.request_id, unit))
+        return entry[1] if entry is not None and entry[0] is request.token_ids else None
+
+    def _remember_hashes(self, request: RouteRequest, unit: int, hashes: list[int]) -> None:
+        self._hash_cache[(request.request_id, unit)] = (request.token_ids, hashes)
         if len(self._hash_cache) > 64:
             self._hash_cache.popitem(last=False)
 

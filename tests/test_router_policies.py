@@ -371,3 +371,13 @@ def test_explain_answers_without_changing_the_next_decision():
     assert asked is not None and asked.replica == first.replica
     assert asked == policy.choose(follow_up, views, 2.0)
     assert policy.in_flight(first.replica) == 1
+
+
+def test_a_reused_request_id_with_another_prompt_is_hashed_afresh():
+    policy = PrefixAware(EXACT)
+    views = [view("r0"), view("r1")]
+    route(policy, request("t1", turn(7, 4)), [view("r0"), view("r1", running=50)])
+    asked = policy.choose(request("same-id", turn(7, 4)), views, 1.0)      # whole chain now hashed
+    assert asked is not None and (asked.replica, asked.predicted_cached_tokens) == ("r0", 44)
+    other = policy.choose(request("same-id", turn(9, 4)), views, 1.0)      # same length, another chat
+    assert other is not None and other.predicted_cached_tokens == len(SYSTEM)
