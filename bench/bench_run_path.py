@@ -33,6 +33,7 @@ class RunPathFigures:
     first_token_ms: list[float]        # per run: Submit call → first DELTA event received
     events: int                        # events delivered over Stream, all runs
     tokens: int                        # tokens in those events
+    not_completed: list[str]           # "STATUS: detail" of each run that did not complete
 
     def percentile(self, p: float) -> float:
         ordered = sorted(self.first_token_ms)
@@ -44,39 +45,43 @@ class RunPathFigures:
                 f"submit→first token: p50={self.percentile(50):.1f} ms p95={self.percentile(95):.1f} ms"
                 f" max={max(self.first_token_ms):.1f} ms mean={mean:.1f} ms\n"
                 f"delivered: {self.events} events ({self.events / self.wall_s:.0f} events/s),"
-                f" {self.tokens} tokens ({self.tokens / self.wall_s:.0f} tokens/s)")
+                f" {self.tokens} tokens ({self.tokens / self.wall_s:.0f} tokens/s)"
+                + "".join(f"\nnot completed: {outcome}" for outcome in self.not_completed))
 
 
-async def _one(client: SluiceClient, max_tokens: int) -> tuple[float, int, int, bool]:
+async def _one(client: SluiceClient, max_tokens: int) -> tuple[float, int, int, str]:
     started = time.perf_counter()
     run = await client.submit(PROMPT, max_output_tokens=max_tokens)
     first_ms = -1.0
     events = tokens = 0
-    completed = False
+    outcome = "no terminal event"
     async for event in client.stream(run.run_id):
         events += 1
         if event.type == runs_pb2.EVENT_TYPE_DELTA:
             if first_ms < 0:
                 first_ms = (time.perf_counter() - started) * 1000
             tokens += len(event.token_ids)
+        elif event.type == runs_pb2.EVENT_TYPE_TERMINAL and event.status != common_pb2.RUN_STATUS_COMPLETED:
+            outcome = f"{common_pb2.RunStatus.Name(event.status)}: {event.detail}"
         elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
-            completed = event.status == common_pb2.RUN_STATUS_COMPLETED
-    return first_ms, events, tokens, completed
+            outcome = ""
+    return first_ms, events, tokens, outcome
 
 
 async def measure(client: SluiceClient, runs: int, concurrency: int, max_tokens: int) -> RunPathFigures:
     gate = asyncio.Semaphore(concurrency)
 
-    async def bounded() -> tuple[float, int, int, bool]:
+    async def bounded() -> tuple[float, int, int, str]:
         async with gate:
             return await _one(client, max_tokens)
 
     started = time.perf_counter()
     results = await asyncio.gather(*[bounded() for _ in range(runs)])
     wall = time.perf_counter() - started
-    return RunPathFigures(runs=runs, completed=sum(1 for r in results if r[3]), wall_s=wall,
+    return RunPathFigures(runs=runs, completed=sum(1 for r in results if not r[3]), wall_s=wall,
                           first_token_ms=[r[0] for r in results if r[0] >= 0],
-                          events=sum(r[1] for r in results), tokens=sum(r[2] for r in results))
+                          events=sum(r[1] for r in results), tokens=sum(r[2] for r in results),
+                          not_completed=[r[3] for r in results if r[3]])
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -6,11 +6,12 @@ a serialized sluice.v1.RunEvent. `append` returns once the broker has
 acknowledged the record to all in-sync replicas, so the position it returns is
 durable and may be recorded in the ledger.
 
-Reads: a consumer per reader with no group (manual assignment), seeking to the
-run's first offset in its partition and keeping the records whose key is the
-run id. Consumers only ever see records below the high watermark, i.e.
-records that are durable, which is what lets Stream promise that no client
-sees an event the log could still lose.
+Reads: consumers with no group (manual assignment). A replay seeks to the run's
+first offset in its partition and keeps the records whose key is the run id;
+live records come from one tail per process (eventlog/tail.py) that fans the
+end of the topic out to the streams waiting for each run. Consumers only ever
+see records below the high watermark, i.e. records that are durable, which is
+what lets Stream promise that no client sees an event the log could still lose.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from eventlog.events import EventDeduper
 from eventlog.interface import CursorPastRetention, LogPosition
+from eventlog.tail import LiveTail
 from sluice.v1 import runs_pb2
 
 POLL_TIMEOUT_MS = 200
@@ -38,6 +40,7 @@ class KafkaEventLog:
         self.topic = topic
         self._producer: AIOKafkaProducer | None = None
         self._producer_lock = asyncio.Lock()
+        self._tail: LiveTail | None = None   # started by the first follow()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> KafkaEventLog:
@@ -61,6 +64,9 @@ class KafkaEventLog:
         await self._ready_producer()
 
     async def close(self) -> None:
+        if self._tail is not None:
+            await self._tail.close()
+            self._tail = None
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
@@ -104,42 +110,58 @@ class KafkaEventLog:
         consumer = self._consumer()
         await consumer.start()
         try:
-            consumer.assign([tp])
-            await self._seek_checked(consumer, tp, start, run_id, after=0)
             end = (await consumer.end_offsets([tp]))[tp]
-            dedupe = EventDeduper(after=0)
-            events: list[runs_pb2.RunEvent] = []
-            key = run_id.encode()
-            while await consumer.position(tp) < end:
-                batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
-                for record in batch.get(tp, []):
-                    if record.offset >= end:
-                        break
-                    if record.key == key:
-                        event = runs_pb2.RunEvent.FromString(record.value)
-                        if dedupe.accept(event):
-                            events.append(event)
-            return events
         finally:
             await consumer.stop()
+        return [event async for event in self._read_range(run_id, start, end, EventDeduper(after=0))]
 
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+        tail = await self._ready_tail()
+        subscription = tail.subscribe(run_id, start.partition)
+        try:
+            dedupe = EventDeduper(after)
+            # What was written before the subscription: replayed with a short-lived consumer.
+            if start.offset < subscription.start_offset:
+                async for event in self._read_range(run_id, start, subscription.start_offset, dedupe):
+                    yield event
+            # Everything after it: handed over by the process's live tail.
+            while not dedupe.finished:
+                item = await subscription.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                event = runs_pb2.RunEvent.FromString(item[1])
+                if dedupe.accept(event):
+                    yield event
+        finally:
+            tail.unsubscribe(subscription)
+
+    async def _ready_tail(self) -> LiveTail:
+        if self._tail is None:
+            self._tail = LiveTail(self.bootstrap, self.topic)
+        producer = await self._ready_producer()
+        await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
+        return self._tail
+
+    async def _read_range(self, run_id: str, start: LogPosition, end: int,
+                          dedupe: EventDeduper) -> AsyncIterator[runs_pb2.RunEvent]:
+        """The run's events at offsets [start.offset, end) that `dedupe` lets through."""
         tp = TopicPartition(self.topic, start.partition)
         consumer = self._consumer()
         await consumer.start()
         try:
             consumer.assign([tp])
-            await self._seek_checked(consumer, tp, start, run_id, after)
-            dedupe = EventDeduper(after)
+            await self._seek_checked(consumer, tp, start, run_id, dedupe.last_sequence)
             key = run_id.encode()
-            while not dedupe.finished:
+            while not dedupe.finished and await consumer.position(tp) < end:
                 try:
                     batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
                 except OffsetOutOfRangeError as exc:
                     # Retention deleted the segment under a slow replay.
-                    raise CursorPastRetention(run_id, after) from exc
+                    raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
                 for record in batch.get(tp, []):
+                    if record.offset >= end:
+                        break
                     if record.key != key:
                         continue
                     event = runs_pb2.RunEvent.FromString(record.value)

@@ -23,7 +23,7 @@ from services.routing.worker import DETAIL_DRIVER_LOST
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica, stop_replica
-from tests.support.routing_stack import TEST_LEASE_SECONDS, TOKEN_DELAY_MS, Stack, replica_tables
+from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, replica_tables
 
 pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ async def assert_settled_once_as_streamed(stack: Stack, run_id: str, input_token
 
 async def test_seed_002_a_replica_killed_mid_stream_ends_the_run_interrupted_with_the_tokens_consumed(
         stack: Stack, replica_logs):
-    doomed = await asyncio.to_thread(start_replica, "r9", replica_logs, {"token_delay_ms": TOKEN_DELAY_MS})
+    doomed = await asyncio.to_thread(start_replica, "r9", replica_logs, REPLICA_SETTINGS)
     try:
         stack.config["replicas"] = replica_tables([doomed])
         await stack.start_worker()

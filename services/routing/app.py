@@ -13,7 +13,7 @@ import grpc.aio
 
 from eventlog.kafka import KafkaEventLog
 from ledger.db import make_engine, make_sessionmaker
-from router.policy import make_policy
+from router.policy import make_policy_from_config
 from router.registry import ReplicaRegistry
 from services import replica_client
 from services.routing.servicer import add_routing_servicer
@@ -24,11 +24,22 @@ log = logging.getLogger(__name__)
 DRAIN_S = 10.0   # on SIGTERM, how long runs in progress may take to finish before leases lapse
 
 
+def registry_from_config(config: Mapping[str, Any]) -> ReplicaRegistry:
+    """[[replicas]], with the KV block size of [replica] (the local replicas' engine) for tables
+    that do not give their own: reused prompt blocks × block size = cached prompt tokens."""
+    block_size = config.get("replica", {}).get("block_size")
+    tables = [dict(table) for table in config.get("replicas", [])]
+    if block_size:
+        for table in tables:
+            table.setdefault("block_size", int(block_size))
+    return ReplicaRegistry.from_config({"replicas": tables})
+
+
 def build_worker(config: Mapping[str, Any], events: KafkaEventLog, sessions: Any,
                  owner: str | None = None) -> RoutingWorker:
     settings = WorkerSettings.from_config(config, owner or new_owner_id())
-    return RoutingWorker(settings, sessions, events, make_policy(str(config["routing"]["policy"])),
-                         ReplicaRegistry.from_config(config), dsn=str(config["database"]["dsn"]))
+    return RoutingWorker(settings, sessions, events, make_policy_from_config(config["routing"]),
+                         registry_from_config(config), dsn=str(config["database"]["dsn"]))
 
 
 async def run_routing_process(config: Mapping[str, Any], listen: str | None = None,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -33,7 +32,7 @@ from eventlog.interface import EventLog, LogPosition
 from ledger.models import Model, Run, RunStatus
 from router.health import HealthBook, HealthOptions
 from router.load import LoadTracker
-from router.policy import RouteDecision, RouteRequest, RoutingPolicy
+from router.policy import RouteDecision, RouteRequest, RoutingPolicy, explain
 from router.registry import ReplicaRegistry
 from services import replica_client
 from services.notify import ChannelListener
@@ -369,8 +368,7 @@ class RoutingWorker:
     def explain(self, request: RouteRequest, pool: str) -> RouteDecision | None:
         """What the policy would choose now, without disturbing its state."""
         now = time.time()
-        views = self.registry.views(pool, now, self.health, self.loads)
-        return copy.deepcopy(self.policy).choose(request, views, now)
+        return explain(self.policy, request, self.registry.views(pool, now, self.health, self.loads), now)
 
 
 async def _cancelled(*tasks: asyncio.Task[None]) -> None:

@@ -30,10 +30,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from eventlog.kafka import KafkaEventLog
 from ledger.models import Run
-from router.policy import make_policy
-from router.registry import ReplicaRegistry
+from router.policy import make_policy_from_config
 from services import replica_client
 from services.admission import add_admission_servicer
+from services.routing.app import registry_from_config
 from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from services.runs import RunsService, add_runs_servicer
 from services.usage import add_usage_servicer
@@ -44,6 +44,9 @@ from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica,
 MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096)
 TOKENIZER = "models/tiny-chat/tokenizer.json"
 TOKEN_DELAY_MS = 20
+# The simple engine at a fixed 20 ms per token: the routing tests reason about time
+# (a cancel lands mid-stream, a run outlives a lease), so they pin a predictable replica.
+REPLICA_SETTINGS = {"engine": "simple", "token_delay_ms": TOKEN_DELAY_MS}
 TEST_LEASE_SECONDS = 2          # short, so that a lost worker is noticed within a few seconds
 WORKER_READY = "routing worker"
 
@@ -124,7 +127,7 @@ def replicas(replica_logs: Path) -> Iterator[list[ReplicaProcess]]:
     started: list[ReplicaProcess] = []
     try:
         for name in ("r0", "r1"):
-            started.append(start_replica(name, replica_logs, {"token_delay_ms": TOKEN_DELAY_MS}))
+            started.append(start_replica(name, replica_logs, REPLICA_SETTINGS))
         yield started
     finally:
         for replica in started:
@@ -167,9 +170,8 @@ class Stack:
         """An in-process routing worker sharing this test's event loop."""
         settings = WorkerSettings.from_config(self.config, new_owner_id("test"))
         worker = RoutingWorker(settings, self.sessionmaker, self.events,
-                               make_policy(str(self.config["routing"]["policy"])),
-                               ReplicaRegistry.from_config(self.config),
-                               dsn=str(self.config["database"]["dsn"]))
+                               make_policy_from_config(self.config["routing"]),
+                               registry_from_config(self.config), dsn=str(self.config["database"]["dsn"]))
         self.workers.append(worker)
         self._tasks.append(asyncio.create_task(worker.serve(drain_s=0.5)))
         return worker
