@@ -32,6 +32,7 @@ tail, never leaving a child without its parent.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class PrefixIndex:
         self._bit: dict[str, int] = {}
         self._names_by_bit: dict[int, str] = {}
         self._masks: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {}
+        self._free_bits: list[int] = []            # heap of bits released by dropped replicas
+        self._bits_issued = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -232,13 +235,19 @@ class PrefixIndex:
                 self._clear(block_hash, bit)
 
     def drop_replica(self, replica: str) -> None:
-        """Forget everything the replica held (it restarted with an empty cache, or left)."""
+        """Forget everything the replica held (it restarted with an empty cache, or left).
+
+        Its bit goes back to a free list: replica names come and go under an autoscaler, and
+        masks must stay as wide as the fleet, not as the fleet's history."""
         lru = self._lru.pop(replica, None)
         if lru is None:
             return
-        bit = self._bit[replica]
+        bit = self._bit.pop(replica)
         for block_hash in lru:
             self._clear(block_hash, bit)
+        del self._names_by_bit[bit]
+        heapq.heappush(self._free_bits, bit)
+        self._masks.clear()
 
     def _evict(self, replica: str, lru: OrderedDict[int, float], capacity: int, now: float) -> None:
         bit = self._bit[replica]
@@ -260,7 +269,11 @@ class PrefixIndex:
     def _bit_for(self, replica: str) -> int:
         bit = self._bit.get(replica)
         if bit is None:
-            bit = 1 << len(self._bit)
+            if self._free_bits:
+                bit = heapq.heappop(self._free_bits)
+            else:
+                bit = 1 << self._bits_issued
+                self._bits_issued += 1
             self._bit[replica] = bit
             self._names_by_bit[bit] = replica
             self._masks.clear()

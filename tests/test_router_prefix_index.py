@@ -142,3 +142,15 @@ def test_dropping_the_last_holder_frees_the_block_hash():
     index.drop_replica("r0")
     assert index.stats().entries == 0
     assert index.stats().distinct_blocks == 0
+
+
+def test_a_dropped_replica_bit_is_reused_so_masks_stay_as_wide_as_the_fleet():
+    index = index_with(replicas=("r0", "r1", "r2"))
+    prompt = block_hashes(tokens(0, 8), BS)
+    for name in ("r0", "r1"):
+        index.record(name, prompt, now=1.0)
+    index.drop_replica("r0")
+    index.set_capacity("r2", 100, now=2.0)
+    index.record("r2", prompt, now=2.0)                              # takes r0's old bit
+    assert index.overlap_blocks(prompt, ["r0", "r1", "r2"]) == {"r0": 0, "r1": 2, "r2": 2}
+    assert max(index._holders.values()).bit_length() == 2            # bits 0 and 1 only
