@@ -19,16 +19,12 @@ from services.routing.finish import Ending, settle_and_fix_terminal
 from services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
 from services.routing.worker import DETAIL_EXPIRED_BEFORE_START
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
-from tests.support.routing_stack import MODEL, Stack
+from tests.support.routing_stack import MODEL, Stack, collect
 
 pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
-
-
-async def collect(stream) -> list[runs_pb2.RunEvent]:  # type: ignore[no-untyped-def]
-    return [event async for event in stream]
 
 
 def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:

@@ -16,7 +16,7 @@ from ledger.models import RunStatus
 from services.runs import RUN_NOT_FOUND
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
-from tests.support.routing_stack import Stack
+from tests.support.routing_stack import Stack, collect
 
 pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
@@ -26,10 +26,6 @@ PROMPT = "Tell me about sluice gates."
 
 def client(stack: Stack, api_key: str | None = None) -> SluiceClient:
     return SluiceClient(stack.address, api_key or stack.tenant.api_key)
-
-
-async def collect(stream) -> list[runs_pb2.RunEvent]:  # type: ignore[no-untyped-def]
-    return [event async for event in stream]
 
 
 def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:

@@ -23,16 +23,12 @@ from services.routing.worker import DETAIL_DRIVER_LOST
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica, stop_replica
-from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, replica_tables
+from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, collect, replica_tables
 
 pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
-
-
-async def collect(stream) -> list[runs_pb2.RunEvent]:  # type: ignore[no-untyped-def]
-    return [event async for event in stream]
 
 
 def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:

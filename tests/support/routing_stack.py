@@ -37,6 +37,7 @@ from services.routing.app import registry_from_config
 from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from services.runs import RunsService, add_runs_servicer
 from services.usage import add_usage_servicer
+from sluice.v1 import runs_pb2
 from sluice_config import REPO_ROOT, load_config
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
 from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
@@ -49,6 +50,25 @@ TOKEN_DELAY_MS = 20
 REPLICA_SETTINGS = {"engine": "simple", "token_delay_ms": TOKEN_DELAY_MS}
 TEST_LEASE_SECONDS = 2          # short, so that a lost worker is noticed within a few seconds
 WORKER_READY = "routing worker"
+
+
+STREAM_TIMEOUT_S = 30.0
+
+
+async def collect(stream: AsyncIterator[runs_pb2.RunEvent],
+                  timeout_s: float = STREAM_TIMEOUT_S) -> list[runs_pb2.RunEvent]:
+    """Every event of a stream. A stream that misses an event never ends, so the wait is bounded."""
+    received: list[runs_pb2.RunEvent] = []
+
+    async def read() -> None:
+        async for event in stream:
+            received.append(event)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"stream stalled after {[e.sequence for e in received]}") from None
+    return received
 
 
 def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
