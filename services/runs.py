@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", default=None, help="address to serve on (default [runs].listen)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # it logs every consumer's assignment at INFO
     config = load_config()
     asyncio.run(serve(config, args.listen or str(config["runs"]["listen"])))
 

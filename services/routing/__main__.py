@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=None, help="label in this worker's lease owner id")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # it logs every consumer's assignment at INFO
     config = load_config()
     listen = args.listen or (str(config["routing"]["listen"]) if args.serve_api else None)
     from services.routing.app import run_routing_process
