@@ -224,7 +224,9 @@ class RoutingWorker:
             self._start_driver(item, claim_sent_at)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
-        return len(rows) == free
+        # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
+        # of a healthy replica must not spin this loop.
+        return len(routed) + len(expired) == free
 
     async def _route(self, session: AsyncSession, run: Run, model: Model, now: float) -> _Routed | None:
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
