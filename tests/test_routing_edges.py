@@ -140,12 +140,6 @@ async def test_sluice_chat_streams_the_answer_and_runs_get_tail_and_usage_report
     assert json.loads(usage)["settled_total"]["output_tokens"] == "12"
 
 
-async def test_sluice_without_an_api_key_says_how_to_give_one(stack: Stack, monkeypatch):
-    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
-    assert await asyncio.to_thread(run_cli, "runs", "get", "x", "--address", stack.address) == (
-        cli.EXIT_USAGE, "")
-
-
 async def test_sluice_runs_cancel_and_a_strangers_get_is_not_found(stack: Stack, capsys):
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         run = await sdk.submit(PROMPT, max_output_tokens=50)
