@@ -21,7 +21,6 @@ from services.routing.worker import DETAIL_EXPIRED_BEFORE_START
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
 from tests.support.routing_stack import MODEL, Stack, collect
 
-pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."

@@ -18,7 +18,6 @@ from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.routing_stack import Stack, collect
 
-pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."

@@ -8,7 +8,6 @@ from bench.bench_run_path import measure
 from clients.sdk import SluiceClient
 from tests.support.routing_stack import Stack
 
-pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 

@@ -25,7 +25,6 @@ from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica, stop_replica
 from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, collect, replica_tables
 
-pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
