@@ -31,12 +31,13 @@ class RunPathFigures:
     completed: int
     wall_s: float
     first_token_ms: list[float]        # per run: Submit call → first DELTA event received
+    submit_ms: list[float]             # per run: the Submit call alone (admission's share of the above)
     events: int                        # events delivered over Stream, all runs
     tokens: int                        # tokens in those events
     not_completed: list[str]           # "STATUS: detail" of each run that did not complete
 
-    def percentile(self, p: float) -> float:
-        ordered = sorted(self.first_token_ms)
+    def percentile(self, p: float, values: list[float] | None = None) -> float:
+        ordered = sorted(self.first_token_ms if values is None else values)
         return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
     def render(self) -> str:
@@ -44,14 +45,17 @@ class RunPathFigures:
         return (f"runs={self.runs} completed={self.completed} wall={self.wall_s:.2f}s\n"
                 f"submit→first token: p50={self.percentile(50):.1f} ms p95={self.percentile(95):.1f} ms"
                 f" max={max(self.first_token_ms):.1f} ms mean={mean:.1f} ms\n"
+                f"  of which Submit: p50={self.percentile(50, self.submit_ms):.1f} ms"
+                f" p95={self.percentile(95, self.submit_ms):.1f} ms\n"
                 f"delivered: {self.events} events ({self.events / self.wall_s:.0f} events/s),"
                 f" {self.tokens} tokens ({self.tokens / self.wall_s:.0f} tokens/s)"
                 + "".join(f"\nnot completed: {outcome}" for outcome in self.not_completed))
 
 
-async def _one(client: SluiceClient, max_tokens: int) -> tuple[float, int, int, str]:
+async def _one(client: SluiceClient, max_tokens: int) -> tuple[float, int, int, str, float]:
     started = time.perf_counter()
     run = await client.submit(PROMPT, max_output_tokens=max_tokens)
+    submit_ms = (time.perf_counter() - started) * 1000
     first_ms = -1.0
     events = tokens = 0
     outcome = "no terminal event"
@@ -65,13 +69,13 @@ async def _one(client: SluiceClient, max_tokens: int) -> tuple[float, int, int, 
             outcome = f"{common_pb2.RunStatus.Name(event.status)}: {event.detail}"
         elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
             outcome = ""
-    return first_ms, events, tokens, outcome
+    return first_ms, events, tokens, outcome, submit_ms
 
 
 async def measure(client: SluiceClient, runs: int, concurrency: int, max_tokens: int) -> RunPathFigures:
     gate = asyncio.Semaphore(concurrency)
 
-    async def bounded() -> tuple[float, int, int, str]:
+    async def bounded() -> tuple[float, int, int, str, float]:
         async with gate:
             return await _one(client, max_tokens)
 
@@ -80,6 +84,7 @@ async def measure(client: SluiceClient, runs: int, concurrency: int, max_tokens:
     wall = time.perf_counter() - started
     return RunPathFigures(runs=runs, completed=sum(1 for r in results if not r[3]), wall_s=wall,
                           first_token_ms=[r[0] for r in results if r[0] >= 0],
+                          submit_ms=[r[4] for r in results],
                           events=sum(r[1] for r in results), tokens=sum(r[2] for r in results),
                           not_completed=[r[3] for r in results if r[3]])
 
