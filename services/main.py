@@ -60,12 +60,13 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
     events = KafkaEventLog.from_config(config)
     await events.start()
     servers: list[grpc.aio.Server] = []
+    runs_service = None
     worker = build_worker(config, events, sessions) if "routing" in roles else None
     try:
         if "gateway" in roles:
             gateway = grpc.aio.server()
             add_admission_servicer(gateway, sessions, config)
-            add_runs_servicer(gateway, sessions, config, events)
+            runs_service = add_runs_servicer(gateway, sessions, config, events)
             add_usage_servicer(gateway, sessions, config)
             _bind(gateway, listen)
             await gateway.start()
@@ -84,16 +85,17 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
                 loop.add_signal_handler(sig, stopping.set)
         if worker is not None:
             print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
-            serving = asyncio.create_task(worker.serve())
+            serving = asyncio.create_task(worker.serve(drain_s=DRAIN_S))
             await stopping.wait()
             worker.stop()
-            await serving
-            await worker.drain(DRAIN_S)
+            await serving           # serve() drains runs in progress before returning
         else:
             await stopping.wait()
     finally:
         for server in servers:
             await server.stop(grace=1.0)
+        if runs_service is not None:
+            await runs_service.close()
         await events.close()
         await replica_client.close_channels()
         await engine.dispose()
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="with role routing: also serve the Routing API on [routing].listen")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)   # it logs every consumer assignment
     config = load_config()
     chosen = set(args.role or ["all"])
     routing_api = args.routing_api
