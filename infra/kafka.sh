@@ -113,7 +113,9 @@ cmd_start() {
   format_storage
   say "starting broker on $BOOTSTRAP, controller :$CONTROLLER_PORT (log $KAFKA_LOG)"
   : >"$KAFKA_OUT"
-  nohup "$JAVA" -Xms128m -Xmx512m -Djava.awt.headless=true \
+  # setsid: the broker gets a session of its own, so it outlives the shell, terminal or
+  # agent session that started it and no process-group kill aimed at the caller reaches it.
+  setsid nohup "$JAVA" -Xms128m -Xmx512m -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$LOG4J_CONF" -cp "$LIBS/*" kafka.Kafka "$PROPS" \
     >>"$KAFKA_OUT" 2>&1 </dev/null &
   echo $! >"$PID_FILE"
