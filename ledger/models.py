@@ -78,6 +78,8 @@ def _in_list(column: str, values: list[str]) -> str:
 
 _RUN_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus])
 _ACTIVE_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus if s in ACTIVE_STATUSES])
+_ACCEPTED_CHECK = f"status = '{RunStatus.ACCEPTED.value}'"
+_UNPUBLISHED_TERMINAL_CHECK = "terminal_published = false AND terminal_sequence IS NOT NULL"
 
 
 def _timestamp(*, nullable: bool = False, now: bool = False) -> Any:
@@ -206,6 +208,12 @@ class Run(Base):
         # concurrent-run count (the tenant's runs not yet terminal).
         Index("ix_runs_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_runs_tenant_id_active", "tenant_id", postgresql_where=text(_ACTIVE_STATUS_CHECK)),
+        # Admission's backlog count (a model's runs waiting to be claimed, counted with a LIMIT):
+        # it only ever holds the few runs not yet claimed, so it stays small however big runs grows.
+        Index("ix_runs_model_version_accepted", "model_version", postgresql_where=text(_ACCEPTED_CHECK)),
+        # The reaper's scan for settled runs whose TERMINAL event was never confirmed published.
+        Index("ix_runs_lease_expires_at_unpublished", "lease_expires_at",
+              postgresql_where=text(_UNPUBLISHED_TERMINAL_CHECK)),
     )
 
     @property
