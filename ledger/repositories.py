@@ -33,7 +33,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, Tenant
+from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, RunStatus, Tenant
 
 
 def hash_api_key(key: str) -> str:
@@ -239,6 +239,21 @@ class RunRepository:
             .order_by(Run.created_at)
         )
         return [WindowEntry(age=row[0], tokens=int(row[1])) for row in rows]
+
+    async def accepted_backlog(self, model_version: str, limit: int) -> int:
+        """How many of the model's runs wait ACCEPTED for a routing worker, counted up to `limit`.
+
+        One scan of ix_runs_model_version_accepted that stops after `limit` entries, so its cost
+        is bounded by the limit however long the backlog grows. Committed runs only (READ
+        COMMITTED): concurrent submits do not see each other until they commit.
+        """
+        waiting = (
+            select(literal_column("1"))
+            .where(Run.model_version == model_version, Run.status == RunStatus.ACCEPTED.value)
+            .limit(limit)
+            .subquery()
+        )
+        return int(await self._session.scalar(select(func.count()).select_from(waiting)) or 0)
 
     async def in_flight_totals(self, tenant_id: uuid.UUID) -> InFlightTotals:
         row = (

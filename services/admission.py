@@ -6,17 +6,29 @@ One transaction per Submit, opened and committed in `AdmissionService.submit`:
       API key → tenant                     missing/unknown/revoked → UNAUTHENTICATED
       request shape (pure)                 → INVALID_ARGUMENT
       model alias/version → model          unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
+      the model's backlog (ACCEPTED runs)  >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
       tokenize, prompt + cap <= context    → INVALID_ARGUMENT
+      deadline >= queue wait + prefill + cap × token time → else DEADLINE_EXCEEDED naming what would do
       INSERT run ON CONFLICT (tenant, request_key) DO NOTHING RETURNING id
         ├─ inserted → reserve prompt + cap on the budget row (one conditional UPDATE)
         │             does not fit → ROLLBACK, RESOURCE_EXHAUSTED naming the cap that fits
+        │             fits → NOTIFY sluice_runs_accepted (delivered at COMMIT: routing wakes)
         └─ conflict → same payload hash: the existing run (deduplicated=true)
                       another payload:   ALREADY_EXISTS
     COMMIT, then answer: a returned run id always has its reservation committed.
 
-Refusals roll back, so bad input never writes anything. The budget row is locked only from the
-conditional UPDATE to COMMIT (one round trip), which is what bounds one tenant's submit rate.
-Reads and the write share one transaction to save round trips (~10% lower p50 than two).
+Refusals roll back, so bad input never writes anything. Shedding and the deadline check come
+before the INSERT, so an overloaded pool costs one bounded index count per refused submit; a
+refused submit whose request_key already names a run falls through to the idempotent answer
+instead (a retry of an accepted run gets that run, not a refusal).
+
+The backlog bound is approximate by design: each submit counts committed runs only, so submits
+racing on one model can each see room and together overshoot the bound by at most the number of
+Submit transactions in flight at once across all admission instances (their connection pools;
+a few dozen), which is fine for shedding (unlike budgets, which never overshoot).
+
+The budget row is locked only from the conditional UPDATE to COMMIT (one round trip), which is
+what bounds one tenant's submit rate. Reads and the write share one transaction to save round trips (~10% lower p50 than two).
 
 No raw prompt or API key is ever logged; logs carry the run id, tenant and token counts.
 """
@@ -27,7 +39,7 @@ import datetime as dt
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -35,6 +47,7 @@ import grpc.aio
 from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from ledger.channels import RUNS_ACCEPTED_CHANNEL
 from ledger.models import RunStatus
 from ledger.pricing import reservation_cost_micros
 from ledger.repositories import (
@@ -47,9 +60,12 @@ from ledger.repositories import (
 )
 from services import tokenization
 from services.admission_rules import (
+    PoolPace,
     Sampling,
     SubmitIntent,
+    check_backlog,
     check_context,
+    check_deadline,
     check_request_shape,
     largest_cap_that_fits,
     normalize_float,
@@ -75,8 +91,10 @@ from services.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    SluiceError,
     grpc_errors,
 )
+from services.notify import notify
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -84,10 +102,18 @@ log = logging.getLogger(__name__)
 RATE_WINDOW = dt.timedelta(seconds=60)  # the tokens-per-minute window, sliding
 
 
+# Defaults for [admission] keys a config file leaves out (config/sluice.toml documents each).
+DEFAULT_MAX_BACKLOG_PER_POOL = 1_000
+DEFAULT_POOL_DRAIN_RUNS_PER_S = 50.0
+DEFAULT_MS_PER_OUTPUT_TOKEN = 7.0    # Llama-3-8B bf16, one H100, batch-1 decode step (engine/cost_model)
+DEFAULT_MS_PER_PROMPT_TOKEN = 0.03   # the same engine: a 1k-token prefill takes ~32 ms
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     default_deadline_ms: int         # used when a request sends deadline_ms = 0
     max_request_key_chars: int
+    pace: PoolPace                   # backlog bound and the speeds the deadline floor assumes
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> AdmissionSettings:
@@ -95,6 +121,14 @@ class AdmissionSettings:
         return cls(
             default_deadline_ms=int(section.get("default_deadline_ms", 600_000)),
             max_request_key_chars=int(section.get("max_request_key_chars", 128)),
+            pace=PoolPace(
+                max_backlog=int(section.get("max_backlog_per_pool", DEFAULT_MAX_BACKLOG_PER_POOL)),
+                drain_runs_per_s=float(section.get("pool_drain_runs_per_s", DEFAULT_POOL_DRAIN_RUNS_PER_S)),
+                ms_per_prompt_token=float(
+                    section.get("expected_ms_per_prompt_token", DEFAULT_MS_PER_PROMPT_TOKEN)),
+                ms_per_output_token=float(
+                    section.get("expected_ms_per_output_token", DEFAULT_MS_PER_OUTPUT_TOKEN)),
+            ),
         )
 
 
@@ -128,11 +162,18 @@ class AdmissionService:
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         # Raising anywhere inside the block rolls the whole submit back.
+        pace = self._settings.pace
         async with self._sessionmaker() as session, session.begin():
             tenant = await authenticate(session, metadata)
             text = check_request_shape(intent, self._settings.max_request_key_chars)
             model = await self._permitted_model(session, tenant, intent.model)
+            backlog = await RunRepository(session).accepted_backlog(model.version, limit=pace.max_backlog)
+            await _unless_a_retry(session, tenant, intent,
+                                  lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
             prepared = self._prepare(tenant, model, intent, text)
+            deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
+            await _unless_a_retry(session, tenant, intent, lambda: check_deadline(
+                deadline_ms, backlog, len(prepared.prompt_token_ids), intent.max_output_tokens, pace))
             admitted = await self._insert_or_match(session, prepared)
         log.info(
             "admitted run %s tenant=%s model=%s input_tokens=%d cap=%d deduplicated=%s",
@@ -189,6 +230,8 @@ class AdmissionService:
         if tenant.has_rate_limits:
             await _check_rate_limits(session, prepared, run_id)
         await self._reserve(session, prepared)
+        # Delivered at COMMIT and never for a rollback: a woken routing worker finds the run.
+        await notify(session, RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool)
         return Admitted(
             run_id=run_id,
             status=RunStatus.ACCEPTED,
@@ -230,6 +273,21 @@ class AdmissionService:
             if await budgets.try_reserve(tenant_id, tokens, cost):
                 return
         raise await _budget_refusal(budgets, prepared)
+
+
+async def _unless_a_retry(session: AsyncSession, tenant: TenantInfo, intent: SubmitIntent,
+                          check: Callable[[], None]) -> None:
+    """Run a load check (shedding, deadline), letting a retry of an existing run through.
+
+    The check is cheap and runs first; only when it refuses is the request key looked up, and if
+    it already names a run the submit goes on to the idempotent answer (that run, or
+    ALREADY_EXISTS for another payload) instead of refusing a request that was already accepted.
+    """
+    try:
+        check()
+    except SluiceError:
+        if await RunRepository(session).by_request_key(tenant.id, intent.request_key) is None:
+            raise
 
 
 async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id: uuid.UUID) -> None:

@@ -19,14 +19,22 @@ from services.errors import (
     CONTEXT_ADVICE_LOWER_CAP,
     CONTEXT_ADVICE_SHORTEN_PROMPT,
     CONTEXT_TOO_LONG,
+    DEADLINE_ADVICE_RAISE,
+    DEADLINE_ADVICE_RAISE_OR_LOWER_CAP,
+    DEADLINE_CANNOT_BE_MET,
     DEADLINE_NEGATIVE,
     EMPTY_INPUT,
     INPUT_NOT_UTF8,
+    MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
+    MIN_DEADLINE_MS_KEY,
     OUTPUT_CAP_NOT_POSITIVE,
+    POOL_BACKLOG_FULL,
     REQUEST_KEY_MISSING,
     REQUEST_KEY_TOO_LONG,
     SAMPLING_OUT_OF_RANGE,
+    DeadlineExceeded,
     InvalidArgument,
+    Unavailable,
 )
 
 PAYLOAD_HASH_VERSION = b"sluice.submit.v1"
@@ -156,3 +164,110 @@ def rate_window_retry_after(entries: Sequence[WindowEntry], limit: int, needed: 
         total -= entry.tokens
         wait = window - entry.age
     return max(wait, dt.timedelta(0))
+
+
+# --- load shedding and deadline feasibility -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPace:
+    """What admission assumes about a worker pool's speed ([admission] in config/sluice.toml).
+
+    Deliberately optimistic (a fast drain, a batch-1 token time): the deadline floor built from it
+    is a LOWER bound on how long a run takes, so it refuses only runs that certainly cannot finish
+    in time, never one that merely might not.
+    """
+
+    max_backlog: int                 # ACCEPTED runs a model may have waiting before submits are shed
+    drain_runs_per_s: float          # how fast the pool's routing workers claim waiting runs
+    ms_per_prompt_token: float       # prefill time per prompt token
+    ms_per_output_token: float       # decode time per output token of one run
+
+    def __post_init__(self) -> None:
+        if self.max_backlog < 1:
+            raise ValueError(f"[admission].max_backlog_per_pool must be at least 1 (got {self.max_backlog})")
+        if not self.drain_runs_per_s > 0:
+            raise ValueError(
+                f"[admission].pool_drain_runs_per_s must be positive (got {self.drain_runs_per_s})")
+        if not (self.ms_per_prompt_token >= 0 and self.ms_per_output_token >= 0):
+            raise ValueError("[admission].expected_ms_per_*_token must be 0 or positive")
+
+    def queue_wait_ms(self, backlog: int) -> int:
+        """How long the runs waiting now take to leave the queue, in whole ms (rounded up)."""
+        return math.ceil(backlog * 1000 / self.drain_runs_per_s)
+
+
+def check_backlog(model_version: str, worker_pool: str, backlog: int, pace: PoolPace) -> None:
+    """Shed the submit (UNAVAILABLE) when the model already has `max_backlog` runs waiting.
+
+    Retry-after is the time the pool needs to drain the backlog it holds now at the configured
+    rate: a caller retrying then finds the queue it would have joined gone, rather than coming
+    back at once to a pool that is still full.
+    """
+    if backlog < pace.max_backlog:
+        return
+    wait_ms = max(1, pace.queue_wait_ms(backlog))
+    raise Unavailable(
+        POOL_BACKLOG_FULL.format(model=model_version, pool=worker_pool, backlog=backlog,
+                                 limit=pace.max_backlog, retry_after_ms=wait_ms),
+        retry_after_ms=wait_ms,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineFloor:
+    """The least time a run can take, in whole ms: each part rounded up, the total their sum."""
+
+    queue_ms: int                    # the runs waiting ahead of it
+    prefill_ms: int                  # its prompt
+    decode_ms: int                   # its whole output cap
+
+    @property
+    def total_ms(self) -> int:
+        return self.queue_ms + self.prefill_ms + self.decode_ms
+
+
+def deadline_floor(backlog: int, prompt_tokens: int, cap: int, pace: PoolPace) -> DeadlineFloor:
+    return DeadlineFloor(
+        queue_ms=pace.queue_wait_ms(backlog),
+        prefill_ms=math.ceil(prompt_tokens * pace.ms_per_prompt_token),
+        decode_ms=math.ceil(cap * pace.ms_per_output_token),
+    )
+
+
+def largest_cap_within(time_left_ms: int, ms_per_output_token: float) -> int:
+    """The largest output cap whose decode time (rounded up) fits `time_left_ms`; <= 0: none."""
+    if time_left_ms <= 0:
+        return 0
+    fit = math.floor(time_left_ms / ms_per_output_token)
+    while fit > 0 and math.ceil(fit * ms_per_output_token) > time_left_ms:  # float rounding at the edge
+        fit -= 1
+    return fit
+
+
+def check_deadline(deadline_ms: int, backlog: int, prompt_tokens: int, cap: int, pace: PoolPace) -> None:
+    """DEADLINE_EXCEEDED when the run cannot finish by its deadline even at the pool's best pace.
+
+    The message gives the deadline that would do (and the cap that would fit this deadline, when
+    a smaller cap can); both ride in trailing metadata too.
+    """
+    floor = deadline_floor(backlog, prompt_tokens, cap, pace)
+    if deadline_ms >= floor.total_ms:
+        return
+    hints = [(MIN_DEADLINE_MS_KEY, str(floor.total_ms))]
+    fit = 0
+    if pace.ms_per_output_token > 0:
+        fit = largest_cap_within(deadline_ms - floor.queue_ms - floor.prefill_ms, pace.ms_per_output_token)
+    if fit > 0:
+        advice = DEADLINE_ADVICE_RAISE_OR_LOWER_CAP.format(floor_ms=floor.total_ms, fit=fit)
+        hints.append((MAX_OUTPUT_TOKENS_THAT_FIT_KEY, str(fit)))
+    else:
+        advice = DEADLINE_ADVICE_RAISE.format(floor_ms=floor.total_ms)
+    raise DeadlineExceeded(
+        DEADLINE_CANNOT_BE_MET.format(
+            deadline_ms=deadline_ms, queue_ms=floor.queue_ms, prompt=prompt_tokens,
+            prefill_ms=floor.prefill_ms, cap=cap, decode_ms=floor.decode_ms, floor_ms=floor.total_ms,
+            advice=advice,
+        ),
+        metadata=hints,
+    )

@@ -85,8 +85,26 @@ TOKENS_PER_MINUTE_NEVER_FITS = (
     " tokens-per-minute limit of {limit:,}: {advice}"
 )
 
+# Deadline feasibility (DEADLINE_EXCEEDED): the least time the run could take exceeds its deadline.
+DEADLINE_CANNOT_BE_MET = (
+    "deadline_ms {deadline_ms:,} cannot be met: the runs queued ahead (~{queue_ms:,} ms), prefill of the"
+    " {prompt:,}-token prompt (~{prefill_ms:,} ms) and max_output_tokens {cap:,} (~{decode_ms:,} ms)"
+    " need at least {floor_ms:,} ms: {advice}"
+)
+DEADLINE_ADVICE_RAISE_OR_LOWER_CAP = (
+    "raise deadline_ms to at least {floor_ms:,} or lower max_output_tokens to at most {fit:,}"
+)
+DEADLINE_ADVICE_RAISE = "raise deadline_ms to at least {floor_ms:,}"
+
+# Load shedding (UNAVAILABLE): the model's worker pool already has as much waiting as it may.
+POOL_BACKLOG_FULL = (
+    "model {model!r} is overloaded: {backlog:,} runs are already waiting for worker pool {pool!r}"
+    " (at most {limit:,} may wait): retry after {retry_after_ms} ms"
+)
+
 # Trailing-metadata keys that carry machine-readable hints with the error.
 MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
+MIN_DEADLINE_MS_KEY = "x-min-deadline-ms"
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 
 INTERNAL_ERROR = "internal error; nothing was acknowledged, retrying with the same request_key is safe"
