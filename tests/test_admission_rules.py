@@ -1,4 +1,5 @@
-"""Admission's pure rules: the payload hash, request checks and the cap that fits (no servers)."""
+"""Admission's pure rules: the payload hash, request checks, the cap that fits, load shedding and the
+deadline floor (no servers)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import pytest
 from ledger.repositories import WindowEntry
 from services import errors
 from services.admission_rules import (
+    PoolPace,
     Sampling,
     SubmitIntent,
+    check_backlog,
     check_context,
+    check_deadline,
     check_request_shape,
+    deadline_floor,
     largest_cap_that_fits,
+    largest_cap_within,
     normalize_float,
     payload_hash,
     rate_window_retry_after,
@@ -126,3 +132,69 @@ def test_retry_after_waits_for_just_enough_of_the_oldest_admissions_to_age_out()
     assert rate_window_retry_after(entries, limit=1_000, needed=100, window=window) == timedelta(0)
     assert rate_window_retry_after(entries, limit=1_000, needed=400, window=window) == timedelta(seconds=10)
     assert rate_window_retry_after(entries, limit=1_000, needed=700, window=window) == timedelta(seconds=40)
+
+
+# --- load shedding and the deadline floor ---------------------------------------------------------
+
+PACE = PoolPace(max_backlog=100, drain_runs_per_s=50.0, ms_per_prompt_token=0.5, ms_per_output_token=7.0)
+
+
+def test_a_backlog_below_the_bound_is_admitted():
+    check_backlog("m-v1", "m-pool", 99, PACE)
+
+
+def test_a_full_backlog_is_shed_with_the_time_the_pool_needs_to_drain_it():
+    with pytest.raises(errors.Unavailable) as caught:
+        check_backlog("m-v1", "m-pool", 100, PACE)
+    assert caught.value.retry_after_ms == 2_000  # 100 runs at 50 runs/s
+    assert caught.value.metadata == ((errors.RETRY_AFTER_MS_KEY, "2000"),)
+    assert caught.value.message == errors.POOL_BACKLOG_FULL.format(
+        model="m-v1", pool="m-pool", backlog=100, limit=100, retry_after_ms=2_000)
+    assert caught.value.message.endswith("(at most 100 may wait): retry after 2000 ms")
+
+
+def test_the_floor_is_queue_wait_plus_prefill_plus_the_whole_cap_each_rounded_up():
+    floor = deadline_floor(backlog=3, prompt_tokens=101, cap=10, pace=PACE)
+    # 3 runs / 50 per s = 60 ms; 101 × 0.5 = 50.5 → 51 ms; 10 × 7 = 70 ms.
+    assert (floor.queue_ms, floor.prefill_ms, floor.decode_ms, floor.total_ms) == (60, 51, 70, 181)
+
+
+def test_a_deadline_at_the_floor_is_feasible():
+    check_deadline(181, backlog=3, prompt_tokens=101, cap=10, pace=PACE)
+
+
+def test_a_deadline_under_the_floor_names_the_deadline_and_the_cap_that_would_do():
+    with pytest.raises(errors.DeadlineExceeded) as caught:
+        check_deadline(180, backlog=3, prompt_tokens=101, cap=10, pace=PACE)
+    # 180 - 60 - 51 = 69 ms left for output: 9 tokens (63 ms), not 10 (70 ms).
+    assert caught.value.message == errors.DEADLINE_CANNOT_BE_MET.format(
+        deadline_ms=180, queue_ms=60, prompt=101, prefill_ms=51, cap=10, decode_ms=70, floor_ms=181,
+        advice=errors.DEADLINE_ADVICE_RAISE_OR_LOWER_CAP.format(floor_ms=181, fit=9))
+    assert caught.value.message.endswith(
+        "raise deadline_ms to at least 181 or lower max_output_tokens to at most 9")
+    assert caught.value.metadata == ((errors.MIN_DEADLINE_MS_KEY, "181"),
+                                     (errors.MAX_OUTPUT_TOKENS_THAT_FIT_KEY, "9"))
+
+
+def test_when_no_cap_fits_only_a_longer_deadline_is_offered():
+    with pytest.raises(errors.DeadlineExceeded) as caught:
+        check_deadline(100, backlog=3, prompt_tokens=101, cap=10, pace=PACE)  # 111 ms before any output
+    assert caught.value.message.endswith(": raise deadline_ms to at least 181")
+    assert caught.value.metadata == ((errors.MIN_DEADLINE_MS_KEY, "181"),)
+
+
+def test_the_cap_within_a_time_never_rounds_past_it():
+    assert largest_cap_within(69, 7.0) == 9
+    assert largest_cap_within(70, 7.0) == 10
+    # 300 × 0.17 is 51.00000000000001 in floats, which the floor rounds up to 52 ms: the offer must
+    # be a cap the floor itself accepts, so 299.
+    assert largest_cap_within(51, 0.17) == 299
+    assert deadline_floor(0, 0, 299, PoolPace(1, 1.0, 0.0, 0.17)).total_ms == 51
+    assert largest_cap_within(0, 7.0) == 0
+
+
+def test_the_pace_refuses_a_config_that_makes_no_sense():
+    with pytest.raises(ValueError, match="max_backlog_per_pool"):
+        PoolPace(max_backlog=0, drain_runs_per_s=1.0, ms_per_prompt_token=0.0, ms_per_output_token=0.0)
+    with pytest.raises(ValueError, match="pool_drain_runs_per_s"):
+        PoolPace(max_backlog=1, drain_runs_per_s=0.0, ms_per_prompt_token=0.0, ms_per_output_token=0.0)

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -72,7 +74,14 @@ def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 async def api(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str) -> AsyncIterator[Services]:
-    config = load_config()
+    async with serve_ledger(sessionmaker, word_tokenizer, load_config()) as services:
+        yield services
+
+
+@contextlib.asynccontextmanager
+async def serve_ledger(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str,
+                       config: dict[str, Any]) -> AsyncIterator[Services]:
+    """Admission + Usage on a free loopback port with `config` (e.g. tighter [admission] keys)."""
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
     add_usage_servicer(server, sessionmaker, config)
