@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from router.registry import ReplicaRegistry
 from services import replica_client
 from services.routing.servicer import add_routing_servicer
 from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+from services.telemetry import TelemetrySettings, serve_metrics, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,21 @@ def build_worker(config: Mapping[str, Any], events: KafkaEventLog, sessions: Any
                          registry_from_config(config), dsn=str(config["database"]["dsn"]))
 
 
+def observe_routing_process(config: Mapping[str, Any], worker: RoutingWorker) -> None:
+    """Once per routing process, after start-up: tracing, the /metrics endpoint, and gc.freeze().
+
+    gc.freeze() moves everything start-up allocated (modules, tokenizers, the prefix index's
+    first tables) out of the collector's sight: the router bench measured the cyclic GC adding
+    ~40 us to the p99 of a routing decision, most of it re-scanning those long-lived objects."""
+    setup_tracing(TelemetrySettings.from_config(config), "sluice-routing")
+    port = int(config["routing"].get("metrics_port", 0))
+    if port:
+        host = str(config["routing"].get("listen", "127.0.0.1")).rsplit(":", 1)[0]
+        serve_metrics(worker.metrics.registry, port, host)
+    gc.collect()
+    gc.freeze()
+
+
 async def run_routing_process(config: Mapping[str, Any], listen: str | None = None,
                               label: str | None = None) -> None:
     """One routing process until SIGTERM/SIGINT: worker loops, plus the Routing API if `listen`."""
@@ -59,6 +76,7 @@ async def run_routing_process(config: Mapping[str, Any], listen: str | None = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, worker.stop)
+    observe_routing_process(config, worker)
     log.info("routing worker %s up (policy %s, replicas %s, api %s)", worker.settings.owner,
              worker.policy.name, [spec.name for spec in worker.registry.specs()], listen or "off")
     print(f"routing worker {worker.settings.owner} ready", flush=True)
@@ -70,3 +88,4 @@ async def run_routing_process(config: Mapping[str, Any], listen: str | None = No
         await events.close()
         await replica_client.close_channels()
         await engine.dispose()
+        shutdown_tracing()

@@ -47,8 +47,9 @@ class ClaimedRun:
     max_output_tokens: int
     conversation_id: str | None
     deadline_at: dt.datetime
-    replica: str | None          # set once routed
+    replica: str | None          # set once routed (changed by a retry before the first token)
     queued_at: dt.datetime | None
+    created_at: dt.datetime | None = None   # the submit (TTFT runs from here)
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:
@@ -81,6 +82,18 @@ async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, ow
     )
     assert isinstance(queued_at, dt.datetime), f"run {run_id} was locked as ACCEPTED yet could not be queued"
     return queued_at
+
+
+async def reassign_replica(session: AsyncSession, run_id: str, owner: str, replica: str) -> bool:
+    """Move a QUEUED run (no token yet) to another replica; False if the lease is gone. Committed
+    before the new replica is contacted, as the first assignment was: a reaper then stops the
+    replica the ledger names."""
+    result = await session.execute(
+        update(Run)
+        .where(Run.id == uuid.UUID(run_id), Run.lease_owner == owner, Run.status == RunStatus.QUEUED.value)
+        .values(replica=replica)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 async def mark_running(session: AsyncSession, run_id: str, owner: str, first: LogPosition,

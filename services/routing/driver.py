@@ -11,15 +11,24 @@ a slow log produces fewer, larger DELTA events rather than a backlog.
 
 Every token the replica produced before the run ended is published before the
 terminal event and counted in its usage (consumed compute counts, DESIGN.md).
+
+Retry (router/retry.py). An attempt that fails before its first token (the
+replica refused the connection or the request, died, or produced nothing within
+first_token_timeout_s) is not the end of the run: nothing was promised yet, so
+the worker may route it to a replica it has not tried (`reroute`, which records
+the new replica in the ledger before it is contacted), up to max_attempts. Once
+a token exists a replica failure ends the run INTERRUPTED, never retried. A run
+no replica ever took ends FAILED and its prompt is not charged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,10 +37,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from eventlog.events import DeltaCoalescer, RunEventSequencer
 from eventlog.interface import EventLog, LogPosition
 from ledger.models import RunStatus
+from router.retry import DEFAULT_MAX_ATTEMPTS, NO_REPLICA_STARTED, FailureAction, after_replica_failure
 from services import replica_client
 from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
 from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from services.routing.observability import RunOutcome
 from services.routing.textdecode import IncrementalDecoder, load_tokenizer
 from sluice.v1 import common_pb2
 
@@ -45,6 +56,7 @@ DETAIL_EXPIRED = "deadline passed before the run completed"
 DETAIL_NO_FIRST_TOKEN = "replica {replica} produced no token within {seconds:g}s"
 DETAIL_REPLICA_LOST = "replica {replica} lost mid-stream after {tokens} tokens: {error}"
 DETAIL_REPLICA_REJECTED = "replica {replica} refused the run: {error}"
+DETAIL_NOT_STARTED = NO_REPLICA_STARTED + "; the last: {last}"
 
 
 class ReplicaClient(Protocol):
@@ -77,10 +89,38 @@ class DriverSettings:
     coalesce_ms: float
     first_token_timeout_s: float
     block_size: int              # replica KV block size: reused blocks → cached prompt tokens
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token
 
 
 class LeaseLost(Exception):
     """Another routing process took the run over; this driver must not write anything more."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A replica a run is (re)sent to."""
+
+    replica: str
+    address: str                 # Triton gRPC host:port
+    block_size: int              # its KV block size
+
+
+Reroute = Callable[["RunDriver"], Awaitable[Target | None]]
+"""The worker's retry hook: choose an untried replica for the driver's run and record it in the
+ledger (None: nowhere to go). Raises LeaseLost when the run is no longer this process's."""
+
+
+async def _nowhere(driver: RunDriver) -> Target | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    """Why the driver stopped the replica's stream itself."""
+
+    status: RunStatus
+    detail: str
+    no_first_token: bool = False  # the first-token timeout: a failed attempt, retryable
 
 
 @dataclass(slots=True)
@@ -91,7 +131,9 @@ class _Pump:
     error: BaseException | None = None
     received_tokens: int = 0
     reused_blocks: int = 0
-    first_token_at: float | None = None
+    first_token_at: float | None = None     # monotonic
+    first_token_wall: float | None = None   # time.time(), for TTFT from the submit
+    last_token_at: float | None = None      # monotonic
 
 
 @dataclass(slots=True)
@@ -103,6 +145,7 @@ class RunDriver:
     events: EventLog
     replicas: ReplicaClient = TRITON
     on_replica_lost: Callable[[str], None] = lambda name: None
+    reroute: Reroute = _nowhere
     # Driver state read by the worker's lease keeper and cancel listener.
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     lease_lost: bool = False
@@ -112,6 +155,12 @@ class RunDriver:
     fence_at: float = float("inf")
     last_sequence: int = 0       # last event durable in the log
     output_tokens: int = 0       # tokens in durable DELTA events
+    tried: list[str] = field(default_factory=list)   # replicas sent this run, in order
+    prompt_taken: bool = False   # some replica produced output or held the request until stopped
+    outcome: RunOutcome | None = None                # set when the driver settled the run
+    _reported_cached: int = 0
+    _first_token_wall: float | None = None
+    _tpot_s: float | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -142,7 +191,10 @@ class RunDriver:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
         try:
             ending = await self._drive()
-            return await self._finish(ending)
+            record = await self._finish(ending)
+            if record is not None:
+                self.outcome = self._outcome(record)
+            return record
         except LeaseLost:
             log.warning("run %s: lease lost, leaving it to the reaper", self.run_id)
             return None
@@ -150,11 +202,11 @@ class RunDriver:
     async def _drive(self) -> Ending:
         claim = self.claim
         sequencer = RunEventSequencer(claim.run_id)
-        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake)
         decoder = IncrementalDecoder(load_tokenizer(claim.tokenizer))
-        task = asyncio.create_task(self._pump(pump), name=f"pump-{claim.run_id}")
+        self.tried.append(claim.replica or self.address)
+        pump, task = self._send()
         started = time.monotonic()
-        stop_reason: tuple[RunStatus, str] | None = None
+        stop_reason: _Stop | None = None
         try:
             while True:
                 self._wake.clear()
@@ -169,24 +221,71 @@ class RunDriver:
                     await self._publish_delta(sequencer, decoder, coalescer.take())
                     continue
                 if pump.done or stop_reason is not None:
+                    retry = self._failed_before_first_token(pump, stop_reason)
+                    if retry and await self._retry(pump, stop_reason):
+                        await _cancelled(task)
+                        pump, task = self._send()
+                        started, stop_reason = time.monotonic(), None
+                        continue
                     break
                 await self._sleep(self._next_wake(pump, now, started))
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await _cancelled(task)
+        self._note_timing(pump)
         return self._ending(sequencer, pump, stop_reason)
 
-    def _stop_reason(self, pump: _Pump, now: float, started: float) -> tuple[RunStatus, str] | None:
+    def _send(self) -> tuple[_Pump, asyncio.Task[None]]:
+        """One attempt: stream the run from the current replica into a fresh pump."""
+        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake)
+        return pump, asyncio.create_task(self._pump(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
+
+    def _stop_reason(self, pump: _Pump, now: float, started: float) -> _Stop | None:
         if self.cancel_requested.is_set():
-            return RunStatus.CANCELLED, DETAIL_CANCELLED
+            return _Stop(RunStatus.CANCELLED, DETAIL_CANCELLED)
         if time.time() >= self.claim.deadline_at.timestamp():
-            return RunStatus.EXPIRED, DETAIL_EXPIRED
+            return _Stop(RunStatus.EXPIRED, DETAIL_EXPIRED)
         if pump.first_token_at is None and now - started >= self.settings.first_token_timeout_s:
-            return RunStatus.INTERRUPTED, DETAIL_NO_FIRST_TOKEN.format(
-                replica=self.claim.replica, seconds=self.settings.first_token_timeout_s)
+            return _Stop(RunStatus.INTERRUPTED, DETAIL_NO_FIRST_TOKEN.format(
+                replica=self.claim.replica, seconds=self.settings.first_token_timeout_s), no_first_token=True)
         return None
+
+    @staticmethod
+    def _failed_before_first_token(pump: _Pump, stop: _Stop | None) -> bool:
+        """The attempt ended with no token: the replica refused or lost it, or never answered in time."""
+        if pump.received_tokens:
+            return False
+        if stop is not None:
+            return stop.no_first_token
+        return isinstance(pump.error, ReplicaLost | ReplicaRejected)
+
+    def _attempt_detail(self, pump: _Pump, stop: _Stop | None) -> str:
+        replica = self.claim.replica or self.address
+        if stop is not None:
+            return stop.detail
+        if isinstance(pump.error, ReplicaRejected):
+            return DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error)
+        return DETAIL_REPLICA_LOST.format(replica=replica, tokens=0, error=pump.error)
+
+    async def _retry(self, pump: _Pump, stop: _Stop | None) -> bool:
+        """After an attempt that failed before its first token: True when the run moved to another replica."""
+        failed = self.claim.replica or self.address
+        if stop is not None:
+            self.prompt_taken = True         # the replica held the prompt until we stopped it
+        if stop is not None or isinstance(pump.error, ReplicaLost):
+            self.on_replica_lost(failed)     # a refusal of this request says nothing of the replica
+        if after_replica_failure(0, len(self.tried), self.settings.max_attempts) is not FailureAction.RETRY:
+            return False
+        self._check_lease()
+        target = await self.reroute(self)
+        if target is None:
+            return False
+        log.info("run %s: %s failed before the first token (%s); retrying on %s", self.run_id, failed,
+                 self._attempt_detail(pump, stop), target.replica)
+        self.claim = dataclasses.replace(self.claim, replica=target.replica)
+        self.address = target.address
+        self.settings = dataclasses.replace(self.settings, block_size=target.block_size)
+        self.tried.append(target.replica)
+        return True
 
     def _next_wake(self, pump: _Pump, now: float, started: float) -> float:
         """Seconds until something time-based can happen: window close, deadline, first-token limit."""
@@ -214,10 +313,12 @@ class RunDriver:
                 tokens = list(chunk.token_ids[:room])
                 if not tokens:
                     continue
+                arrived = time.monotonic()
                 if pump.first_token_at is None:
-                    pump.first_token_at = time.monotonic()
+                    pump.first_token_at, pump.first_token_wall = arrived, time.time()
+                pump.last_token_at = arrived
                 pump.received_tokens += len(tokens)
-                pump.coalescer.add(tokens, time.monotonic() * 1000)
+                pump.coalescer.add(tokens, arrived * 1000)
                 pump.wake.set()
         except Exception as exc:  # the outcome is classified in _ending
             pump.error = exc
@@ -253,12 +354,25 @@ class RunDriver:
             if not await mark_running(session, self.run_id, self.settings.owner, first, self.last_sequence):
                 raise LeaseLost()
 
-    def _ending(self, sequencer: RunEventSequencer, pump: _Pump,
-                stop_reason: tuple[RunStatus, str] | None) -> Ending:
+    def _note_timing(self, pump: _Pump) -> None:
+        self._reported_cached = min(self.claim.input_tokens, pump.reused_blocks * self.settings.block_size)
+        self._first_token_wall = pump.first_token_wall
+        if pump.received_tokens >= 2 and pump.first_token_at is not None and pump.last_token_at is not None:
+            self._tpot_s = (pump.last_token_at - pump.first_token_at) / (pump.received_tokens - 1)
+
+    def _ending(self, sequencer: RunEventSequencer, pump: _Pump, stop_reason: _Stop | None) -> Ending:
         last, tokens = sequencer.last_sequence, self.output_tokens
-        cached = min(self.claim.input_tokens, pump.reused_blocks * self.settings.block_size)
+        cached = self._reported_cached
+        if pump.received_tokens or (stop_reason is not None and pump.error is None):
+            self.prompt_taken = True
+        if self._failed_before_first_token(pump, stop_reason):
+            return Ending(RunStatus.FAILED, last, tokens,
+                          DETAIL_NOT_STARTED.format(attempts=len(self.tried),
+                                                    last=self._attempt_detail(pump, stop_reason)),
+                          prompt_taken=self.prompt_taken)
         if stop_reason is not None:
-            return Ending(stop_reason[0], last, tokens, stop_reason[1], cached_input_tokens=cached)
+            return Ending(stop_reason.status, last, tokens, stop_reason.detail, cached_input_tokens=cached,
+                          prompt_taken=self.prompt_taken)
         replica = self.claim.replica or self.address
         if isinstance(pump.error, ReplicaLost):
             self.on_replica_lost(replica)
@@ -267,11 +381,24 @@ class RunDriver:
                           cached_input_tokens=cached)
         if isinstance(pump.error, ReplicaRejected):
             return Ending(RunStatus.FAILED, last, tokens,
-                          DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error))
+                          DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error),
+                          prompt_taken=self.prompt_taken)
         if pump.error is not None:
             log.error("run %s: replica stream failed", self.run_id, exc_info=pump.error)
-            return Ending(RunStatus.FAILED, last, tokens, f"replica stream failed: {pump.error!r}")
+            return Ending(RunStatus.FAILED, last, tokens, f"replica stream failed: {pump.error!r}",
+                          prompt_taken=self.prompt_taken)
         return Ending(RunStatus.COMPLETED, last, tokens, cached_input_tokens=cached)
+
+    def _outcome(self, record: TerminalRecord) -> RunOutcome:
+        created = self.claim.created_at
+        ttft = None
+        if self._first_token_wall is not None and created is not None:
+            ttft = self._first_token_wall - created.timestamp()
+        usage = record.usage
+        return RunOutcome(status=record.status, replica=self.claim.replica, attempts=len(self.tried),
+                          input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                          cached_input_tokens=usage.cached_input_tokens,
+                          reported_cached_tokens=self._reported_cached, ttft_s=ttft, tpot_s=self._tpot_s)
 
     async def _finish(self, ending: Ending) -> TerminalRecord | None:
         async with self.sessions() as session, session.begin():
@@ -283,3 +410,10 @@ class RunDriver:
             return None
         await publish_terminal(self.events, self.sessions, record)
         return record
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

@@ -37,6 +37,11 @@ class Ending:
     detail: str | None = None
     first: LogPosition | None = None   # where the run's events start, if the ledger lacks it
     cached_input_tokens: int = 0       # prompt tokens the replica served from its prefix cache
+    # Whether a replica took the prompt (produced output, or held the request until stopped). False
+    # when every replica tried refused or failed before any output: the prompt is then not charged.
+    # None: the settlement's default (charged when the run was handed to a replica), for enders
+    # that cannot tell (a reaper).
+    prompt_taken: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +58,10 @@ class TerminalRecord:
 async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: Ending, owner: str,
                                   lease_seconds: float) -> TerminalRecord | None:
     """Step 1, inside the caller's transaction. None when the run was already settled."""
+    untaken = ending.prompt_taken is False
     if not await settle_run(session, run_id, ending.status, output_tokens=ending.output_tokens,
-                            cached_input_tokens=ending.cached_input_tokens, detail=ending.detail):
+                            cached_input_tokens=0 if untaken else ending.cached_input_tokens,
+                            detail=ending.detail, input_tokens=0 if untaken else None):
         return None
     values: dict[str, object] = {
         "terminal_sequence": ending.last_sequence + 1,

@@ -8,6 +8,13 @@ Exactly once, with any number of these processes:
   driver lives; when renewals stop, any process's reaper ends it INTERRUPTED
   from its last durable event (never re-run: DESIGN.md "Worker loss");
 - every driver write is conditioned on still holding the lease (claims.py).
+
+Replica state comes from three sources, all feeding router/: the metrics endpoint
+of each replica, scraped every [routing].scrape_interval_ms (load for the
+policy, restarts: the policy forgets a restarted replica's prefixes; a failed
+scrape counts against the replica's circuit breaker); Triton readiness checks
+on the breaker's schedule; and the runs themselves (a replica lost mid-run
+counts as a failure, a completed run as a success).
 """
 
 from __future__ import annotations
@@ -25,15 +32,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
+from opentelemetry import trace
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from eventlog.events import tokens_in
 from eventlog.interface import EventLog, LogPosition
 from ledger.models import Model, Run, RunStatus
 from router.health import HealthBook, HealthOptions
-from router.load import LoadTracker
-from router.policy import RouteDecision, RouteRequest, RoutingPolicy, explain
-from router.registry import ReplicaRegistry
+from router.load import LoadTracker, record_scrape, restarted
+from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, explain
+from router.registry import ReplicaRegistry, ReplicaSpec
+from router.retry import DEFAULT_MAX_ATTEMPTS, retry_candidates
 from services import replica_client
 from services.notify import ChannelListener
 from services.routing.claims import (
@@ -42,11 +52,12 @@ from services.routing.claims import (
     lock_accepted,
     lock_own_active,
     mark_queued,
+    reassign_replica,
     renew_leases,
     take_expired_leases,
     take_unpublished_terminals,
 )
-from services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver
+from services.routing.driver import TRITON, DriverSettings, LeaseLost, ReplicaClient, RunDriver, Target
 from services.routing.finish import (
     Ending,
     TerminalRecord,
@@ -54,6 +65,8 @@ from services.routing.finish import (
     settle_and_fix_terminal,
     terminal_record,
 )
+from services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
+from services.telemetry import tracer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +80,7 @@ CLAIM_BATCH = 8
 HEALTH = HealthOptions(failure_threshold=2, open_s=3.0, check_interval_s=1.0, probe_interval_s=1.0)
 HEALTH_TICK_S = 0.25
 REPLICA_STOP_TIMEOUT_S = 2.0
+SCRAPE_TIMEOUT_S = 1.0      # a metrics endpoint slower than this counts as a failed scrape
 
 
 def new_owner_id(label: str | None = None) -> str:
@@ -83,6 +97,8 @@ class WorkerSettings:
     coalesce_ms: float
     first_token_timeout_s: float
     block_size: int = 16
+    scrape_interval_s: float = 0.25     # 0 = replicas are not scraped
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], owner: str) -> WorkerSettings:
@@ -94,6 +110,8 @@ class WorkerSettings:
             max_runs=int(routing.get("max_runs_per_worker", 64)),
             coalesce_ms=float(config["kafka"].get("coalesce_ms", 5)),
             first_token_timeout_s=float(routing.get("first_token_timeout_s", 30)),
+            scrape_interval_s=float(routing.get("scrape_interval_ms", 250)) / 1000,
+            max_attempts=int(routing.get("max_attempts", DEFAULT_MAX_ATTEMPTS)),
         )
 
     @property
@@ -104,7 +122,7 @@ class WorkerSettings:
     def driver(self) -> DriverSettings:
         return DriverSettings(owner=self.owner, lease_seconds=self.lease_seconds,
                               coalesce_ms=self.coalesce_ms, first_token_timeout_s=self.first_token_timeout_s,
-                              block_size=self.block_size)
+                              block_size=self.block_size, max_attempts=self.max_attempts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +135,7 @@ class _Routed:
 class RoutingWorker:
     def __init__(self, settings: WorkerSettings, sessions: async_sessionmaker[AsyncSession], events: EventLog,
                  policy: RoutingPolicy, registry: ReplicaRegistry, *, dsn: str | None = None,
-                 replicas: ReplicaClient = TRITON) -> None:
+                 replicas: ReplicaClient = TRITON, metrics: RoutingMetrics | None = None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.events = events
@@ -130,7 +148,9 @@ class RoutingWorker:
         self._requests: dict[str, _Routed] = {}
         self.health = HealthBook(HEALTH)
         self.loads = LoadTracker()
+        self.metrics = metrics or RoutingMetrics()
         self.health.sync([spec.name for spec in registry.specs()], time.time())
+        self._http: aiohttp.ClientSession | None = None   # for scrapes; opened by the scrape loop
         self._stopping = asyncio.Event()   # set by stop(): claim nothing more
         self._stopped = asyncio.Event()    # drained: every loop ends
 
@@ -146,6 +166,9 @@ class RoutingWorker:
             self._every(self.renew_once, self.settings.renew_interval_s, until=self._stopped),
             self._every(self.reap_once, self.settings.lease_seconds / 2),
             self._every(self.check_health_once, HEALTH_TICK_S, until=self._stopped))]
+        if self.settings.scrape_interval_s > 0:
+            upkeep.append(asyncio.create_task(
+                self._every(self.scrape_once, self.settings.scrape_interval_s, until=self._stopped)))
         # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds;
         # lease renewals poll cancel_requested_at too, should a notification be lost.
         cancels = ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified) if self._dsn else None
@@ -164,6 +187,9 @@ class RoutingWorker:
             await _cancelled(claiming, *upkeep)
             if cancels is not None:
                 await cancels.close()
+            if self._http is not None:
+                await self._http.close()
+                self._http = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -200,6 +226,7 @@ class RoutingWorker:
         if free <= 0 or self._stopping.is_set():
             return False
         now = time.time()
+        started_ns = time.time_ns()
         claim_sent_at = time.monotonic()  # the lease it grants runs from after this instant
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
@@ -207,6 +234,9 @@ class RoutingWorker:
             rows = await lock_accepted(session, free)
             if not rows:
                 return False
+            # Started only once there is something to claim: an idle poll every 50 ms is no span.
+            span = tracer().start_span("run.claim", start_time=started_ns, attributes={
+                "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
             for run, model in rows:
                 if run.deadline_at.timestamp() <= now:
                     record = await settle_and_fix_terminal(
@@ -219,9 +249,12 @@ class RoutingWorker:
                 if item is not None:
                     routed.append(item)
                     self.loads.on_sent(item.decision.replica)
+        span.set_attributes({"sluice.routed": len(routed), "sluice.expired": len(expired)})
+        link = trace.Link(span.get_span_context())
+        span.end()
         for item in routed:
             self.policy.on_routed(item.request, item.decision, now)
-            self._start_driver(item, claim_sent_at)
+            self._start_driver(item, claim_sent_at, link)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
@@ -233,7 +266,7 @@ class RoutingWorker:
                                token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
                                conversation_id=run.conversation_id)
         views = self.registry.views(model.worker_pool, now, self.health, self.loads)
-        decision = self.policy.choose(request, views, now)
+        decision = self._choose(request, views, now)
         if decision is None:
             return None  # no healthy replica in the pool: the run stays ACCEPTED for a later pass
         queued_at = await mark_queued(session, run.id, decision.replica, self.settings.owner,
@@ -243,31 +276,63 @@ class RoutingWorker:
             worker_pool=model.worker_pool, tokenizer=model.tokenizer, end_id=model.end_id,
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
-            deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at)
+            deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
+            created_at=run.created_at)
         return _Routed(claim, request, decision)
 
-    def _start_driver(self, item: _Routed, claim_sent_at: float) -> None:
+    def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
+        started = time.perf_counter()
+        decision = self.policy.choose(request, views, now)
+        if decision is not None:
+            self.metrics.decided(self.policy.name, decision, time.perf_counter() - started)
+        return decision
+
+    def _target(self, spec: ReplicaSpec) -> Target:
+        # The block size the replica reports wins over the configured one: reused blocks x block size
+        # is what the run is charged at the cached rate.
+        return Target(spec.name, spec.grpc_address, self.loads.load(spec.name).block_size or spec.block_size)
+
+    def _start_driver(self, item: _Routed, claim_sent_at: float,
+                      claim_span: trace.Link | None = None) -> None:
         entry = self.registry.get(item.decision.replica)
         assert entry is not None, f"policy chose {item.decision.replica}, which is not registered"
-        settings = dataclasses.replace(self.settings.driver(), block_size=entry.block_size)
-        driver = RunDriver(claim=item.claim, address=entry.grpc_address, settings=settings,
+        target = self._target(entry)
+        settings = dataclasses.replace(self.settings.driver(), block_size=target.block_size)
+        driver = RunDriver(claim=item.claim, address=target.address, settings=settings,
                            sessions=self.sessions, events=self.events, replicas=self.replicas,
-                           on_replica_lost=self._replica_failed)
+                           on_replica_lost=self._replica_failed, reroute=self._reroute)
         driver.extend_fence(claim_sent_at)
         run_id = item.claim.run_id
         self.drivers[run_id] = driver
         self._requests[run_id] = item
-        task = asyncio.create_task(driver.run(), name=f"run-{run_id}")
+        task = asyncio.create_task(self._drive(item, driver, claim_span), name=f"run-{run_id}")
         self._tasks[run_id] = task
-        task.add_done_callback(functools.partial(self._driver_done, run_id))
+        task.add_done_callback(functools.partial(self._driver_done, run_id, driver))
 
-    def _driver_done(self, run_id: str, task: asyncio.Task[TerminalRecord | None]) -> None:
+    async def _drive(self, item: _Routed, driver: RunDriver,
+                     claim_span: trace.Link | None) -> TerminalRecord | None:
+        claim = item.claim
+        attributes = span_attributes(claim.run_id, claim.model_version, claim.worker_pool, item.decision,
+                                     claim.input_tokens)
+        with tracer().start_as_current_span("run.drive", attributes=attributes,
+                                            links=[claim_span] if claim_span is not None else None) as span:
+            record = await driver.run()
+            if driver.outcome is not None:
+                span.set_attributes(outcome_attributes(driver.outcome))
+            else:
+                span.set_attribute("sluice.status", "lease_lost")
+            return record
+
+    def _driver_done(self, run_id: str, driver: RunDriver, task: asyncio.Task[TerminalRecord | None]) -> None:
         self.drivers.pop(run_id, None)
         self._tasks.pop(run_id, None)
         item = self._requests.pop(run_id, None)
         if item is not None:
             self.loads.on_finished(item.decision.replica)
             self.policy.on_finished(item.request, item.decision.replica, time.time())
+        if driver.outcome is not None:
+            predicted = item.decision.predicted_cached_tokens if item is not None else 0
+            self.metrics.run_ended(driver.claim.worker_pool, predicted, driver.outcome)
         if task.cancelled():
             return
         if task.exception() is not None:
@@ -277,6 +342,34 @@ class RoutingWorker:
         if item is not None and record is not None and record.status is RunStatus.COMPLETED \
                 and self.registry.get(item.decision.replica) is not None:
             self.health.record_success(item.decision.replica, time.time())
+
+    async def _reroute(self, driver: RunDriver) -> Target | None:
+        """A driver's attempt failed before the first token: release it, choose among the replicas the
+        run has not tried, and commit the new replica to the ledger before it is contacted."""
+        run_id = driver.run_id
+        item = self._requests.pop(run_id, None)
+        if item is None:
+            return None
+        now = time.time()
+        self.loads.on_finished(item.decision.replica)
+        self.policy.on_finished(item.request, item.decision.replica, now)
+        views = retry_candidates(self.registry.views(item.claim.worker_pool, now, self.health, self.loads),
+                                 driver.tried)
+        decision = self._choose(item.request, views, now)
+        if decision is None:
+            return None
+        entry = self.registry.get(decision.replica)
+        assert entry is not None, f"policy chose {decision.replica}, which is not registered"
+        async with self.sessions() as session, session.begin():
+            moved = await reassign_replica(session, run_id, self.settings.owner, decision.replica)
+        if not moved:
+            raise LeaseLost()
+        self.policy.on_routed(item.request, decision, now)
+        self.loads.on_sent(decision.replica)
+        self._requests[run_id] = _Routed(dataclasses.replace(item.claim, replica=decision.replica),
+                                         item.request, decision)
+        self.metrics.retried(item.claim.worker_pool)
+        return self._target(entry)
 
     def _replica_failed(self, name: str) -> None:
         if self.registry.get(name) is not None:
@@ -292,11 +385,47 @@ class RoutingWorker:
             ready = await replica_client.is_ready(spec.grpc_address, timeout_s=1.0)
             record = self.health.record_success if ready else self.health.record_failure
             record(name, time.time())
+        now = time.time()
+        self.metrics.health({name: self.health.is_healthy(name, now)
+                             for name in (spec.name for spec in self.registry.specs())})
         return False
+
+    async def scrape_once(self) -> bool:
+        """Scrape every replica's metrics endpoint at once (a slow one delays no other)."""
+        specs = [spec for spec in self.registry.specs() if spec.metrics_url]
+        if specs:
+            if self._http is None:
+                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S))
+            await asyncio.gather(*(self._scrape(self._http, spec) for spec in specs))
+        return False
+
+    async def _scrape(self, http: aiohttp.ClientSession, spec: ReplicaSpec) -> None:
+        started = time.perf_counter()
+        try:
+            async with http.get(spec.metrics_url) as response:
+                response.raise_for_status()
+                text = await response.text()
+            previous = self.loads.snapshot(spec.name)
+            snapshot = record_scrape(self.loads, self.policy, spec.name, text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.metrics.scrape_failed(spec.name, time.perf_counter() - started)
+            if self.registry.get(spec.name) is not None:   # not removed while we waited
+                self.health.record_failure(spec.name, time.time())
+            log.debug("scrape of %s (%s) failed: %r", spec.name, spec.metrics_url, exc)
+            return
+        was_restarted = restarted(previous, snapshot)
+        if was_restarted:
+            log.info("replica %s restarted (start time %s -> %s): its cached prefixes are forgotten",
+                     spec.name, previous.start_time if previous else None, snapshot.start_time)
+        self.metrics.scraped(spec.name, snapshot, time.perf_counter() - started, was_restarted)
 
     def replicas_changed(self) -> None:
         """Call after the registry was edited (Routing API)."""
-        self.health.sync([spec.name for spec in self.registry.specs()], time.time())
+        names = {spec.name for spec in self.registry.specs()}
+        for gone in {name for name in self.loads.loads() if name not in names}:
+            self.loads.forget(gone)
+            self.metrics.forget_replica(gone)
+        self.health.sync(sorted(names), time.time())
 
     # --- leases and cancels -----------------------------------------------------------------
 

@@ -1,0 +1,153 @@
+"""What a routing process measures (Prometheus) and what it puts on its spans (OpenTelemetry).
+
+Per run (DESIGN.md observability box): TTFT and TPOT histograms per pool (tails,
+not averages: read p95/p99 from the buckets), runs by terminal status, retries
+before the first token. Per router decision: outcome counts and predicted
+against reported cache hits (router.metrics), and the decision's own latency.
+Per replica: breaker state and the load it reported at its last scrape.
+
+TTFT runs from the submit (the run row's created_at, ledger clock) to the first
+token reaching this process (its wall clock): what the caller waits for,
+including time queued before a worker claimed the run. The same interval is in
+the ledger as started_at - created_at (both on the database's clock), since the
+driver records RUNNING right after the first token is durable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ledger.models import RunStatus
+from router.load import LoadSnapshot
+from router.metrics import RouterMetrics
+from router.policy import RouteDecision
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5)
+DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3)
+SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """How one run went, as its driver saw it (spans and metrics are made from this)."""
+
+    status: RunStatus
+    replica: str | None          # the replica of the last attempt
+    attempts: int                # replicas tried (1 + retries before the first token)
+    input_tokens: int            # prompt tokens charged (0 when no replica took the run)
+    output_tokens: int
+    cached_input_tokens: int     # charged at the cached rate
+    reported_cached_tokens: int  # reused blocks the replica reported x its block size
+    ttft_s: float | None         # submit -> first token (None: no token)
+    tpot_s: float | None         # mean time between tokens after the first (None: fewer than 2)
+
+
+class RoutingMetrics:
+    """The routing process's Prometheus metrics, all in one registry (served on [routing].metrics_port)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        registry = self.registry
+        self.router = RouterMetrics(registry)
+        self._ttft = Histogram("sluice_run_ttft_seconds", "Submit to first token, per pool",
+                               ["pool"], buckets=TTFT_BUCKETS, registry=registry)
+        self._tpot = Histogram("sluice_run_tpot_seconds",
+                               "Mean time per output token after the first, per pool",
+                               ["pool"], buckets=TPOT_BUCKETS, registry=registry)
+        self._runs = Counter("sluice_runs", "Runs this process ended, by pool and terminal status",
+                             ["pool", "status"], registry=registry)
+        self._tokens = Counter("sluice_run_tokens", "Tokens of the runs this process ended, by pool and kind",
+                               ["pool", "kind"], registry=registry)
+        self._retries = Counter("sluice_run_retries",
+                                "Runs moved to another replica before their first token",
+                                ["pool"], registry=registry)
+        self._decision = Histogram("sluice_router_decision_seconds", "Time of one policy.choose() call",
+                                   buckets=DECISION_BUCKETS, registry=registry)
+        self._healthy = Gauge("sluice_replica_healthy", "1 while the replica's circuit breaker is closed",
+                              ["replica"], registry=registry)
+        self._load = Gauge("sluice_replica_load", "What the replica reported at its last scrape",
+                           ["replica", "kind"], registry=registry)
+        self._scrape = Histogram("sluice_replica_scrape_seconds",
+                                 "One scrape of a replica's metrics endpoint",
+                                 buckets=SCRAPE_BUCKETS, registry=registry)
+        self._scrape_failures = Counter("sluice_replica_scrape_failures", "Failed scrapes",
+                                        ["replica"], registry=registry)
+        self._restarts = Counter("sluice_replica_restarts", "Replica restarts seen by scraping",
+                                 ["replica"], registry=registry)
+
+    def decided(self, policy: str, decision: RouteDecision, seconds: float) -> None:
+        self.router.record_decision(policy, decision)
+        self._decision.observe(seconds)
+
+    def retried(self, pool: str) -> None:
+        self._retries.labels(pool=pool).inc()
+
+    def run_ended(self, pool: str, predicted_cached_tokens: int, outcome: RunOutcome) -> None:
+        self._runs.labels(pool=pool, status=outcome.status.value).inc()
+        self._tokens.labels(pool=pool, kind="input").inc(outcome.input_tokens)
+        self._tokens.labels(pool=pool, kind="cached_input").inc(outcome.cached_input_tokens)
+        self._tokens.labels(pool=pool, kind="output").inc(outcome.output_tokens)
+        if outcome.ttft_s is not None:
+            self._ttft.labels(pool=pool).observe(max(0.0, outcome.ttft_s))
+        if outcome.tpot_s is not None:
+            self._tpot.labels(pool=pool).observe(outcome.tpot_s)
+        if outcome.input_tokens:   # the replica reported on a prompt it took
+            self.router.record_reported(predicted_cached_tokens, outcome.reported_cached_tokens,
+                                        outcome.input_tokens)
+
+    def health(self, states: Mapping[str, bool]) -> None:
+        for name, healthy in states.items():
+            self._healthy.labels(replica=name).set(1.0 if healthy else 0.0)
+
+    def scraped(self, replica: str, snapshot: LoadSnapshot, seconds: float, restarted: bool) -> None:
+        self._scrape.observe(seconds)
+        load = self._load
+        load.labels(replica=replica, kind="active").set(snapshot.active)
+        load.labels(replica=replica, kind="waiting").set(snapshot.waiting)
+        load.labels(replica=replica, kind="kv_used_blocks").set(snapshot.kv_used_blocks)
+        load.labels(replica=replica, kind="kv_fraction").set(snapshot.kv_fraction)
+        if restarted:
+            self._restarts.labels(replica=replica).inc()
+
+    def scrape_failed(self, replica: str, seconds: float) -> None:
+        self._scrape.observe(seconds)
+        self._scrape_failures.labels(replica=replica).inc()
+
+    def forget_replica(self, replica: str) -> None:
+        for gauge, kinds in ((self._healthy, None), (self._load, ("active", "waiting", "kv_used_blocks",
+                                                                   "kv_fraction"))):
+            try:
+                if kinds is None:
+                    gauge.remove(replica)
+                else:
+                    for kind in kinds:
+                        gauge.remove(replica, kind)
+            except KeyError:
+                pass
+
+
+def span_attributes(run_id: str, model: str, pool: str, decision: RouteDecision, input_tokens: int) -> dict[
+        str, str | int]:
+    """The attributes a run.drive span starts with; the outcome's are added when it ends."""
+    return {"sluice.run_id": run_id, "sluice.model": model, "sluice.pool": pool,
+            "sluice.replica": decision.replica, "sluice.route.outcome": decision.outcome,
+            "sluice.route.predicted_cached_tokens": decision.predicted_cached_tokens,
+            "sluice.prompt_tokens": input_tokens}
+
+
+def outcome_attributes(outcome: RunOutcome) -> dict[str, str | int | float]:
+    attributes: dict[str, str | int | float] = {
+        "sluice.status": outcome.status.value, "sluice.replica": outcome.replica or "",
+        "sluice.attempts": outcome.attempts, "sluice.input_tokens": outcome.input_tokens,
+        "sluice.output_tokens": outcome.output_tokens,
+        "sluice.cached_input_tokens": outcome.cached_input_tokens,
+    }
+    if outcome.ttft_s is not None:
+        attributes["sluice.ttft_ms"] = round(outcome.ttft_s * 1000, 3)
+    if outcome.tpot_s is not None:
+        attributes["sluice.tpot_ms"] = round(outcome.tpot_s * 1000, 3)
+    return attributes
