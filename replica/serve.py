@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from replica import lifecycle
 from replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
 from replica.host import Aborted, EngineHost, RequestIdInUse
@@ -56,6 +57,8 @@ DEFAULT_ENGINE = "core"                  # as config/sluice.toml; used when [rep
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
 EXIT_STARTUP_FAILED = 2
+STOP_TIMEOUT_S = 5.0                     # SIGTERM: wait this long for Triton to stop, then kill it
+ERR_STOP_TIMEOUT = "Triton did not stop within {seconds:.0f}s (requests still streaming); killed it"
 ERR_TRITON_EXITED = "tritonserver exited during startup (its log lines above say why)"
 
 
@@ -326,6 +329,11 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     from replica import pytriton_fixes
 
     pytriton_fixes.apply()
+    # What killed replicas left behind (replica/lifecycle.py): hung Python-backend stubs, /dev/shm.
+    stubs, regions = lifecycle.kill_orphaned_stubs(), lifecycle.remove_stale_shm_regions()
+    if stubs or regions:
+        LOG.warning("removed what killed replicas left: %d orphaned stub processes, %d shared-memory regions",
+                    stubs, regions)
     metrics = ReplicaMetrics(start_time=started_at)
     metrics.serve(settings.metrics_port, settings.host)
     metrics.update(engine.stats())
@@ -342,6 +350,7 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
         grpc_http2_max_ping_strikes=0,
     )
     triton = Triton(config=triton_config, workspace=_fresh_workspace(settings.workspace))
+    _die_with_this_process(triton)
     try:
         bind_model(triton, TensorrtLlmModel(host))
         _run_until_ready(triton, settings.name, settings.workspace)
@@ -358,9 +367,35 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     while not stopping.is_set() and triton.is_alive():
         stopping.wait(0.5)
     alive = triton.is_alive()
-    triton.stop()
+    code = 0 if alive or stopping.is_set() else 1
+    stopper = threading.Thread(target=triton.stop, name="triton-stop", daemon=True)
+    stopper.start()
+    stopper.join(STOP_TIMEOUT_S)
+    if stopper.is_alive():
+        # pytriton's stop() waits for every in-flight request to finish; their clients see the
+        # connection drop instead (replica lost), as if the machine had gone.
+        print(f"replica {settings.name}: {ERR_STOP_TIMEOUT.format(seconds=STOP_TIMEOUT_S)}", flush=True)
+        lifecycle.kill_descendants()
+    lifecycle.remove_own_shm_regions()
     print(f"replica {settings.name} stopped", flush=True)
-    return 0 if alive or stopping.is_set() else 1
+    if stopper.is_alive():
+        os._exit(code)                 # the blocked stop() thread and pytriton's would hold the exit
+    return code
+
+
+def _die_with_this_process(triton: Any) -> None:
+    """Swap in the SIGKILL death-signal wrapper once pytriton has laid out its tritonserver copy
+    (inside triton.run(), before it spawns the server); see replica/lifecycle.py."""
+    initialize = getattr(triton, "_initialize_server", None)
+    if initialize is None:
+        LOG.warning("pytriton changed (no _initialize_server): tritonserver keeps its SIGTERM death signal")
+        return
+
+    def initialize_then_wrap() -> None:
+        initialize()
+        lifecycle.wrap_tritonserver_pdeathsig(triton)
+
+    triton._initialize_server = initialize_then_wrap
 
 
 def main(argv: list[str] | None = None) -> int:

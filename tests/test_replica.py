@@ -17,15 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from replica import lifecycle
 from replica.engine_api import GenerationRequest
 from replica.generator import GeneratorConfig, expected_tokens, prompt_seed
 from replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
 from replica.serve import (
     ERR_PORT_IN_USE,
+    ERR_STOP_TIMEOUT,
     ERR_TRITON_EXITED,
     ERR_TRITON_START,
     ERR_UNKNOWN_ENGINE,
     EXIT_STARTUP_FAILED,
+    STOP_TIMEOUT_S,
 )
 from services import replica_client as rc
 from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
@@ -197,10 +200,29 @@ async def test_killing_the_replica_mid_stream_raises_replica_lost_within_seconds
         kill_replica(doomed)
 
 
-async def test_a_replica_whose_host_process_dies_is_lost_by_the_inactivity_timeout(log_dir: Path):
-    # Only the Python host dies; its tritonserver keeps the connection open but will never answer.
+def processes_in_session(session: int) -> list[str]:
+    """Command names of the live processes in a session (a replica's: host, tritonserver, stub)."""
+    names = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name.isdigit() and int(fields[3]) == session and fields[0] != "Z":
+                names.append((entry / "comm").read_text().strip())
+        except (OSError, IndexError):
+            continue
+    return names
+
+
+def shm_regions_of(pid: int) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"pytrtion{pid}-*"))
+
+
+async def test_a_replica_whose_host_process_dies_takes_tritonserver_and_its_stub_along(log_dir: Path):
+    # Only the Python host is SIGKILLed (as the OOM killer would): tritonserver gets SIGKILL as its
+    # death signal (replica/lifecycle.py) instead of hanging in shutdown on the ports; the stub follows.
     orphaned = await asyncio.to_thread(start_replica, "orphaned", log_dir, SETTINGS)
     try:
+        assert len(processes_in_session(orphaned.process.pid)) == 3
         stream = rc.stream_generate(orphaned.grpc_address, "lost-2", [3, 4], 1000, inactivity_timeout_s=2.0)
         received = 0
         with pytest.raises(ReplicaLost):
@@ -210,8 +232,36 @@ async def test_a_replica_whose_host_process_dies_is_lost_by_the_inactivity_timeo
                     os.kill(orphaned.process.pid, signal.SIGKILL)
                     killed_at = time.monotonic()
         assert time.monotonic() - killed_at < 5.0
+        await asyncio.sleep(2.0)                  # the stub checks its parent every 300 ms
+        left = processes_in_session(orphaned.process.pid)
+        # tritonserver is gone (its ports are free for a restart). The stub usually follows; when
+        # tritonserver died holding their shared health mutex it hangs, and the next start ends it.
+        assert left in ([], ["triton_python_b"])
+        lifecycle.kill_orphaned_stubs()
+        await asyncio.sleep(0.2)
+        assert processes_in_session(orphaned.process.pid) == []
     finally:
         kill_replica(orphaned)
+
+
+async def test_sigterm_with_a_stream_in_flight_stops_within_seconds_and_leaves_nothing(log_dir: Path):
+    # pytriton's own stop() would wait for the 100k-token request to finish; the host bounds it.
+    busy = await asyncio.to_thread(start_replica, "busy-stop", log_dir, SETTINGS)
+    try:
+        stream = rc.stream_generate(busy.grpc_address, "endless", [3, 4], 100_000)
+        started = 0.0
+        with pytest.raises(ReplicaLost):
+            async for _chunk in stream:
+                if not started:
+                    busy.process.send_signal(signal.SIGTERM)
+                    started = time.monotonic()
+        code = await asyncio.to_thread(busy.process.wait, 15)
+        assert (code, time.monotonic() - started < STOP_TIMEOUT_S + 3) == (0, True)
+        assert ERR_STOP_TIMEOUT.format(seconds=STOP_TIMEOUT_S) in busy.log()
+        assert processes_in_session(busy.process.pid) == []
+        assert shm_regions_of(busy.process.pid) == []
+    finally:
+        kill_replica(busy)
 
 
 def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
