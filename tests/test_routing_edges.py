@@ -36,16 +36,19 @@ def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
 async def test_a_run_past_its_deadline_mid_stream_ends_expired_and_pays_for_what_it_produced(stack: Stack):
     await stack.start_worker()
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-        run = await sdk.submit(PROMPT, max_output_tokens=500, deadline_ms=800)
+        # Feasible for admission (100 tokens at its floor of 7 ms each: 0.7 s), but this replica
+        # takes 20 ms a token (2 s), so the deadline passes mid-stream.
+        run = await sdk.submit(PROMPT, max_output_tokens=100, deadline_ms=1_000)
         events = await collect(sdk.stream(run.run_id))
     terminal = events[-1]
     assert terminal.status == common_pb2.RUN_STATUS_EXPIRED
-    assert 0 < terminal.usage.output_tokens == deltas_tokens(events) < 500
+    assert 0 < terminal.usage.output_tokens == deltas_tokens(events) < 100
 
 
 async def test_a_run_whose_deadline_passed_before_any_worker_took_it_expires_without_running(stack: Stack):
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-        run = await sdk.submit(PROMPT, max_output_tokens=50, deadline_ms=1)
+        # A deadline admission accepts (one token needs ~8 ms at its floor), then no worker for 100 ms.
+        run = await sdk.submit(PROMPT, max_output_tokens=1, deadline_ms=20)
         await asyncio.sleep(0.1)
         await stack.start_worker()
         events = await collect(sdk.stream(run.run_id))
