@@ -1,5 +1,5 @@
 """Admission Submit latency on the real PostgreSQL:
-`python -m bench.bench_submit [-n 1000] [-c 16] [--tenants 16] [--limits]`.
+`python -m bench.bench_submit [-n 1000] [-c 16] [--tenants 16] [--limits] [--claim-interval-ms 50]`.
 
 Runs Admission in-process (grpc.aio on a free loopback port) against a throwaway database created
 on the configured server, migrated with alembic and seeded with the tiny-chat model, and measures
@@ -7,12 +7,20 @@ end-to-end Submit latency through the generated stub: authenticate, tokenize, IN
 conditional budget UPDATE in one transaction, COMMIT. Client and server share one process and one
 event loop, so the figures include the client's own overhead; on a shared 2-core box they are an
 upper bound. Prints figures; never fails on timing.
+
+No routing worker runs, so by default a stand-in claims the backlog the way one would: every
+--claim-interval-ms it moves every ACCEPTED run to QUEUED (one UPDATE), so admission's backlog
+count sees what it sees in service (the runs of the last interval), and the default
+[admission].max_backlog_per_pool never sheds. --claim-interval-ms 0 runs no claimer and raises the
+bound above the bench's own submits instead: every submit then counts a backlog of up to all of
+them, the worst case of the count.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import statistics
 import time
@@ -23,9 +31,11 @@ import asyncpg
 import grpc.aio
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
 from ledger.db import configured_dsn, make_engine, make_sessionmaker
+from ledger.models import Run, RunStatus
 from ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_model
 from services.admission import add_admission_servicer
 from sluice.v1 import admission_pb2, admission_pb2_grpc
@@ -135,16 +145,41 @@ async def _concurrent(stub: admission_pb2_grpc.AdmissionStub, count: int, concur
     return Figures(label, count, time.perf_counter() - started, latencies)
 
 
+async def _claim_backlog(dsn: str, interval_s: float, stop: asyncio.Event) -> None:
+    """What routing workers do to the backlog (ACCEPTED → QUEUED), minus everything else."""
+    engine = make_engine(dsn, pool_size=1, max_overflow=0)
+    try:
+        sessions = make_sessionmaker(engine)
+        while not stop.is_set():
+            async with sessions() as session, session.begin():
+                await session.execute(
+                    update(Run).where(Run.status == RunStatus.ACCEPTED.value)
+                    .values(status=RunStatus.QUEUED.value).execution_options(synchronize_session=False))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+    finally:
+        await engine.dispose()
+
+
 async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
-              tenants: int = 1) -> list[Figures]:
+              tenants: int = 1, claim_interval_ms: float = 50.0) -> list[Figures]:
     database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE DATABASE "{database}"')
     dsn = _url(configured_dsn(), database)
+    config = load_config()
+    if claim_interval_ms <= 0:
+        phases = 2 + (tenants > 1)
+        bound = max(int(config["admission"].get("max_backlog_per_pool", 1)), warmup + phases * count + 1)
+        config["admission"] = {**config["admission"], "max_backlog_per_pool": bound}
+    stop_claiming = asyncio.Event()
+    claimer: asyncio.Task[None] | None = None
     try:
         await _prepare(dsn, limits, max(tenants, 1))
+        if claim_interval_ms > 0:
+            claimer = asyncio.create_task(_claim_backlog(dsn, claim_interval_ms / 1000, stop_claiming))
         engine = make_engine(dsn, pool_size=max(4, concurrency), max_overflow=0)
         server = grpc.aio.server()
-        add_admission_servicer(server, make_sessionmaker(engine), load_config())
+        add_admission_servicer(server, make_sessionmaker(engine), config)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -159,6 +194,9 @@ async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
             await server.stop(None)
             await engine.dispose()
     finally:
+        stop_claiming.set()
+        if claimer is not None:
+            await claimer
         await _admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
@@ -171,11 +209,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="give the tenant (non-binding) concurrency and tokens-per-minute limits")
     parser.add_argument("--tenants", type=int, default=16,
                         help="also run the concurrent phase spread over this many tenants")
+    parser.add_argument("--claim-interval-ms", type=float, default=50.0,
+                        help="claim the backlog this often, as routing would; 0: never (worst-case count)")
     args = parser.parse_args(argv)
-    figures = asyncio.run(run(args.count, args.concurrency, args.warmup, args.limits, args.tenants))
+    figures = asyncio.run(run(args.count, args.concurrency, args.warmup, args.limits, args.tenants,
+                              args.claim_interval_ms))
     limits = "with" if args.limits else "without"
+    backlog = (f"backlog claimed every {args.claim_interval_ms:g} ms" if args.claim_interval_ms > 0
+               else "backlog never claimed")
     print(f"Submit latency, prompt of {len(PROMPT)} chars, cap 64, in-process grpc.aio + PostgreSQL,"
-          f" tenant {limits} rate limits")
+          f" tenant {limits} rate limits, {backlog}")
     for figure in figures:
         print(figure.render())
 

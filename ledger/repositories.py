@@ -35,6 +35,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, RunStatus, Tenant
 
+_ACCEPTED_LITERAL = f"'{RunStatus.ACCEPTED.value}'"
+
 
 def hash_api_key(key: str) -> str:
     """sha256 hex of an API key: what api_keys.key_hash stores."""
@@ -172,32 +174,65 @@ class ModelRepository:
 
     async def by_alias_or_version(self, name: str) -> ModelInfo | None:
         """An exact version wins over an alias of the same spelling."""
-        models = (
-            await self._session.scalars(select(Model).where(or_(Model.version == name, Model.alias == name)))
+        found = await self.by_alias_or_version_with_backlog(name, backlog_limit=0)
+        return None if found is None else found[0]
+
+    async def by_alias_or_version_with_backlog(self, name: str,
+                                               backlog_limit: int) -> tuple[ModelInfo, int] | None:
+        """The model, and how many of its runs wait ACCEPTED for a routing worker (counted up to
+        `backlog_limit`), in one round trip. An exact version wins over an alias of the same spelling.
+
+        The count scans ix_runs_model_version_accepted and stops after `backlog_limit` entries, so
+        its cost is bounded by the limit however long the backlog grows. It sees committed runs
+        only (READ COMMITTED): concurrent submits do not see each other until they commit.
+        """
+        waiting = (
+            select(literal_column("1"))
+            # A literal status, not a parameter: a generic plan can then still prove the partial
+            # index's predicate and use it.
+            .where(Run.model_version == Model.version, Run.status == literal_column(_ACCEPTED_LITERAL))
+            .limit(backlog_limit)
+            .correlate(Model)
+            .subquery()
+        )
+        backlog = select(func.count()).select_from(waiting).scalar_subquery()
+        rows = (
+            await self._session.execute(
+                select(Model, backlog).where(or_(Model.version == name, Model.alias == name))
+            )
         ).all()
-        if not models:
+        if not rows:
             return None
-        exact = [m for m in models if m.version == name]
-        return ModelInfo.of(exact[0] if exact else models[0])
+        model, count = next((row for row in rows if row[0].version == name), rows[0])
+        return ModelInfo.of(model), int(count)
 
 
 class RunRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def insert_if_absent(self, values: dict[str, Any]) -> uuid.UUID | None:
+    async def insert_if_absent(self, values: dict[str, Any],
+                               notify: tuple[str, str] | None = None) -> uuid.UUID | None:
         """INSERT the run unless (tenant_id, request_key) exists; its id, or None on conflict.
 
         A concurrent duplicate blocks on the unique index until the first transaction ends, then
         sees the committed row (None here) or, if that transaction rolled back, inserts itself.
+
+        `notify` = (channel, payload): pg_notify in the RETURNING clause, so it fires only when a
+        row is inserted, without a round trip of its own. Like any NOTIFY it is delivered at
+        COMMIT and discarded if the transaction rolls back (e.g. the reservation is refused).
         """
+        returning: list[Any] = [Run.id]
+        if notify is not None:
+            returning.append(func.pg_notify(*notify))
         statement = (
             pg_insert(Run)
             .values(**values)
             .on_conflict_do_nothing(index_elements=[Run.tenant_id, Run.request_key])
-            .returning(Run.id)
+            .returning(*returning)
         )
-        return (await self._session.execute(statement)).scalar_one_or_none()
+        row = (await self._session.execute(statement)).first()
+        return None if row is None else row[0]
 
     async def by_request_key(self, tenant_id: uuid.UUID, request_key: str) -> Run | None:
         return await self._session.scalar(
@@ -239,21 +274,6 @@ class RunRepository:
             .order_by(Run.created_at)
         )
         return [WindowEntry(age=row[0], tokens=int(row[1])) for row in rows]
-
-    async def accepted_backlog(self, model_version: str, limit: int) -> int:
-        """How many of the model's runs wait ACCEPTED for a routing worker, counted up to `limit`.
-
-        One scan of ix_runs_model_version_accepted that stops after `limit` entries, so its cost
-        is bounded by the limit however long the backlog grows. Committed runs only (READ
-        COMMITTED): concurrent submits do not see each other until they commit.
-        """
-        waiting = (
-            select(literal_column("1"))
-            .where(Run.model_version == model_version, Run.status == RunStatus.ACCEPTED.value)
-            .limit(limit)
-            .subquery()
-        )
-        return int(await self._session.scalar(select(func.count()).select_from(waiting)) or 0)
 
     async def in_flight_totals(self, tenant_id: uuid.UUID) -> InFlightTotals:
         row = (

@@ -6,13 +6,13 @@ One transaction per Submit, opened and committed in `AdmissionService.submit`:
       API key → tenant                     missing/unknown/revoked → UNAUTHENTICATED
       request shape (pure)                 → INVALID_ARGUMENT
       model alias/version → model          unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
-      the model's backlog (ACCEPTED runs)  >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
+        + its backlog (ACCEPTED runs)      >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
       tokenize, prompt + cap <= context    → INVALID_ARGUMENT
       deadline >= queue wait + prefill + cap × token time → else DEADLINE_EXCEEDED naming what would do
       INSERT run ON CONFLICT (tenant, request_key) DO NOTHING RETURNING id
         ├─ inserted → reserve prompt + cap on the budget row (one conditional UPDATE)
         │             does not fit → ROLLBACK, RESOURCE_EXHAUSTED naming the cap that fits
-        │             fits → NOTIFY sluice_runs_accepted (delivered at COMMIT: routing wakes)
+        │             (its RETURNING carries NOTIFY sluice_runs_accepted: delivered at COMMIT)
         └─ conflict → same payload hash: the existing run (deduplicated=true)
                       another payload:   ALREADY_EXISTS
     COMMIT, then answer: a returned run id always has its reservation committed.
@@ -28,7 +28,9 @@ Submit transactions in flight at once across all admission instances (their conn
 a few dozen), which is fine for shedding (unlike budgets, which never overshoot).
 
 The budget row is locked only from the conditional UPDATE to COMMIT (one round trip), which is
-what bounds one tenant's submit rate. Reads and the write share one transaction to save round trips (~10% lower p50 than two).
+what bounds one tenant's submit rate. Reads and the write share one transaction to save round
+trips (~10% lower p50 than two); the backlog count rides on the model lookup and the NOTIFY on
+the INSERT for the same reason.
 
 No raw prompt or API key is ever logged; logs carry the run id, tenant and token counts.
 """
@@ -94,7 +96,6 @@ from services.errors import (
     SluiceError,
     grpc_errors,
 )
-from services.notify import notify
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,7 @@ class AdmissionService:
         async with self._sessionmaker() as session, session.begin():
             tenant = await authenticate(session, metadata)
             text = check_request_shape(intent, self._settings.max_request_key_chars)
-            model = await self._permitted_model(session, tenant, intent.model)
-            backlog = await RunRepository(session).accepted_backlog(model.version, limit=pace.max_backlog)
+            model, backlog = await self._permitted_model(session, tenant, intent.model, pace.max_backlog)
             await _unless_a_retry(session, tenant, intent,
                                   lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
             prepared = self._prepare(tenant, model, intent, text)
@@ -183,17 +183,20 @@ class AdmissionService:
         return admitted
 
     @staticmethod
-    async def _permitted_model(session: AsyncSession, tenant: TenantInfo, name: str) -> ModelInfo:
-        model = await ModelRepository(session).by_alias_or_version(name)
-        if model is None:
+    async def _permitted_model(session: AsyncSession, tenant: TenantInfo, name: str,
+                               backlog_limit: int) -> tuple[ModelInfo, int]:
+        """The model and its backlog (ACCEPTED runs, counted up to `backlog_limit`)."""
+        found = await ModelRepository(session).by_alias_or_version_with_backlog(name, backlog_limit)
+        if found is None:
             raise NotFound(UNKNOWN_MODEL.format(model=name))
+        model, backlog = found
         if model.quality_tier not in tenant.allowed_tiers:
             raise PermissionDenied(
                 TIER_NOT_ALLOWED.format(
                     model=name, tier=model.quality_tier, allowed=", ".join(tenant.allowed_tiers) or "none"
                 )
             )
-        return model
+        return model, backlog
 
     @staticmethod
     def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str) -> _Prepared:
@@ -213,7 +216,10 @@ class AdmissionService:
         """Runs inside the caller's write transaction; raising rolls everything back."""
         intent, tenant = prepared.intent, prepared.tenant
         runs = RunRepository(session)
-        run_id = await runs.insert_if_absent(self._run_values(prepared))
+        # The NOTIFY rides on the INSERT (fires only if a row goes in) and is delivered at COMMIT,
+        # never for a rollback: a routing worker it wakes finds the run committed.
+        run_id = await runs.insert_if_absent(
+            self._run_values(prepared), notify=(RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
         if run_id is None:
             existing = await runs.by_request_key(tenant.id, intent.request_key)
             assert existing is not None, "ON CONFLICT fired but the conflicting run is not visible"
@@ -230,8 +236,6 @@ class AdmissionService:
         if tenant.has_rate_limits:
             await _check_rate_limits(session, prepared, run_id)
         await self._reserve(session, prepared)
-        # Delivered at COMMIT and never for a rollback: a woken routing worker finds the run.
-        await notify(session, RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool)
         return Admitted(
             run_id=run_id,
             status=RunStatus.ACCEPTED,
