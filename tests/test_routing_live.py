@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -18,9 +18,13 @@ from sqlalchemy import select
 from clients.sdk import SluiceClient
 from ledger.models import RunStatus, UsageEntry
 from router.policies import PrefixAware
+from router.policy import make_policy_from_config
 from router.retry import NO_REPLICA_STARTED
 from services import telemetry
-from services.routing.worker import RoutingWorker
+from services.replica_client import TokenChunk
+from services.routing.app import registry_from_config
+from services.routing.driver import TRITON
+from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from services.telemetry import TelemetrySettings
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
@@ -155,6 +159,59 @@ async def test_a_run_whose_replica_refuses_before_the_first_token_completes_on_t
     assert (budget.reserved_tokens, budget.used_tokens) == (0, run.input_tokens + 30)
     decisions = worker.metrics.router.snapshot().decisions
     assert sum(decisions.values()) == 2                   # the first choice and the retry's
+
+
+class SilentAt:
+    """Triton everywhere but at `address`, which takes requests and never answers until stopped."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.stopped: list[str] = []
+        self._stops: dict[str, asyncio.Event] = {}
+
+    def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
+                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
+        if address != self.address:
+            return TRITON.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id)
+        return self._silent(request_id)
+
+    async def _silent(self, request_id: str) -> AsyncIterator[TokenChunk]:
+        stop = self._stops.setdefault(request_id, asyncio.Event())
+        await stop.wait()
+        yield TokenChunk((), 0, 0, stopped=True)
+
+    async def stop(self, address: str, request_id: str) -> None:
+        if address != self.address:
+            await TRITON.stop(address, request_id)
+            return
+        self.stopped.append(request_id)
+        self._stops.setdefault(request_id, asyncio.Event()).set()
+
+
+async def test_a_run_without_a_first_token_in_time_is_stopped_and_retried_elsewhere_its_prompt_charged_once(
+        stack: Stack, replicas: list[ReplicaProcess]):
+    # "a-slow" is a live replica (its readiness checks pass) whose answers never come.
+    slow = {**replica_tables(replicas[1:2])[0], "name": "a-slow"}
+    stack.config["replicas"] = [slow, *replica_tables(replicas[:1])]
+    stack.config["routing"] = {**stack.config["routing"], "first_token_timeout_s": 0.5}
+    replica_client = SilentAt(str(slow["grpc_address"]))
+    worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("test")), stack.sessionmaker,
+                           stack.events, make_policy_from_config(stack.config["routing"]),
+                           registry_from_config(stack.config), replicas=replica_client)
+    serving = asyncio.create_task(worker.serve(drain_s=0.5))
+    try:
+        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+            run = await sdk.submit(PROMPT, max_output_tokens=20)
+            events = await collect(sdk.stream(run.run_id))
+    finally:
+        worker.stop()
+        await serving
+    assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(events) == 20
+    assert replica_client.stopped == [run.run_id]
+    assert (await stack.run_row(run.run_id)).replica == replicas[0].name
+    entries = await usage_entries(stack, run.run_id)
+    assert [(e.input_tokens, e.output_tokens) for e in entries] == [(run.input_tokens, 20)]
+    assert worker.health.breaker("a-slow").consecutive_failures == 1
 
 
 async def test_a_run_no_replica_takes_ends_failed_with_nothing_charged(stack: Stack):
