@@ -17,6 +17,7 @@ from ledger.db import make_engine, make_sessionmaker
 from router.policy import make_policy_from_config
 from router.registry import ReplicaRegistry
 from services import replica_client
+from services.routing.observability import RoutingMetrics, ServiceObjectives
 from services.routing.servicer import add_routing_servicer
 from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from services.telemetry import TelemetrySettings, serve_metrics, setup_tracing, shutdown_tracing
@@ -41,7 +42,8 @@ def build_worker(config: Mapping[str, Any], events: KafkaEventLog, sessions: Any
                  owner: str | None = None) -> RoutingWorker:
     settings = WorkerSettings.from_config(config, owner or new_owner_id())
     return RoutingWorker(settings, sessions, events, make_policy_from_config(config["routing"]),
-                         registry_from_config(config), dsn=str(config["database"]["dsn"]))
+                         registry_from_config(config), dsn=str(config["database"]["dsn"]),
+                         metrics=RoutingMetrics(objectives=ServiceObjectives.from_config(config)))
 
 
 def observe_routing_process(config: Mapping[str, Any], worker: RoutingWorker) -> None:

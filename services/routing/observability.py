@@ -4,7 +4,10 @@ Per run (DESIGN.md observability box): TTFT and TPOT histograms per pool (tails,
 not averages: read p95/p99 from the buckets), runs by terminal status, retries
 before the first token. Per router decision: outcome counts and predicted
 against reported cache hits (router.metrics), and the decision's own latency.
-Per replica: breaker state and the load it reported at its last scrape.
+Per replica: breaker state and the load it reported at its last scrape (batch,
+queue, KV use). Per pool goodput: runs COMPLETED within both the TTFT and the
+TPOT objective ([telemetry] ttft_slo_ms, tpot_slo_ms; seed 000's 500 ms / 50 ms),
+to set against sluice_runs_total.
 
 TTFT runs from the submit (the run row's created_at, ledger clock) to the first
 token reaching this process (its wall clock): what the caller waits for,
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,7 +32,25 @@ from router.policy import RouteDecision
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5)
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3)
+LOAD_KINDS = ("active", "waiting", "scheduled", "kv_used_blocks", "kv_fraction")
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceObjectives:
+    ttft_s: float = 0.5          # submit -> first token
+    tpot_s: float = 0.05         # per output token after the first
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ServiceObjectives:
+        table = config.get("telemetry", {})
+        return cls(ttft_s=float(table.get("ttft_slo_ms", 500)) / 1000,
+                   tpot_s=float(table.get("tpot_slo_ms", 50)) / 1000)
+
+    def met(self, outcome: RunOutcome) -> bool:
+        if outcome.status is not RunStatus.COMPLETED or outcome.ttft_s is None:
+            return False
+        return outcome.ttft_s <= self.ttft_s and (outcome.tpot_s is None or outcome.tpot_s <= self.tpot_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +71,10 @@ class RunOutcome:
 class RoutingMetrics:
     """The routing process's Prometheus metrics, all in one registry (served on [routing].metrics_port)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 objectives: ServiceObjectives | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.objectives = objectives or ServiceObjectives()
         registry = self.registry
         self.router = RouterMetrics(registry)
         self._ttft = Histogram("sluice_run_ttft_seconds", "Submit to first token, per pool",
@@ -62,6 +86,8 @@ class RoutingMetrics:
                              ["pool", "status"], registry=registry)
         self._tokens = Counter("sluice_run_tokens", "Tokens of the runs this process ended, by pool and kind",
                                ["pool", "kind"], registry=registry)
+        self._goodput = Counter("sluice_run_goodput", "Runs COMPLETED within the TTFT and TPOT objectives",
+                                ["pool"], registry=registry)
         self._retries = Counter("sluice_run_retries",
                                 "Runs moved to another replica before their first token",
                                 ["pool"], registry=registry)
@@ -95,6 +121,8 @@ class RoutingMetrics:
             self._ttft.labels(pool=pool).observe(max(0.0, outcome.ttft_s))
         if outcome.tpot_s is not None:
             self._tpot.labels(pool=pool).observe(outcome.tpot_s)
+        if self.objectives.met(outcome):
+            self._goodput.labels(pool=pool).inc()
         if outcome.input_tokens:   # the replica reported on a prompt it took
             self.router.record_reported(predicted_cached_tokens, outcome.reported_cached_tokens,
                                         outcome.input_tokens)
@@ -108,6 +136,7 @@ class RoutingMetrics:
         load = self._load
         load.labels(replica=replica, kind="active").set(snapshot.active)
         load.labels(replica=replica, kind="waiting").set(snapshot.waiting)
+        load.labels(replica=replica, kind="scheduled").set(snapshot.scheduled)
         load.labels(replica=replica, kind="kv_used_blocks").set(snapshot.kv_used_blocks)
         load.labels(replica=replica, kind="kv_fraction").set(snapshot.kv_fraction)
         if restarted:
@@ -118,8 +147,7 @@ class RoutingMetrics:
         self._scrape_failures.labels(replica=replica).inc()
 
     def forget_replica(self, replica: str) -> None:
-        for gauge, kinds in ((self._healthy, None), (self._load, ("active", "waiting", "kv_used_blocks",
-                                                                   "kv_fraction"))):
+        for gauge, kinds in ((self._healthy, None), (self._load, LOAD_KINDS)):
             try:
                 if kinds is None:
                     gauge.remove(replica)
