@@ -56,6 +56,15 @@ def _ms(value: Any) -> int:
     return int(value.timestamp() * 1000) if value is not None else 0
 
 
+def final_cursor(run: Run) -> int:
+    """The cursor GetRun reports. A terminal run's terminal sequence is fixed in the same
+    transaction as its settlement, before the event is published; reporting it (rather than
+    the durable-progress column, which catches up only after the publish) keeps GetRun in
+    step with a client that already holds the terminal event, and matches Stream, which
+    treats `after >= terminal_sequence` as the end of the run."""
+    return run.terminal_sequence if run.terminal_sequence is not None else run.last_sequence
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStart:
     """Where a Stream begins reading, or that there is nothing left to send."""
@@ -103,7 +112,7 @@ class RunsService:
             status=status_value(run.status), replica=run.replica or "", input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, usage=usage, created_at_ms=_ms(run.created_at),
             started_at_ms=_ms(run.started_at), finished_at_ms=_ms(run.finished_at),
-            deadline_at_ms=_ms(run.deadline_at), last_sequence=run.last_sequence, detail=run.detail or "",
+            deadline_at_ms=_ms(run.deadline_at), last_sequence=final_cursor(run), detail=run.detail or "",
             cached_input_tokens=run.cached_input_tokens)
 
     @staticmethod
