@@ -32,9 +32,9 @@ test: infra-up               ## the whole suite against real PostgreSQL, Kafka a
 test-unit: setup             ## pure tests only (no servers)
 	$(PYTEST) -q -m "not integration"
 
-lint: setup
+lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .
-	.venv/bin/mypy engine planner router
+	.venv/bin/mypy engine planner router sim services ledger eventlog clients demo sluice_config
 
 bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
 	$(PY) -m bench

@@ -10,6 +10,8 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
 from clients.sdk import SluiceClient
 from demo.processes import Child, gateway, replica, routing
@@ -121,7 +123,7 @@ async def usage_report(client: SluiceClient) -> None:
         f"(${f.reserved_cost_micros / 1e6:.6f}); budget {report.budget_tokens} tokens")
 
 
-async def scenario(config: dict) -> None:
+async def scenario(config: Mapping[str, Any], replicas: dict[str, Child]) -> None:
     async with SluiceClient.from_config(config, api_key=DEMO_API_KEY) as client:
         await streamed_answer(client)
         say()
@@ -129,20 +131,16 @@ async def scenario(config: dict) -> None:
         say()
         await cancel_mid_stream(client)
         say()
-        await worker_loss(client, REPLICAS)
+        await worker_loss(client, replicas)
         say()
         await usage_report(client)
-
-
-REPLICAS: dict[str, Child] = {}
 
 
 def main() -> int:
     config = load_config()
     log_dir = data_dir(config) / "logs" / "demo"
-    REPLICAS.update({spec["name"]: replica(spec["name"], log_dir) for spec in config["replicas"]})
-    services = [gateway(log_dir), routing(log_dir)]
-    children = [*REPLICAS.values(), *services]
+    replicas = {spec["name"]: replica(spec["name"], log_dir) for spec in config["replicas"]}
+    children = [*replicas.values(), gateway(log_dir), routing(log_dir)]
     say(f"Sluice demo — logs in {log_dir}")
     started = time.monotonic()
     try:
@@ -150,9 +148,9 @@ def main() -> int:
             child.start()
         for child in children:
             child.wait_ready()
-        say(f"up: replicas {', '.join(REPLICAS)}, gateway, routing worker "
+        say(f"up: replicas {', '.join(replicas)}, gateway, routing worker "
             f"({time.monotonic() - started:.1f} s)\n")
-        asyncio.run(scenario(config))
+        asyncio.run(scenario(config, replicas))
         return 0
     finally:
         for child in reversed(children):
