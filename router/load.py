@@ -132,27 +132,39 @@ class LoadTracker:
         self._snapshots: dict[str, LoadSnapshot] = {}
         self._sent_since_scrape: dict[str, int] = {}
         self._in_flight: dict[str, int] = {}
+        self._versions: dict[str, int] = {}     # per replica, bumped on every change (hosts cache views)
+
+    def version(self, replica: str) -> int:
+        """Changes whenever load(replica) may have changed."""
+        return self._versions.get(replica, 0)
+
+    def _changed(self, replica: str) -> None:
+        self._versions[replica] = self._versions.get(replica, 0) + 1
 
     def on_scrape(self, replica: str, snapshot: LoadSnapshot) -> bool:
         """Record a scrape; True when it reveals a restart (then call policy.on_replica_restarted)."""
         was_restarted = restarted(self._snapshots.get(replica), snapshot)
         self._snapshots[replica] = snapshot
         self._sent_since_scrape[replica] = 0
+        self._changed(replica)
         return was_restarted
 
     def on_sent(self, replica: str) -> None:
         self._sent_since_scrape[replica] = self._sent_since_scrape.get(replica, 0) + 1
         self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        self._changed(replica)
 
     def on_finished(self, replica: str) -> None:
         count = self._in_flight.get(replica, 0)
         if count > 0:
             self._in_flight[replica] = count - 1
+            self._changed(replica)
 
     def forget(self, replica: str) -> None:
         self._snapshots.pop(replica, None)
         self._sent_since_scrape.pop(replica, None)
         self._in_flight.pop(replica, None)
+        self._changed(replica)
 
     def snapshot(self, replica: str) -> LoadSnapshot | None:
         return self._snapshots.get(replica)

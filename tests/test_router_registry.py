@@ -74,3 +74,20 @@ def test_views_skip_unhealthy_replicas_and_carry_scraped_load():
         ReplicaView(name="a", pool="m", block_size=32, kv_capacity_blocks=400, waiting=2, running=2,
                     kv_used_blocks=30, in_flight=1, start_time=9.0),
     ]
+
+
+def test_views_are_reused_between_decisions_but_never_stale():
+    registry = ReplicaRegistry([ReplicaSpec("a", "m", "h:1"), ReplicaSpec("b", "m", "h:2")])
+    loads = LoadTracker()
+    first = registry.views("m", 0.0, None, loads)
+    assert registry.views("m", 0.0, None, loads)[0] is first[0]            # unchanged: the same object
+    loads.on_sent("a")
+    assert [view.in_flight for view in registry.views("m", 0.0, None, loads)] == [1, 0]
+    loads.on_scrape("b", LoadSnapshot(active=4, kv_max_blocks=50, kv_tokens_per_block=32))
+    assert [view.running for view in registry.views("m", 0.0, None, loads)] == [0, 4]
+    registry.upsert(ReplicaSpec("b", "m", "h:2", long_context=True))
+    registry.upsert(ReplicaSpec("c", "", "h:3"))
+    assert [(view.name, view.long_context) for view in registry.views("m", 0.0, None, loads)] == [
+        ("a", False), ("b", True), ("c", False)]
+    registry.remove("a")
+    assert [view.name for view in registry.views("m", 0.0, None, loads)] == ["b", "c"]
