@@ -42,6 +42,7 @@ from services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
 from services.notify import ChannelListener, notify
 from services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
 from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from services.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing, tracer
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 from sluice_config import load_config
 
@@ -214,13 +215,28 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
     @grpc_errors
     async def Stream(self, request: runs_pb2.StreamRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[runs_pb2.RunEvent]:
-        async for event in self._service.stream(context.invocation_metadata(), request.run_id, request.after):
-            yield event
+        # One span per Stream call (a resumed stream is another span, with its own `after`). Not made
+        # the current span: a client that goes away closes this generator outside its context.
+        span = tracer().start_span("runs.stream", attributes={"sluice.run_id": request.run_id,
+                                                              "sluice.after": request.after})
+        sent = last = 0
+        try:
+            async for event in self._service.stream(context.invocation_metadata(), request.run_id,
+                                                    request.after):
+                sent, last = sent + 1, event.sequence
+                yield event
+        finally:
+            span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
+            span.end()
 
     @grpc_errors
     async def Cancel(self, request: runs_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> runs_pb2.CancelResponse:
-        return await self._service.cancel(context.invocation_metadata(), request.run_id)
+        attributes = {"sluice.run_id": request.run_id}
+        with tracer().start_as_current_span("runs.cancel", attributes=attributes) as span:
+            response = await self._service.cancel(context.invocation_metadata(), request.run_id)
+            span.set_attribute("sluice.status", common_pb2.RunStatus.Name(response.status))
+            return response
 
 
 def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
@@ -235,6 +251,7 @@ def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[
 
 async def serve(config: Mapping[str, Any], listen: str) -> None:
     """A standalone Runs server (`python -m services.runs`) until SIGTERM/SIGINT."""
+    setup_tracing(TelemetrySettings.from_config(config), "sluice-runs")
     engine = make_engine(str(config["database"]["dsn"]))
     events = KafkaEventLog.from_config(config)
     await events.start()
@@ -255,6 +272,7 @@ async def serve(config: Mapping[str, Any], listen: str) -> None:
         await service.close()
         await events.close()
         await engine.dispose()
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:

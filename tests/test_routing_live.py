@@ -262,6 +262,9 @@ async def test_prefix_aware_sends_a_follow_up_turn_to_the_replica_holding_its_hi
     assert attributes["sluice.output_tokens"] == 16 and attributes["sluice.status"] == "COMPLETED"
     assert attributes["sluice.ttft_ms"] > 0 and attributes["sluice.tpot_ms"] > 0
     assert telemetry.finished_spans("run.claim")
+    streams = {span.attributes["sluice.run_id"]: span.attributes
+               for span in telemetry.finished_spans("runs.stream")}
+    assert streams[follow_id]["sluice.last_sequence"] == follow[-1].sequence
 
 
 # --- restart detection ----------------------------------------------------------------------
