@@ -57,6 +57,7 @@ DETAIL_NO_FIRST_TOKEN = "replica {replica} produced no token within {seconds:g}s
 DETAIL_REPLICA_LOST = "replica {replica} lost mid-stream after {tokens} tokens: {error}"
 DETAIL_REPLICA_REJECTED = "replica {replica} refused the run: {error}"
 DETAIL_NOT_STARTED = NO_REPLICA_STARTED + "; the last: {last}"
+DETAIL_FAILED_BEFORE_START = "replica {replica} failed before the first token: {error}"
 
 
 class ReplicaClient(Protocol):
@@ -264,7 +265,7 @@ class RunDriver:
             return stop.detail
         if isinstance(pump.error, ReplicaRejected):
             return DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error)
-        return DETAIL_REPLICA_LOST.format(replica=replica, tokens=0, error=pump.error)
+        return DETAIL_FAILED_BEFORE_START.format(replica=replica, error=pump.error)
 
     async def _retry(self, pump: _Pump, stop: _Stop | None) -> bool:
         """After an attempt that failed before its first token: True when the run moved to another replica."""
