@@ -48,7 +48,8 @@ TOKEN_DELAY_MS = 20
 # The simple engine at a fixed 20 ms per token: the routing tests reason about time
 # (a cancel lands mid-stream, a run outlives a lease), so they pin a predictable replica.
 REPLICA_SETTINGS = {"engine": "simple", "token_delay_ms": TOKEN_DELAY_MS}
-TEST_LEASE_SECONDS = 2          # short, so that a lost worker is noticed within a few seconds
+TEST_LEASE_SECONDS = 3          # short, so a lost worker is noticed within a few seconds; not 2: on a
+                                # loaded 2-core box an event loop can stall past 2 s and lose a live lease
 WORKER_READY = "routing worker"
 
 
