@@ -2,9 +2,10 @@
 appends their sequenced events to the event log, and reaps runs whose driver died.
 
     claims.py    ledger statements (claim, lease, RUNNING, terminal bookkeeping)
-    replicas.py  the replica registry (from config, editable over the Routing API)
-    driver.py    one run on one replica: stream → coalesced events → terminal
+    app.py       a routing process assembled from config (+ tracing, /metrics, gc.freeze)
+    driver.py    one run: stream → coalesced events → terminal; retried elsewhere before its first token
     finish.py    terminal = settle in Postgres, then publish the TERMINAL event
-    worker.py    the process: claim loop, lease keeper, cancel listener, reaper
+    worker.py    the process: claim loop, lease keeper, cancel listener, reaper, replica scrapes
+    observability.py  its Prometheus metrics and span attributes (services/telemetry.py: the plumbing)
     servicer.py  Routing gRPC API (ListReplicas, UpsertReplica, RemoveReplica, Explain)
 """
