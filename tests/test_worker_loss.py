@@ -180,5 +180,5 @@ async def test_a_routing_process_told_to_stop_finishes_its_runs_before_exiting(s
         assert stopping is not None
         await stopping
     assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
-    assert deltas_tokens(events) == 150
+    assert deltas_tokens(events) == 250
     assert leaving.process.returncode == 0
