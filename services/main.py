@@ -30,7 +30,7 @@ from eventlog.kafka import KafkaEventLog
 from ledger.db import make_engine, make_sessionmaker
 from services import replica_client
 from services.admission import add_admission_servicer
-from services.routing.app import DRAIN_S, build_worker
+from services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from services.routing.servicer import add_routing_servicer
 from services.runs import add_runs_servicer
 from services.usage import add_usage_servicer
@@ -84,6 +84,7 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stopping.set)
         if worker is not None:
+            observe_routing_process(config, worker)   # tracing, /metrics, gc.freeze()
             print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
             serving = asyncio.create_task(worker.serve(drain_s=DRAIN_S))
             await stopping.wait()
