@@ -65,7 +65,7 @@ POM_STAMP="$LIBS/.pom.sha256"
 if [[ "$(cat "$POM_STAMP" 2>/dev/null)" != "$(sha infra/kafka/pom.xml)" ]]; then
   say "assembling Kafka jars with Maven into $LIBS"
   rm -rf "$LIBS"
-  (cd infra/kafka && mvn -q -B dependency:copy-dependencies -DoutputDirectory=target/libs) \
+  (cd infra/kafka && mvn -q -B -Dstyle.color=never dependency:copy-dependencies -DoutputDirectory=target/libs) \
     || die "Maven could not assemble the Kafka jars (see output above)"
   sha infra/kafka/pom.xml >"$POM_STAMP"
 else
