@@ -80,7 +80,9 @@ def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
 def test_config(database_dsn: str, replicas: list[ReplicaProcess]) -> dict[str, Any]:
     config = load_config()
     config["database"] = {**config["database"], "dsn": database_dsn}
-    config["routing"] = {**config["routing"], "lease_seconds": TEST_LEASE_SECONDS}
+    # The run-path tests predict which replica takes a run, so they pin round_robin whatever
+    # the shipped default is; prefix_aware is tested live in test_routing_live.py.
+    config["routing"] = {**config["routing"], "lease_seconds": TEST_LEASE_SECONDS, "policy": "round_robin"}
     config["replicas"] = replica_tables(replicas)
     return config
 
@@ -89,6 +91,7 @@ def worker_env(config: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env["SLUICE_DATABASE__DSN"] = str(config["database"]["dsn"])
     env["SLUICE_ROUTING__LEASE_SECONDS"] = json.dumps(config["routing"]["lease_seconds"])
+    env["SLUICE_ROUTING__POLICY"] = str(config["routing"]["policy"])
     env["SLUICE_REPLICAS"] = json.dumps(config["replicas"])
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
