@@ -1,5 +1,6 @@
 """The Sluice demo: a streamed answer, a disconnect and resume, a cancel, a worker
-loss and the usage report, on real PostgreSQL, Kafka, Triton and gRPC processes.
+loss, a follow-up turn served from the prefix cache and the usage report, on real
+PostgreSQL, Kafka, Triton and gRPC processes.
 
 `make demo` seeds the ledger first; run alone, this expects `make seed` done.
 """
@@ -108,8 +109,30 @@ async def worker_loss(client: SluiceClient, replicas: dict[str, Child], kill_aft
     say(f"   replica {victim} restarted")
 
 
+SYSTEM_PROMPT = ("You are Sluice's demo assistant. Answer briefly, cite the design contract, and say "
+                 "what you would measure before changing anything. ") * 4
+
+
+async def follow_up_turn(client: SluiceClient) -> None:
+    say("5. A follow-up turn goes where its prefix is cached  (prefix_aware routing)")
+    conversation = f"demo-conv-{uuid.uuid4().hex[:6]}"
+    history = SYSTEM_PROMPT + "\nUser: What is a run ledger?\nAssistant:"
+    first = await client.submit(history, max_output_tokens=24, conversation_id=conversation)
+    deltas = [e async for e in client.stream(first.run_id) if e.type == runs_pb2.EVENT_TYPE_DELTA]
+    answer = "".join(event.text for event in deltas)
+    turn_one = await client.get_run(first.run_id)
+    second = await client.submit(history + answer + "\nUser: And why resume by cursor?\nAssistant:",
+                                 max_output_tokens=24, conversation_id=conversation)
+    _ = [event async for event in client.stream(second.run_id)]
+    turn_two = await client.get_run(second.run_id)
+    say(f"   turn 1 on {turn_one.replica}: {turn_one.input_tokens} prompt tokens, "
+        f"{turn_one.cached_input_tokens} from cache")
+    say(f"   turn 2 on {turn_two.replica}: {turn_two.input_tokens} prompt tokens, "
+        f"{turn_two.cached_input_tokens} from cache (billed at the cached-input price)")
+
+
 async def usage_report(client: SluiceClient) -> None:
-    say("5. Usage report  (what `sluice usage` shows)")
+    say("6. Usage report  (what `sluice usage` shows)")
     report = await client.usage()
     say(f"   tenant {report.tenant}: settled by model and day")
     for row in report.rows:
@@ -132,6 +155,8 @@ async def scenario(config: Mapping[str, Any], replicas: dict[str, Child]) -> Non
         await cancel_mid_stream(client)
         say()
         await worker_loss(client, replicas)
+        say()
+        await follow_up_turn(client)
         say()
         await usage_report(client)
 
