@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from eventlog.events import tokens_in
 from eventlog.interface import EventLog, LogPosition
+from ledger.channels import RUNS_ACCEPTED_CHANNEL
 from ledger.models import Model, Run, RunStatus
 from router.health import HealthBook, HealthOptions
 from router.load import LoadTracker, record_scrape, restarted
@@ -142,7 +143,7 @@ class RoutingWorker:
         self.policy = policy
         self.registry = registry
         self.replicas = replicas
-        self._dsn = dsn                 # for LISTEN (fast cancel); renewals poll as the fallback
+        self._dsn = dsn                 # for LISTEN (fast claim and cancel); polling is the fallback
         self.drivers: dict[str, RunDriver] = {}
         self._tasks: dict[str, asyncio.Task[TerminalRecord | None]] = {}
         self._requests: dict[str, _Routed] = {}
@@ -152,6 +153,9 @@ class RoutingWorker:
         self.health.sync([spec.name for spec in registry.specs()], time.time())
         self._http: aiohttp.ClientSession | None = None   # for scrapes; opened by the scrape loop
         self._stopping = asyncio.Event()   # set by stop(): claim nothing more
+        # Set by admission's NOTIFY of a new run: one flag, so a burst of notifications while a claim
+        # is in flight coalesces into ONE more claim pass, never one pass per notification.
+        self._accepted = asyncio.Event()
         self._stopped = asyncio.Event()    # drained: every loop ends
 
     # --- process lifecycle ------------------------------------------------------------------
@@ -161,7 +165,7 @@ class RoutingWorker:
         progress get up to `drain_s` to finish with their leases still renewed. Runs still
         going after that are abandoned to another process's reaper (their leases lapse)."""
         claiming = asyncio.create_task(
-            self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True))
+            self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True, wake=self._accepted))
         upkeep = [asyncio.create_task(loop) for loop in (
             self._every(self.renew_once, self.settings.renew_interval_s, until=self._stopped),
             self._every(self.reap_once, self.settings.lease_seconds / 2),
@@ -169,11 +173,15 @@ class RoutingWorker:
         if self.settings.scrape_interval_s > 0:
             upkeep.append(asyncio.create_task(
                 self._every(self.scrape_once, self.settings.scrape_interval_s, until=self._stopped)))
-        # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds;
-        # lease renewals poll cancel_requested_at too, should a notification be lost.
-        cancels = ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified) if self._dsn else None
-        if cancels is not None:
-            cancels.start()
+        # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds, and for
+        # admission's NOTIFY of each new run so the claim loop wakes at once instead of at its next
+        # poll. Both keep polling (lease renewals read cancel_requested_at; the claim loop its
+        # interval), should a notification be lost while a listener reconnects.
+        listeners = [] if self._dsn is None else [
+            ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified),
+            ChannelListener(self._dsn, RUNS_ACCEPTED_CHANNEL, self._run_accepted)]
+        for listener in listeners:
+            listener.start()
         try:
             await self._stopping.wait()
             await _cancelled(claiming)
@@ -185,8 +193,8 @@ class RoutingWorker:
             for task in self._tasks.values():
                 task.cancel()
             await _cancelled(claiming, *upkeep)
-            if cancels is not None:
-                await cancels.close()
+            for listener in listeners:
+                await listener.close()
             if self._http is not None:
                 await self._http.close()
                 self._http = None
@@ -204,9 +212,14 @@ class RoutingWorker:
             task.cancel()
 
     async def _every(self, step: Any, interval_s: float, busy_again: bool = False,
-                     until: asyncio.Event | None = None) -> None:
+                     until: asyncio.Event | None = None, wake: asyncio.Event | None = None) -> None:
+        """Run `step` every `interval_s` until `until` (default: stop()) is set; at once again when it
+        reports more work (`busy_again`), or when `wake` is set (cleared before each step, so every
+        wake-up that arrived during a step is answered by exactly one more step)."""
         done = until or self._stopping
         while not done.is_set():
+            if wake is not None:
+                wake.clear()
             busy = False
             try:
                 busy = bool(await step())
@@ -215,8 +228,7 @@ class RoutingWorker:
             except Exception:
                 log.exception("%s failed; retrying", getattr(step, "__name__", step))
             if not (busy and busy_again):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), interval_s)
+                await _first_of(interval_s, done, wake)
 
     # --- claim --------------------------------------------------------------------------------
 
@@ -451,6 +463,11 @@ class RoutingWorker:
                     driver.request_cancel()
         return False
 
+    def _run_accepted(self, pool: str) -> None:
+        # A run for a pool none of our replicas serves would stay ACCEPTED here: no reason to wake.
+        if self.registry.members(pool):
+            self._accepted.set()
+
     def _cancel_notified(self, run_id: str) -> None:
         driver = self.drivers.get(run_id)
         if driver is not None:
@@ -509,6 +526,16 @@ class RoutingWorker:
         """What the policy would choose now, without disturbing its state."""
         now = time.time()
         return explain(self.policy, request, self.registry.views(pool, now, self.health, self.loads), now)
+
+
+async def _first_of(timeout_s: float, *events: asyncio.Event | None) -> None:
+    """Wait until any of `events` is set, or `timeout_s` passes."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events if event is not None]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def _cancelled(*tasks: asyncio.Task[None]) -> None:

@@ -1,0 +1,71 @@
+"""A routing worker wakes on admission's NOTIFY of a new run instead of waiting for its next poll,
+and a burst of notifications costs one claim pass, not one per notification (real PostgreSQL,
+Kafka and Triton replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import text
+
+from clients.sdk import SluiceClient
+from ledger.channels import RUNS_ACCEPTED_CHANNEL
+from ledger.models import RunStatus
+from services.routing.worker import RoutingWorker
+from tests.support.routing_stack import MODEL, Stack
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Tell me about sluice gates."
+SLOW_POLL_MS = 10_000       # so slow that only a notification can explain a prompt claim
+SETTLE_S = 0.5              # the worker's first poll done and its LISTEN connection open
+
+
+async def slow_polling_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
+    """A worker polling every 10 s, and a list that grows by one with each claim pass it makes."""
+    stack.config["routing"] = {**stack.config["routing"], "poll_interval_ms": SLOW_POLL_MS}
+    worker = await stack.start_worker()   # its serve() task has not run yet: the wrapper is in time
+    passes: list[int] = []
+    claim_once = worker.claim_once
+
+    async def counted() -> bool:
+        passes.append(1)
+        return await claim_once()
+
+    worker.claim_once = counted  # type: ignore[method-assign]
+    await asyncio.sleep(SETTLE_S)
+    return worker, passes
+
+
+async def notify_times(stack: Stack, pool: str, times: int) -> None:
+    async with stack.sessionmaker() as session, session.begin():
+        for _ in range(times):
+            await session.execute(text("SELECT pg_notify(:channel, :pool)"),
+                                  {"channel": RUNS_ACCEPTED_CHANNEL, "pool": pool})
+
+
+async def test_a_worker_polling_every_10_s_claims_a_new_run_within_a_second_of_its_submit(stack: Stack):
+    await slow_polling_worker(stack)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=4)
+    claimed = await stack.wait_for_status(
+        run.run_id, {RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.COMPLETED}, timeout_s=1.0)
+    assert claimed.replica is not None
+
+
+async def test_fifty_notifications_in_one_commit_wake_the_claim_loop_once(stack: Stack):
+    _, passes = await slow_polling_worker(stack)
+    before = len(passes)
+    await notify_times(stack, MODEL.version, 50)
+    await asyncio.sleep(SETTLE_S)
+    # One pass per wake-up, not per notification (two at most, should the burst straddle a pass).
+    assert 1 <= len(passes) - before <= 2
+
+
+async def test_a_notification_for_a_pool_the_worker_does_not_serve_wakes_nothing(stack: Stack):
+    _, passes = await slow_polling_worker(stack)
+    before = len(passes)
+    await notify_times(stack, "some-other-pool", 5)
+    await asyncio.sleep(SETTLE_S)
+    assert len(passes) == before
