@@ -1,6 +1,6 @@
 """`sluice`: the command-line client.
 
-    sluice chat "Why do rivers meander?" [--model chat] [--max-tokens 128]
+    sluice chat "Why do rivers meander?" [--model chat] [--max-tokens 128] [--deadline-ms MS] [--retry]
     sluice runs get RUN
     sluice runs tail RUN [--after N]
     sluice runs cancel RUN
@@ -10,6 +10,10 @@
 The API key comes from --api-key or SLUICE_API_KEY. Addresses come from the
 config file ([admission|runs|usage].listen), or --address for one process
 serving every service.
+
+A refusal prints the server's message, then a one-line hint from the hints it
+attached (e.g. "hint: retry after 300 ms", "hint: lower --max-tokens to 1000");
+`chat --retry` waits out a retry-after once and resubmits with the same request key.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -27,8 +32,8 @@ import grpc.aio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, StreamBroken
-from sluice.v1 import common_pb2, runs_pb2
+from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken
+from sluice.v1 import admission_pb2, common_pb2, runs_pb2
 from sluice_config import load_config
 
 EXIT_OK = 0
@@ -58,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default="chat")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--request-key", default=None, help="idempotency key (default: a new one)")
+    chat.add_argument("--deadline-ms", type=int, default=0, help="deadline (default: the server's)")
+    chat.add_argument("--retry", action="store_true",
+                      help="when refused with a retry-after, wait that long and resubmit once")
     chat.add_argument("--show-events", action="store_true", help="print each event as JSON")
 
     runs = commands.add_parser("runs", help="inspect, follow or cancel a run")
@@ -86,6 +94,47 @@ def _json(message: Message) -> str:
 
 def _status(value: common_pb2.RunStatus) -> str:
     return str(common_pb2.RunStatus.Name(value)).removeprefix("RUN_STATUS_")
+
+
+def hint(error: SluiceError) -> str | None:
+    """The server's hints as one line of what to change, or None when it sent none."""
+    options = []
+    if error.retry_after_ms is not None:
+        options.append(f"retry after {error.retry_after_ms} ms")
+    if error.min_deadline_ms is not None:
+        options.append(f"raise --deadline-ms to at least {error.min_deadline_ms}")
+    fit = error.max_output_tokens_that_fit
+    if fit is not None:
+        options.append(f"lower --max-tokens to {fit}" if fit > 0 else "shorten the prompt (no output fits)")
+    return "hint: " + " or ".join(options) if options else None
+
+
+def _print_error(error: grpc.aio.AioRpcError, err: TextIO) -> None:
+    print(f"sluice: {error.code().name}: {error.details()}", file=err)
+    line = hint(error) if isinstance(error, SluiceError) else None
+    if line is not None:
+        print(line, file=err)
+
+
+async def submit_chat(client: SluiceClient, args: argparse.Namespace,
+                      err: TextIO) -> admission_pb2.SubmitResponse:
+    """Submit `chat`'s run; with --retry, a refusal carrying a retry-after is waited out and the
+    same request (same request key: never two runs) submitted once more."""
+    request_key = args.request_key or uuid.uuid4().hex
+
+    async def submit() -> admission_pb2.SubmitResponse:
+        return await client.submit(args.prompt, model=args.model, max_output_tokens=args.max_tokens,
+                                   request_key=request_key, deadline_ms=args.deadline_ms)
+
+    try:
+        return await submit()
+    except SluiceError as error:
+        if not args.retry or error.retry_after_ms is None:
+            raise
+        _print_error(error, err)
+        print(f"sluice: retrying once in {error.retry_after_ms} ms", file=err, flush=True)
+        await asyncio.sleep(error.retry_after_ms / 1000)
+    return await submit()
 
 
 def _print_event(event: runs_pb2.RunEvent, out: TextIO, as_json: bool) -> None:
@@ -118,8 +167,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
     addresses = Addresses.single(args.address) if args.address else Addresses.from_config(load_config())
     async with SluiceClient(addresses, args.api_key) as client:
         if args.command == "chat":
-            run = await client.submit(args.prompt, model=args.model, max_output_tokens=args.max_tokens,
-                                      request_key=args.request_key)
+            run = await submit_chat(client, args, sys.stderr)
             print(f"[run {run.run_id} · {run.model_version} · {run.input_tokens} prompt tokens]",
                   file=sys.stderr, flush=True)
             return await _follow(client, run.run_id, 0, out, args.show_events)
@@ -152,7 +200,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         return asyncio.run(_run(args, stream))
     except grpc.aio.AioRpcError as error:
-        print(f"sluice: {error.code().name}: {error.details()}", file=sys.stderr)
+        _print_error(error, sys.stderr)
         return EXIT_RPC_ERROR
     except StreamBroken as error:
         print(f"sluice: {error}; resume with: sluice runs tail {error.run_id} --after {error.after}",

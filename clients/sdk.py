@@ -15,6 +15,10 @@ ends before the terminal event), reopens `Stream(run_id, after=last)` on the
 Runs service, so the caller sees every event exactly once, in order, up to the
 terminal event. It gives up after `max_resumes` consecutive failures without
 progress.
+
+Every RPC error is raised as `SluiceError`, a grpc.aio.AioRpcError that also carries the
+hints the server attached as trailing metadata (how long to wait, the output cap or the
+deadline that would be admitted), so callers need not parse messages.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -46,6 +50,68 @@ RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERN
 TERMINAL_STATUSES = frozenset({common_pb2.RUN_STATUS_COMPLETED, common_pb2.RUN_STATUS_CANCELLED,
                                common_pb2.RUN_STATUS_INTERRUPTED, common_pb2.RUN_STATUS_FAILED,
                                common_pb2.RUN_STATUS_EXPIRED})
+
+
+# Trailing-metadata keys of the server's hints (services/errors.py; the SDK imports no server code).
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
+MIN_DEADLINE_MS_KEY = "x-min-deadline-ms"
+
+T = TypeVar("T")
+
+
+class SluiceError(grpc.aio.AioRpcError):  # type: ignore[misc]  # grpc ships no type hints
+    """An RPC refused by Sluice, with the server's hints (None where it sent none):
+
+    - retry_after_ms: the same request may be admitted after this long (rate limit, load shedding,
+      ledger unavailable);
+    - max_output_tokens_that_fit: the largest max_output_tokens the budget or the deadline admits
+      (0: not even one output token fits this prompt);
+    - min_deadline_ms: the shortest deadline_ms the run could meet.
+
+    A grpc.aio.AioRpcError, so code catching that (and reading code() / details()) is unchanged.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *,
+                 initial_metadata: grpc.aio.Metadata | None = None,
+                 trailing_metadata: grpc.aio.Metadata | None = None,
+                 debug_error_string: str | None = None) -> None:
+        trailing = trailing_metadata if trailing_metadata is not None else grpc.aio.Metadata()
+        super().__init__(code, initial_metadata if initial_metadata is not None else grpc.aio.Metadata(),
+                         trailing, message, debug_error_string)
+        hints = {str(key): value for key, value in trailing}
+        self.retry_after_ms = _int_hint(hints, RETRY_AFTER_MS_KEY)
+        self.max_output_tokens_that_fit = _int_hint(hints, MAX_OUTPUT_TOKENS_THAT_FIT_KEY)
+        self.min_deadline_ms = _int_hint(hints, MIN_DEADLINE_MS_KEY)
+
+    @classmethod
+    def of(cls, error: grpc.aio.AioRpcError) -> SluiceError:
+        if isinstance(error, SluiceError):
+            return error
+        return cls(error.code(), error.details() or "", initial_metadata=error.initial_metadata(),
+                   trailing_metadata=error.trailing_metadata(), debug_error_string=error.debug_error_string())
+
+    @property
+    def message(self) -> str:
+        return self.details() or ""
+
+
+def _int_hint(hints: Mapping[str, object], key: str) -> int | None:
+    # A malformed hint is no hint: the error itself is what the caller must see.
+    value = hints.get(key)
+    if not isinstance(value, str):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+async def _typed(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        raise SluiceError.of(error) from None
 
 
 class StreamBroken(Exception):
@@ -122,17 +188,17 @@ class SluiceClient:
             deadline_ms=deadline_ms,
             sampling=admission_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
             conversation_id=conversation_id)
-        return await self._admission.Submit(request, metadata=self._metadata)
+        return await _typed(self._admission.Submit(request, metadata=self._metadata))
 
     async def get_run(self, run_id: str) -> runs_pb2.Run:
-        return await self._runs.GetRun(runs_pb2.GetRunRequest(run_id=run_id), metadata=self._metadata)
+        return await _typed(self._runs.GetRun(runs_pb2.GetRunRequest(run_id=run_id), metadata=self._metadata))
 
     async def cancel(self, run_id: str) -> runs_pb2.CancelResponse:
-        return await self._runs.Cancel(runs_pb2.CancelRequest(run_id=run_id), metadata=self._metadata)
+        return await _typed(self._runs.Cancel(runs_pb2.CancelRequest(run_id=run_id), metadata=self._metadata))
 
     async def usage(self, from_date: str = "", to_date: str = "") -> usage_pb2.GetUsageResponse:
-        return await self._usage.GetUsage(usage_pb2.GetUsageRequest(from_date=from_date, to_date=to_date),
-                                          metadata=self._metadata)
+        request = usage_pb2.GetUsageRequest(from_date=from_date, to_date=to_date)
+        return await _typed(self._usage.GetUsage(request, metadata=self._metadata))
 
     def stream_once(self, run_id: str, after: int = 0) -> grpc.aio.UnaryStreamCall:
         """One Stream call, no resuming (tests use it to drop a connection on purpose)."""
@@ -141,7 +207,7 @@ class SluiceClient:
     async def stream(self, run_id: str, after: int = 0) -> AsyncIterator[runs_pb2.RunEvent]:
         """Every event with sequence > after, up to and including the terminal one, resuming
         by itself after disconnects. Errors that resuming cannot fix (NOT_FOUND, OUT_OF_RANGE,
-        UNAUTHENTICATED, ...) are raised as grpc.aio.AioRpcError."""
+        UNAUTHENTICATED, ...) are raised as SluiceError."""
         last = after
         failures = 0
         while True:
@@ -158,7 +224,7 @@ class SluiceClient:
                 cause: BaseException | None = None   # ended before the terminal event
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RESUMABLE_CODES:
-                    raise
+                    raise SluiceError.of(error) from None
                 cause = error
             finally:
                 call.cancel()
