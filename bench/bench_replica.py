@@ -103,7 +103,7 @@ def start_replica(settings: dict[str, object], log_path: Path) -> tuple[subproce
     for key, value in settings.items():
         env[f"SLUICE_REPLICA__{key.upper()}"] = json.dumps(value)
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "replica.engine_core_adapter", "--name", "bench"],
+        process = subprocess.Popen([sys.executable, "-m", "replica.serve", "--name", "bench"],
                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + 90

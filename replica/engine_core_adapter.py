@@ -191,16 +191,3 @@ def batcher_stats(engine: CoreEngine) -> Mapping[str, float]:
         "kv_fraction": stats.kv.fraction,
     }
 
-
-def _serve(argv: list[str] | None = None) -> int:
-    """`python -m replica.engine_core_adapter --name r0`: the same as `python -m replica.serve`, which
-    builds this engine when `[replica].engine = "core"` (the default); kept for bench_replica."""
-    from replica import serve
-
-    return serve.main(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_serve())

@@ -116,7 +116,7 @@ def core_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     log_path = log_dir / "replica.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "replica.engine_core_adapter", "--name", "c0"],
+            [sys.executable, "-m", "replica.serve", "--name", "c0"],
             env=replica_env("c0", grpc_port, http_port, metrics_port, settings),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     replica = ReplicaProcess("c0", f"127.0.0.1:{grpc_port}", http_port, metrics_port, process, log_path)
