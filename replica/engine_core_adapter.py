@@ -176,18 +176,3 @@ def build_engine_from_section(section: Mapping[str, Any]) -> CoreEngine:
     """What `replica.serve.build_engine` calls when `[replica].engine = "core"`."""
     return CoreEngine(CoreSettings.from_section(section))
 
-
-def batcher_stats(engine: CoreEngine) -> Mapping[str, float]:
-    """Gauges TensorRT-LLM exports beyond EngineStats, for the host to publish as
-    nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=...} and
-    nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"}."""
-    stats = engine.core.stats()
-    return {
-        "total_context_tokens": float(stats.total_context_tokens),
-        "generation_requests": float(stats.generation),
-        "context_requests": float(stats.context),
-        "paused_requests": float(stats.paused),
-        "micro_batch_id": 0.0,
-        "kv_fraction": stats.kv.fraction,
-    }
-

@@ -22,7 +22,6 @@ from replica.engine_core_adapter import (
     ERR_OUTPUT_LENGTH,
     CoreEngine,
     CoreSettings,
-    batcher_stats,
 )
 from replica.generator import prompt_seed
 from replica.metrics import ReplicaMetrics
@@ -85,7 +84,7 @@ def test_stats_carry_the_cores_kv_counters() -> None:
         drain(engine)
     stats = engine.stats()
     assert (stats.kv_max_blocks, stats.kv_tokens_per_block, stats.kv_reused_blocks) == (64, 4, 2)
-    assert batcher_stats(engine)["kv_fraction"] == 0.0
+    assert stats.kv_fraction == 0.0
 
 
 def test_settings_read_the_replica_section() -> None:
