@@ -44,7 +44,14 @@ from dataclasses import dataclass, field, replace
 from engine.core import EngineCore
 from engine.cost_model import CostFactors, CostModel
 from engine.profiles import HardwareProfile, ModelProfile, get_hardware, get_model
-from engine.types import EngineConfig, EngineRequest, EngineRequestError, EngineStats, RequestOutput
+from engine.types import (
+    DecodeRun,
+    EngineConfig,
+    EngineRequest,
+    EngineRequestError,
+    EngineStats,
+    RequestOutput,
+)
 from router.policy import ReplicaView, RouteRequest, RoutingPolicy, make_policy
 from sim.metrics import (
     SLO,
@@ -323,11 +330,8 @@ class _Run:
         started = min(bisect_right(ends, at) + 1, len(ends))
         if started == len(ends):
             return                                # the plan ends as planned; the wake applies it
-        replica.kv_area += replica.engine.pool.num_used * (ends[started - 1] - replica.plan_start)
-        run = replica.engine.run_decode(started)
-        self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+        run = self.apply_plan(replica, started, ends[started - 1])
         assert not run.outputs, "a plan stops at its first finish, so a cut plan finishes nobody"
-        replica.plan_ends = []
         replica.pending = ()
         self.push_wake(ends[started - 1], replica)
 
@@ -337,18 +341,20 @@ class _Run:
         ends = replica.plan_ends
         if ends:
             started = min(bisect_right(ends, end) + 1, len(ends))
-            replica.kv_area += replica.engine.pool.num_used * (ends[started - 1] - replica.plan_start)
-            run = replica.engine.run_decode(started)
-            self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
-            replica.plan_ends = []
+            self.apply_plan(replica, started, ends[started - 1])
+
+    def apply_plan(self, replica: SimReplica, steps: int, until: float) -> DecodeRun:
+        """Apply the first `steps` planned decode steps, which hold the replica's KV from the plan's
+        start to `until` (the end of the last of them), and clear the plan."""
+        replica.kv_area += replica.engine.pool.num_used * (until - replica.plan_start)
+        run = replica.engine.run_decode(steps)
+        self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+        replica.plan_ends = []
+        return run
 
     def wake(self, replica: SimReplica, at: float) -> None:
         if replica.plan_ends:
-            replica.kv_area += replica.engine.pool.num_used * (at - replica.plan_start)
-            run = replica.engine.run_decode(len(replica.plan_ends))
-            self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
-            replica.plan_ends = []
-            outputs = run.outputs
+            outputs = self.apply_plan(replica, len(replica.plan_ends), at).outputs
         else:
             outputs, replica.pending = replica.pending, ()
         replica.busy = False
