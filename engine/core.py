@@ -129,9 +129,9 @@ class EngineCore:
 
     def step(self) -> StepResult:
         batch = self.scheduler.schedule()
-        duration = self._execute(batch)
-        self._postprocess(batch)
         context_tokens = sum(chunk for _, chunk in batch.chunks)
+        duration = self._execute(batch, context_tokens)
+        self._postprocess(batch)
         self._last = (len(batch.decodes) + len(batch.chunks), len(batch.chunks), len(batch.decodes),
                       context_tokens)
         self._num_steps += 1
@@ -140,9 +140,8 @@ class EngineCore:
                           num_context_tokens=context_tokens, num_generation_requests=len(batch.decodes),
                           num_paused=batch.num_paused, outputs=tuple(self.take_outputs()))
 
-    def _execute(self, batch: ScheduledBatch) -> float:
+    def _execute(self, batch: ScheduledBatch, context_tokens: int) -> float:
         decode_context = sum(seq.num_computed + 1 for seq in batch.decodes)
-        context_tokens = sum(chunk for _, chunk in batch.chunks)
         prefill_kv = sum(seq.num_computed + chunk for seq, chunk in batch.chunks)
         return self.cost_model.step_time_totals_s(context_tokens, len(batch.decodes), decode_context,
                                                   prefill_kv)
