@@ -14,7 +14,8 @@ handed out and, when the connection drops (UNAVAILABLE, a reset, a stream that
 ends before the terminal event), reopens `Stream(run_id, after=last)` on the
 Runs service, so the caller sees every event exactly once, in order, up to the
 terminal event. It gives up after `max_resumes` consecutive failures without
-progress.
+progress. A cursor already at or past the terminal event (GetRun's last_sequence
+of a finished run) yields nothing and ends.
 
 Every RPC error is raised as `SluiceError`, a grpc.aio.AioRpcError that also carries the
 hints the server attached as trailing metadata (how long to wait, the output cap or the
@@ -221,7 +222,11 @@ class SluiceClient:
                     yield event
                     if event.type == runs_pb2.EVENT_TYPE_TERMINAL:
                         return
-                cause: BaseException | None = None   # ended before the terminal event
+                # Ended cleanly before a terminal event: the server does that when the cursor is at or
+                # past the run's terminal event (nothing left to send); anything else is resumed.
+                if await self._ended_by(run_id, last):
+                    return
+                cause: BaseException | None = None
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RESUMABLE_CODES:
                     raise SluiceError.of(error) from None
@@ -232,6 +237,11 @@ class SluiceClient:
             if failures > self.max_resumes:
                 raise StreamBroken(run_id, last, cause)
             await asyncio.sleep(self.resume_backoff_s * 2 ** (failures - 1))
+
+    async def _ended_by(self, run_id: str, cursor: int) -> bool:
+        """True when the run is finished and `cursor` is at or past its terminal event."""
+        run = await self.get_run(run_id)
+        return is_terminal_status(run.status) and run.last_sequence <= cursor
 
     async def chat(self, prompt: str, **submit: Any) -> AsyncIterator[runs_pb2.RunEvent]:
         """Submit and stream in one call."""

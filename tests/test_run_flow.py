@@ -90,6 +90,20 @@ async def test_a_stream_after_the_terminal_sequence_is_empty_and_ends(stack: Sta
             == [events[-1].sequence]
 
 
+async def test_an_sdk_stream_from_the_terminal_cursor_ends_at_once_without_resuming(stack: Stack):
+    await stack.start_worker()
+    async with client(stack) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=5)
+        events = await collect(sdk.stream(run.run_id))
+        cursor = (await sdk.get_run(run.run_id)).last_sequence
+        assert cursor == events[-1].sequence
+        # The cursor GetRun reports for a finished run leaves nothing to send: the stream ends
+        # (its resume backoff alone would take 6 s before giving up with StreamBroken).
+        started = time.monotonic()
+        assert await asyncio.wait_for(collect(sdk.stream(run.run_id, after=cursor)), 3) == []
+        assert time.monotonic() - started < 1.0
+
+
 async def test_a_stream_opened_before_any_worker_waits_for_the_run_to_start(stack: Stack):
     async with client(stack) as sdk:
         run = await sdk.submit(PROMPT, max_output_tokens=8)
