@@ -63,7 +63,6 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pool)
         self._live: dict[str, SequenceState] = {}
         self._outputs: list[RequestOutput] = []
-        self._arrivals = 0
         self._num_steps = 0
         self._finished = 0
         self._busy_s = 0.0
@@ -77,8 +76,7 @@ class EngineCore:
         output_len = (request.max_output_tokens if request.end_id is None
                       else draw_output_length(self.config.output_length, request.seed,
                                               request.max_output_tokens))
-        seq = SequenceState(request, output_len, self._arrivals)
-        self._arrivals += 1
+        seq = SequenceState(request, output_len)
         self._live[request.request_id] = seq
         self.scheduler.waiting.append(seq)
 

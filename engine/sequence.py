@@ -26,19 +26,18 @@ from engine.types import EngineRequest, FinishReason
 
 class SequenceState:
     __slots__ = (
-        "request", "request_id", "prompt_len", "cap", "output_len", "total_samples", "order",
+        "request", "request_id", "prompt_len", "cap", "output_len", "total_samples",
         "num_sampled", "num_computed", "context_len", "in_context", "block_ids", "hashes",
         "num_registered", "admitted", "reused_blocks", "num_cached_tokens", "times_paused",
     )
 
-    def __init__(self, request: EngineRequest, output_len: int, order: int) -> None:
+    def __init__(self, request: EngineRequest, output_len: int) -> None:
         self.request = request
         self.request_id = request.request_id
         self.prompt_len = len(request.prompt_token_ids)
         self.cap = request.max_output_tokens
         self.output_len = output_len
         self.total_samples = output_len + (1 if output_len < self.cap else 0)
-        self.order = order                 # arrival order; admission is FCFS
         self.num_sampled = 0
         self.num_computed = 0
         self.context_len = self.prompt_len
@@ -54,10 +53,6 @@ class SequenceState:
     @property
     def num_streamed(self) -> int:
         return min(self.num_sampled, self.output_len)
-
-    @property
-    def remaining_samples(self) -> int:
-        return self.total_samples - self.num_sampled
 
     def finish_reason(self) -> FinishReason:
         return "length" if self.output_len == self.cap else "end_id"
