@@ -66,7 +66,8 @@ class CostModel:
         factors = self.efficiency
         # Hoisted constants: the simulator calls step_time_totals_s millions of times.
         self._weight_bytes_per_gpu = model.weight_bytes() / tp
-        self._kv_bytes_per_token_per_gpu = model.kv_bytes_per_token() / min(tp, model.num_kv_heads)
+        self._kv_shards = min(tp, model.num_kv_heads)
+        self._kv_bytes_per_token_per_gpu = model.kv_bytes_per_token() / self._kv_shards
         self._bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * factors.achieved_bandwidth_fraction
         self._replica_flops = tp * hardware.flops(factors.compute_dtype) * factors.achieved_flops_fraction
         self._flops_per_token = model.flops_per_token()
@@ -76,6 +77,10 @@ class CostModel:
 
     def weight_bytes_per_gpu(self) -> float:
         return self._weight_bytes_per_gpu
+
+    def kv_shards(self) -> int:
+        """Ways each token's KV is split: by KV head over the GPUs, replicated past num_kv_heads."""
+        return self._kv_shards
 
     def kv_bytes_per_token_per_gpu(self) -> float:
         return self._kv_bytes_per_token_per_gpu
@@ -117,6 +122,10 @@ class CostModel:
         return self.step_time_totals_s(0, batch, batch * context_tokens)
 
     # --- prefill ----------------------------------------------------------------------------
+
+    def replica_flops_per_s(self) -> float:
+        """Achieved dense FLOP/s of the replica: tp × the compute dtype's peak × achieved fraction."""
+        return self._replica_flops
 
     def prefill_tokens_per_s(self) -> float:
         """Compute-bound prefill rate of the replica (seed 003's figure: no all-reduce share).

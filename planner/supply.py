@@ -76,7 +76,7 @@ def memory_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
     else:
         tp_formula = f"TP {tp}, stated in the brief ({rep.replicas_per_node} replicas per node)"
     kv_token = m.kv_bytes_per_token()
-    kv_split = min(tp, m.num_kv_heads)
+    kv_split = cost.kv_shards()
     pool = cost.kv_pool_bytes_per_gpu()
     fit = cost.sequences_that_fit(load.context_tokens)
     fleet_fit = fit * replicas
@@ -174,7 +174,7 @@ def prefill_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Se
     cost, f, h, m = rep.cost, brief.factors, brief.hardware, brief.model
     flops = m.flops_per_token()
     peak = h.flops(f.compute_dtype)
-    replica_flops = rep.tp * peak * f.achieved_flops_fraction
+    replica_flops = cost.replica_flops_per_s()
     per_replica = cost.prefill_tokens_per_s()
     fleet = per_replica * replicas
     dtype_note = ""
