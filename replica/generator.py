@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.sampling import splitmix64
 from replica.engine_api import (
     EngineRequestError,
     EngineStats,
@@ -41,16 +42,9 @@ ERR_BAD_CAP = "max_new_tokens must be at least 1, got {}"
 ERR_BAD_MODE = "output_length must be one of " + ", ".join(OUTPUT_LENGTH_MODES) + ", got {!r}"
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def mix(seed: int, position: int) -> int:
     """A 64-bit hash of (seed, position); the only source of 'randomness' here."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
 def prompt_seed(prompt_ids: Iterable[int]) -> int:
