@@ -184,13 +184,7 @@ async def take_expired_leases(session: AsyncSession, owner: str, lease_seconds: 
             .with_for_update(skip_locked=True)
         )
     ).all()
-    if expired:
-        await session.execute(
-            update(Run)
-            .where(Run.id.in_([run.id for run in expired]))
-            .values(lease_owner=owner, lease_expires_at=lease_until(lease_seconds))
-            .execution_options(synchronize_session=False)
-        )
+    await _lease_to(session, expired, owner, lease_seconds)
     return list(expired)
 
 
@@ -207,6 +201,13 @@ async def take_unpublished_terminals(session: AsyncSession, owner: str, lease_se
             .with_for_update(skip_locked=True)
         )
     ).all()
+    await _lease_to(session, runs, owner, lease_seconds)
+    return list(runs)
+
+
+async def _lease_to(session: AsyncSession, runs: Sequence[Run], owner: str, lease_seconds: float) -> None:
+    """Lease the row-locked `runs` to `owner`. The loaded objects keep their previous lease_owner
+    (synchronize_session=False): the reaper reports whose lease lapsed from them."""
     if runs:
         await session.execute(
             update(Run)
@@ -214,7 +215,6 @@ async def take_unpublished_terminals(session: AsyncSession, owner: str, lease_se
             .values(lease_owner=owner, lease_expires_at=lease_until(lease_seconds))
             .execution_options(synchronize_session=False)
         )
-    return list(runs)
 
 
 async def in_flight_by_replica(session: AsyncSession) -> dict[str, int]:
