@@ -172,11 +172,6 @@ class ModelRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def by_alias_or_version(self, name: str) -> ModelInfo | None:
-        """An exact version wins over an alias of the same spelling."""
-        found = await self.by_alias_or_version_with_backlog(name, backlog_limit=0)
-        return None if found is None else found[0]
-
     async def by_alias_or_version_with_backlog(self, name: str,
                                                backlog_limit: int) -> tuple[ModelInfo, int] | None:
         """The model, and how many of its runs wait ACCEPTED for a routing worker (counted up to

@@ -37,7 +37,7 @@ def asyncpg_dsn(dsn: str) -> str:
 class ChannelListener:
     """One LISTEN connection per process and channel, reconnecting until closed.
 
-    Either hand it a callback (`on_payload`), or wait for a payload with `wait_for`.
+    Either hand it a callback (`on_payload`), or wait for a payload with `waiter`.
     """
 
     def __init__(self, dsn: str, channel: str, on_payload: Callable[[str], None] | None = None) -> None:
@@ -47,7 +47,6 @@ class ChannelListener:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
-        self.connected = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
@@ -61,16 +60,10 @@ class ChannelListener:
                 await self._task
             self._task = None
 
-    async def wait_for(self, payload: str, timeout_s: float) -> bool:
-        """True when `payload` was notified within `timeout_s`. Register before re-checking
-        state (see `waiter`) to close the check-then-wait race."""
-        with self.waiter(payload) as event:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout_s)
-            return event.is_set()
-
     @contextlib.contextmanager
     def waiter(self, payload: str) -> Iterator[asyncio.Event]:
+        """An event set when `payload` is notified. Register before re-checking state, so a
+        NOTIFY committed in between is not missed."""
         self.start()
         event = asyncio.Event()
         self._waiters.setdefault(payload, set()).add(event)
@@ -97,7 +90,6 @@ class ChannelListener:
                 raise
             except Exception as exc:
                 log.warning("LISTEN %s: %s; reconnecting", self.channel, exc)
-            self.connected.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), RECONNECT_S)
 
@@ -108,7 +100,6 @@ class ChannelListener:
         waits = [asyncio.ensure_future(closed.wait()), asyncio.ensure_future(self._closing.wait())]
         try:
             await conn.add_listener(self.channel, self._dispatch)
-            self.connected.set()
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:

@@ -202,15 +202,6 @@ class RoutingWorker:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def drain(self, timeout_s: float) -> None:
-        """Wait for runs still in progress (serve() already drains; kept for callers that
-        call it after serve returns). Runs left after `timeout_s` go to a reaper."""
-        pending = list(self._tasks.values())
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
-        for task in list(self._tasks.values()):
-            task.cancel()
-
     async def _every(self, step: Any, interval_s: float, busy_again: bool = False,
                      until: asyncio.Event | None = None, wake: asyncio.Event | None = None) -> None:
         """Run `step` every `interval_s` until `until` (default: stop()) is set; at once again when it
