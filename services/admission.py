@@ -152,6 +152,7 @@ class _Prepared:
     intent: SubmitIntent
     prompt_token_ids: list[int] = field(repr=False)
     payload_hash: str
+    deadline_ms: int                 # the request's, or [admission].default_deadline_ms for 0
     reserved_tokens: int
     reserved_cost_micros: int
 
@@ -170,10 +171,11 @@ class AdmissionService:
             model, backlog = await self._permitted_model(session, tenant, intent.model, pace.max_backlog)
             await _unless_a_retry(session, tenant, intent,
                                   lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
-            prepared = self._prepare(tenant, model, intent, text)
-            deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
+            prepared = self._prepare(tenant, model, intent, text,
+                                     intent.deadline_ms or self._settings.default_deadline_ms)
             await _unless_a_retry(session, tenant, intent, lambda: check_deadline(
-                deadline_ms, backlog, len(prepared.prompt_token_ids), intent.max_output_tokens, pace))
+                prepared.deadline_ms, backlog, len(prepared.prompt_token_ids), intent.max_output_tokens,
+                pace))
             admitted = await self._insert_or_match(session, prepared)
         log.info(
             "admitted run %s tenant=%s model=%s input_tokens=%d cap=%d deduplicated=%s",
@@ -199,7 +201,8 @@ class AdmissionService:
         return model, backlog
 
     @staticmethod
-    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str) -> _Prepared:
+    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str,
+                 deadline_ms: int) -> _Prepared:
         token_ids = tokenization.encode(model.tokenizer, text)
         check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
         return _Prepared(
@@ -208,6 +211,7 @@ class AdmissionService:
             intent=intent,
             prompt_token_ids=token_ids,
             payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling),
+            deadline_ms=deadline_ms,
             reserved_tokens=len(token_ids) + intent.max_output_tokens,
             reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),
         )
@@ -245,9 +249,9 @@ class AdmissionService:
             deduplicated=False,
         )
 
-    def _run_values(self, prepared: _Prepared) -> dict[str, Any]:
+    @staticmethod
+    def _run_values(prepared: _Prepared) -> dict[str, Any]:
         intent = prepared.intent
-        deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
         return {
             "id": uuid.uuid4(),
             "tenant_id": prepared.tenant.id,
@@ -261,7 +265,7 @@ class AdmissionService:
             "sampling": intent.sampling.as_json(),
             "conversation_id": intent.conversation_id,
             # On the database clock, like created_at, so routing compares like with like.
-            "deadline_at": func.now() + dt.timedelta(milliseconds=deadline_ms),
+            "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
             "reserved_tokens": prepared.reserved_tokens,
             "reserved_cost_micros": prepared.reserved_cost_micros,
         }
