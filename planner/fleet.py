@@ -186,6 +186,11 @@ def _row(key: str, name: str, change: str, p: float, d: float, formula: str, reb
                     verdict(u, ceiling), note)
 
 
+def _unservable(key: str, name: str, change: str, why: str) -> Scenario:
+    """A scenario no fleet of this shape can serve: unbounded shares, overloaded."""
+    return Scenario(key, name, change, math.inf, math.inf, math.inf, why, math.inf, why, OVERLOADED)
+
+
 def _rebatched(cost: CostModel, replicas: int, load: Load) -> tuple[float, str]:
     again = split(cost, replicas, load)
     return again.utilization, (f"batch {again.batch}, step {fmt.ms(again.step_s)}: "
@@ -224,8 +229,7 @@ def scenarios(brief: Brief, rep: Replica, load: Load, base: Split) -> tuple[Scen
         name = f"{lost} node{'s' if lost > 1 else ''} lost"
         key = {1: "one_node_lost", 2: "two_nodes_lost"}.get(lost, f"{lost}_nodes_lost")
         if left < 1:
-            rows.append(Scenario(key, name, f"{n} → 0 replicas", math.inf, math.inf, math.inf,
-                                 "no replica left", math.inf, "no replica left", OVERLOADED))
+            rows.append(_unservable(key, name, f"{n} → 0 replicas", "no replica left"))
             continue
         scale = n / left
         again, again_formula = _rebatched(cost, left, load)
@@ -261,9 +265,8 @@ def _precision_row(brief: Brief, rep: Replica, load: Load, base: Split) -> Scena
               f"{fmt.gb(bf16.cost.weight_bytes_per_gpu())} "
               f"per GPU")
     if not bf16.cost.fits():
-        return Scenario("precision_reverted", name, change + ": no room for KV at this TP", math.inf,
-                        math.inf, math.inf, "the weights do not fit", math.inf, "the weights do not fit",
-                        OVERLOADED)
+        return _unservable("precision_reverted", name, change + ": no room for KV at this TP",
+                           "the weights do not fit")
     ctx = load.context_tokens
     step = bf16.cost.decode_step_s(base.batch, ctx)
     slower = step / base.step_s
