@@ -246,9 +246,9 @@ def _hardware(section: Reader) -> HardwareProfile:
             raise BriefError(field, UNKNOWN_HARDWARE_PRESET.format(field=field, value=preset,
                                                                    known=", ".join(HARDWARE_PRESETS)))
         return HARDWARE_PRESETS[preset]
-    flops = section.section("dense_tflops", ("bf16", "fp16", "fp8", "int8", "int4"))
-    dense = {dtype: flops.number(dtype) * 1e12 for dtype in ("bf16", "fp16", "fp8", "int8", "int4")
-             if flops.has(dtype)}
+    dtypes = ("bf16", "fp16", "fp8", "int8", "int4")
+    flops = section.section("dense_tflops", dtypes)
+    dense = {dtype: flops.number(dtype) * 1e12 for dtype in dtypes if flops.has(dtype)}
     if not dense:
         dense["bf16"] = flops.number("bf16")   # raises: at least the bf16 peak is needed
     return HardwareProfile(
