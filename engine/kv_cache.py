@@ -101,9 +101,6 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_count[block_id]
 
-    def cached_block(self, block_hash: int) -> int | None:
-        return self._block_of.get(block_hash)
-
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 

@@ -65,10 +65,6 @@ class EngineHost:
         if self._streams.pop(request_id, None) is not None:
             self._engine.abort(request_id)
 
-    @property
-    def live_streams(self) -> int:
-        return len(self._streams)
-
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
