@@ -15,9 +15,13 @@ from sqlalchemy import select
 from clients import cli
 from clients.sdk import SluiceClient
 from ledger.models import Run, RunStatus
+from router.policy import make_policy_from_config
+from services.routing import worker as routing_worker
+from services.routing.app import registry_from_config
+from services.routing.claims import mark_queued
 from services.routing.finish import Ending, settle_and_fix_terminal
 from services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
-from services.routing.worker import DETAIL_EXPIRED_BEFORE_START
+from services.routing.worker import DETAIL_EXPIRED_BEFORE_START, RoutingWorker, WorkerSettings, new_owner_id
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
 from tests.support.routing_stack import MODEL, Stack, collect
 
@@ -77,6 +81,33 @@ async def test_a_settled_run_whose_terminal_event_was_never_published_gets_it_fr
         (1, runs_pb2.EVENT_TYPE_TERMINAL, common_pb2.RUN_STATUS_CANCELLED, "gone")]
     row = await stack.wait_for_published(run.run_id)
     assert row.lease_owner != "crashed:1:abc"
+
+
+# --- a claim that rolls back ------------------------------------------------------------------
+
+
+async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_replica_loaded(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("test")), stack.sessionmaker,
+                           stack.events, make_policy_from_config(stack.config["routing"]),
+                           registry_from_config(stack.config))
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        runs = [await sdk.submit(PROMPT, max_output_tokens=4) for _ in range(2)]
+    queued: list[object] = []
+
+    async def second_one_fails(*args: object, **kwargs: object) -> object:
+        if queued:
+            raise RuntimeError("the ledger went away mid-claim")
+        queued.append(await mark_queued(*args, **kwargs))  # type: ignore[arg-type]
+        return queued[-1]
+
+    monkeypatch.setattr(routing_worker, "mark_queued", second_one_fails)
+
+    with pytest.raises(RuntimeError):
+        await worker.claim_once()
+
+    assert [(await stack.run_row(run.run_id)).status for run in runs] == [RunStatus.ACCEPTED] * 2
+    assert {name: load.in_flight for name, load in worker.loads.loads().items() if load.in_flight} == {}
 
 
 # --- Routing API -------------------------------------------------------------------------------

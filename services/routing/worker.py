@@ -233,25 +233,33 @@ class RoutingWorker:
         claim_sent_at = time.monotonic()  # the lease it grants runs from after this instant
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
-        async with self.sessions() as session, session.begin():
-            rows = await lock_accepted(session, free)
-            if not rows:
-                return False
-            # Started only once there is something to claim: an idle poll every 50 ms is no span.
-            span = tracer().start_span("run.claim", start_time=started_ns, attributes={
-                "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
-            for run, model in rows:
-                if run.deadline_at.timestamp() <= now:
-                    record = await settle_and_fix_terminal(
-                        session, str(run.id), Ending(RunStatus.EXPIRED, 0, 0, DETAIL_EXPIRED_BEFORE_START),
-                        self.settings.owner, self.settings.lease_seconds)
-                    if record is not None:
-                        expired.append(record)
-                    continue
-                item = await self._route(session, run, model, now)
-                if item is not None:
-                    routed.append(item)
-                    self.loads.on_sent(item.decision.replica)
+        try:
+            async with self.sessions() as session, session.begin():
+                rows = await lock_accepted(session, free)
+                if not rows:
+                    return False
+                # Started only once there is something to claim: an idle poll every 50 ms is no span.
+                span = tracer().start_span("run.claim", start_time=started_ns, attributes={
+                    "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
+                for run, model in rows:
+                    if run.deadline_at.timestamp() <= now:
+                        record = await settle_and_fix_terminal(
+                            session, str(run.id),
+                            Ending(RunStatus.EXPIRED, 0, 0, DETAIL_EXPIRED_BEFORE_START),
+                            self.settings.owner, self.settings.lease_seconds)
+                        if record is not None:
+                            expired.append(record)
+                        continue
+                    item = await self._route(session, run, model, now)
+                    if item is not None:
+                        routed.append(item)
+                        # Counted at once, so the batch's next decisions see this run's load.
+                        self.loads.on_sent(item.decision.replica)
+        except BaseException:
+            # The claim rolled back: none of its runs went to a replica, so none may stay counted.
+            for item in routed:
+                self.loads.on_finished(item.decision.replica)
+            raise
         span.set_attributes({"sluice.routed": len(routed), "sluice.expired": len(expired)})
         link = trace.Link(span.get_span_context())
         span.end()
