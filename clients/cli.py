@@ -32,7 +32,7 @@ import grpc.aio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken
+from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken, status_name
 from sluice.v1 import admission_pb2, common_pb2, runs_pb2
 from sluice_config import load_config
 
@@ -92,10 +92,6 @@ def _json(message: Message) -> str:
     return json.dumps(MessageToDict(message, preserving_proto_field_name=True))
 
 
-def _status(value: common_pb2.RunStatus) -> str:
-    return str(common_pb2.RunStatus.Name(value)).removeprefix("RUN_STATUS_")
-
-
 def hint(error: SluiceError) -> str | None:
     """The server's hints as one line of what to change, or None when it sent none."""
     options = []
@@ -147,7 +143,7 @@ def _print_event(event: runs_pb2.RunEvent, out: TextIO, as_json: bool) -> None:
 def _print_terminal(event: runs_pb2.RunEvent, out: TextIO) -> None:
     usage = event.usage
     detail = f" ({event.detail})" if event.detail else ""
-    print(f"\n[{_status(event.status)}{detail}: {usage.input_tokens} input + {usage.output_tokens} output"
+    print(f"\n[{status_name(event.status)}{detail}: {usage.input_tokens} input + {usage.output_tokens} output"
           f" tokens, {usage.cost_micros} micro-USD; {event.sequence} events]", file=out, flush=True)
 
 
@@ -178,7 +174,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
             return await _follow(client, args.run_id, args.after, out, as_json=True)
         if args.command == "runs" and args.runs_command == "cancel":
             reply = await client.cancel(args.run_id)
-            print(f"cancel requested for run {reply.run_id} (status {_status(reply.status)})", file=out)
+            print(f"cancel requested for run {reply.run_id} (status {status_name(reply.status)})", file=out)
             return EXIT_OK
         if args.command == "usage":
             print(_json(await client.usage(args.from_date, args.to_date)), file=out)

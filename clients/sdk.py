@@ -252,3 +252,8 @@ class SluiceClient:
 
 def is_terminal_status(status: int) -> bool:
     return status in TERMINAL_STATUSES
+
+
+def status_name(status: int) -> str:
+    """RunStatus enum value -> its short name ('COMPLETED'), as the ledger spells it."""
+    return str(common_pb2.RunStatus.Name(status)).removeprefix("RUN_STATUS_")

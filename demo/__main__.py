@@ -14,18 +14,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from clients.sdk import SluiceClient
+from clients.sdk import SluiceClient, status_name
 from demo.processes import Child, gateway, replica, routing
 from ledger.seed import DEMO_API_KEY
-from sluice.v1 import common_pb2, runs_pb2
+from sluice.v1 import runs_pb2
 from sluice_config import data_dir, load_config
 
 PROMPT = "Explain in one paragraph why a stream must be resumable by cursor."
 LONG_CAP = 400          # long enough to interrupt mid-stream at the default token delay
-
-
-def status_name(status: int) -> str:
-    return common_pb2.RunStatus.Name(status).removeprefix("RUN_STATUS_")
 
 
 def say(text: str = "") -> None:
