@@ -34,7 +34,7 @@ test-unit: setup             ## pure tests only (no servers)
 
 lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .
-	.venv/bin/mypy engine planner router sim services ledger eventlog clients demo sluice_config
+	.venv/bin/mypy engine planner router sim services ledger eventlog clients demo sluice_config replica bench infra
 
 bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
 	$(PY) -m bench

@@ -26,7 +26,8 @@ async def _list_topics(bootstrap: str) -> list[str]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
     await admin.start()
     try:
-        return await admin.list_topics()
+        topics: list[str] = await admin.list_topics()
+        return topics
     finally:
         await admin.close()
 

@@ -164,7 +164,7 @@ def wrap_tritonserver_pdeathsig(triton: Any) -> bool:
     setpriv = shutil.which("setpriv")
     server = getattr(triton, "_triton_server", None)
     path = getattr(server, "_server_path", None)
-    if setpriv is None or path is None:
+    if setpriv is None or server is None or path is None:
         LOG.warning("tritonserver keeps pytriton's SIGTERM death signal (setpriv %s, server path %s)",
                     setpriv, path)
         return False
