@@ -60,6 +60,23 @@ async def settle_run(
     `input_tokens` overrides the charged prompt size; by default it is the whole prompt when the
     run was handed to a replica and 0 when it never was.
     """
+    settled = await settle_run_usage(session, run_id, status, output_tokens, cached_input_tokens, detail,
+                                     input_tokens=input_tokens)
+    return settled is not None
+
+
+async def settle_run_usage(
+    session: AsyncSession,
+    run_id: uuid.UUID | str,
+    status: RunStatus | str,
+    output_tokens: int,
+    cached_input_tokens: int,
+    detail: str | None,
+    *,
+    input_tokens: int | None = None,
+) -> SettledUsage | None:
+    """settle_run, returning the settlement it made (what `settled_usage` would read back), or
+    None if the run was already settled."""
     run_uuid = uuid.UUID(str(run_id))
     final = RunStatus(status)
     if final not in TERMINAL_STATUSES:
@@ -91,10 +108,11 @@ async def settle_run(
             cost_micros=cost,
         )
         .on_conflict_do_nothing(index_elements=[UsageEntry.run_id])
-        .returning(UsageEntry.id)
+        .returning(UsageEntry.settled_at)
     )
-    if inserted.scalar_one_or_none() is None:
-        return False
+    settled_at = inserted.scalar_one_or_none()
+    if settled_at is None:
+        return None
 
     await session.execute(
         update(Run)
@@ -116,7 +134,9 @@ async def settle_run(
         used_tokens=charged_input + output_tokens,
         used_cost_micros=cost,
     )
-    return True
+    return SettledUsage(run_id=run.id, status=final, input_tokens=charged_input,
+                        cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
+                        cost_micros=cost, settled_at=settled_at)
 
 
 def _check_counts(run: Run, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> None:

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from eventlog.events import status_value, terminal_event
 from eventlog.interface import EventLog, LogPosition
 from ledger.models import Run, RunStatus
-from ledger.settlement import settle_run, settled_usage
+from ledger.settlement import SettledUsage, settle_run_usage, settled_usage
 from services.notify import notify
 from services.routing.claims import EVENTS_CHANNEL, lease_until
 from sluice.v1 import common_pb2
@@ -59,9 +59,10 @@ async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: En
                                   lease_seconds: float) -> TerminalRecord | None:
     """Step 1, inside the caller's transaction. None when the run was already settled."""
     untaken = ending.prompt_taken is False
-    if not await settle_run(session, run_id, ending.status, output_tokens=ending.output_tokens,
-                            cached_input_tokens=0 if untaken else ending.cached_input_tokens,
-                            detail=ending.detail, input_tokens=0 if untaken else None):
+    settled = await settle_run_usage(session, run_id, ending.status, output_tokens=ending.output_tokens,
+                                     cached_input_tokens=0 if untaken else ending.cached_input_tokens,
+                                     detail=ending.detail, input_tokens=0 if untaken else None)
+    if settled is None:
         return None
     values: dict[str, object] = {
         "terminal_sequence": ending.last_sequence + 1,
@@ -74,14 +75,20 @@ async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: En
         values["event_first_offset"] = func.coalesce(Run.event_first_offset, ending.first.offset)
     await session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(**values)
                           .execution_options(synchronize_session=False))
-    return await terminal_record(session, run_id, ending.last_sequence + 1)
+    # What was just settled is the record: no need to read it back.
+    return _record(run_id, ending.last_sequence + 1, settled, ending.detail)
 
 
 async def terminal_record(session: AsyncSession, run_id: str, sequence: int) -> TerminalRecord:
+    """A settled run's record read back from the ledger (the reaper's republish)."""
     usage = await settled_usage(session, run_id)
     assert usage is not None, f"run {run_id} has a terminal sequence but no settlement"
     # A column select, not session.get: settle_run updated the row behind the identity map.
     detail = await session.scalar(select(Run.detail).where(Run.id == uuid.UUID(run_id)))
+    return _record(run_id, sequence, usage, detail)
+
+
+def _record(run_id: str, sequence: int, usage: SettledUsage, detail: str | None) -> TerminalRecord:
     return TerminalRecord(
         run_id=run_id, sequence=sequence, status=usage.status,
         usage=common_pb2.TokenUsage(input_tokens=usage.input_tokens,
