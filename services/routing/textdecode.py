@@ -9,19 +9,21 @@ a complete character (a trailing U+FFFD) is held back until the next delta.
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from sluice_config import REPO_ROOT
+from services import tokenization
 
 REPLACEMENT = "\ufffd"
 
 
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str) -> Tokenizer | None:
-    full = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
-    return Tokenizer.from_file(str(full)) if full.exists() else None
+    """The model's tokenizer, the same instance admission encodes with; None when its file is
+    absent (the deltas then carry token ids and no text)."""
+    if not tokenization.resolve_tokenizer_path(path).exists():
+        return None
+    return tokenization.load_tokenizer(path)
 
 
 class IncrementalDecoder:
