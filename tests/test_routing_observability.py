@@ -9,6 +9,7 @@ import pytest
 from opentelemetry import trace
 
 from ledger.models import RunStatus
+from router.load import LoadSnapshot
 from router.policy import RouteDecision
 from services import telemetry
 from services.routing.observability import RoutingMetrics, RunOutcome, ServiceObjectives
@@ -99,3 +100,18 @@ def test_objectives_come_from_the_telemetry_section_in_milliseconds():
     assert ServiceObjectives.from_config({"telemetry": {"ttft_slo_ms": 200, "tpot_slo_ms": 40}}) == \
         ServiceObjectives(ttft_s=0.2, tpot_s=0.04)
     assert ServiceObjectives.from_config({}) == ServiceObjectives(ttft_s=0.5, tpot_s=0.05)
+
+
+def test_a_scrape_sets_each_load_gauge_of_its_replica_and_forgetting_the_replica_removes_them():
+    metrics = RoutingMetrics()
+    snapshot = LoadSnapshot(active=3, waiting=2, scheduled=1, kv_used_blocks=40, kv_fraction=0.25)
+    metrics.health({"r0": True})
+    metrics.scraped("r0", snapshot, 0.002, restarted=False)
+    value = metrics.registry.get_sample_value
+    assert {kind: value("sluice_replica_load", {"replica": "r0", "kind": kind}) for kind in
+            ("active", "waiting", "scheduled", "kv_used_blocks", "kv_fraction")} == {
+        "active": 3.0, "waiting": 2.0, "scheduled": 1.0, "kv_used_blocks": 40.0, "kv_fraction": 0.25}
+    metrics.forget_replica("r0")
+    metrics.forget_replica("r0")   # twice: nothing left to remove is no error
+    assert value("sluice_replica_healthy", {"replica": "r0"}) is None
+    assert value("sluice_replica_load", {"replica": "r0", "kind": "active"}) is None

@@ -18,6 +18,7 @@ driver records RUNNING right after the first token is durable.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from router.policy import RouteDecision
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5)
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3)
-LOAD_KINDS = ("active", "waiting", "scheduled", "kv_used_blocks", "kv_fraction")
+LOAD_KINDS = ("active", "waiting", "scheduled", "kv_used_blocks", "kv_fraction")   # LoadSnapshot fields
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 
 
@@ -133,12 +134,8 @@ class RoutingMetrics:
 
     def scraped(self, replica: str, snapshot: LoadSnapshot, seconds: float, restarted: bool) -> None:
         self._scrape.observe(seconds)
-        load = self._load
-        load.labels(replica=replica, kind="active").set(snapshot.active)
-        load.labels(replica=replica, kind="waiting").set(snapshot.waiting)
-        load.labels(replica=replica, kind="scheduled").set(snapshot.scheduled)
-        load.labels(replica=replica, kind="kv_used_blocks").set(snapshot.kv_used_blocks)
-        load.labels(replica=replica, kind="kv_fraction").set(snapshot.kv_fraction)
+        for kind in LOAD_KINDS:
+            self._load.labels(replica=replica, kind=kind).set(getattr(snapshot, kind))
         if restarted:
             self._restarts.labels(replica=replica).inc()
 
@@ -147,15 +144,11 @@ class RoutingMetrics:
         self._scrape_failures.labels(replica=replica).inc()
 
     def forget_replica(self, replica: str) -> None:
-        for gauge, kinds in ((self._healthy, None), (self._load, LOAD_KINDS)):
-            try:
-                if kinds is None:
-                    gauge.remove(replica)
-                else:
-                    for kind in kinds:
-                        gauge.remove(replica, kind)
-            except KeyError:
-                pass
+        with contextlib.suppress(KeyError):
+            self._healthy.remove(replica)
+        for kind in LOAD_KINDS:
+            with contextlib.suppress(KeyError):
+                self._load.remove(replica, kind)
 
 
 def span_attributes(run_id: str, model: str, pool: str, decision: RouteDecision, input_tokens: int) -> dict[
