@@ -277,7 +277,11 @@ class AdmissionService:
         tokens, cost = prepared.reserved_tokens, prepared.reserved_cost_micros
         if await budgets.try_reserve(tenant_id, tokens, cost):
             return
-        if await budgets.current(tenant_id) is None and await budgets.open_current_period(tenant_id):
+        if await budgets.current(tenant_id) is None:
+            # A new period: open it, unless a concurrent submit opens it first (our INSERT then waits
+            # for its COMMIT and does nothing). Either way the period now exists if the tenant has
+            # ever had a budget, so the reservation is tried on it again.
+            await budgets.open_current_period(tenant_id)
             if await budgets.try_reserve(tenant_id, tokens, cost):
                 return
         raise await _budget_refusal(budgets, prepared)

@@ -3,6 +3,7 @@ request checks, model resolution. Idempotency and concurrency are in test_admiss
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from sqlalchemy import select
 
 from ledger.models import Budget, RunStatus
 from ledger.pricing import reservation_cost_micros
+from ledger.repositories import BudgetRepository
 from services import errors
 from services.tokenization import encode
 from sluice.v1 import common_pb2
@@ -189,6 +191,24 @@ async def test_a_new_month_opens_with_the_previous_months_limits(api):
     assert (budget.token_budget, budget.cost_budget_micros, budget.reserved_tokens, budget.used_tokens) == (
         777, 888_888, 6, 0,
     )
+
+
+async def test_a_submit_racing_another_to_open_the_new_month_reserves_in_the_period_the_other_opened(api):
+    await make_model(api)
+    last_month = (first_of_this_month() - dt.timedelta(days=1)).replace(day=1)
+    tenant = await make_tenant(api, token_budget=777, cost_budget_micros=888_888, period_start=last_month)
+    # Another admission instance opens this month's period and has not committed yet.
+    async with api.sessionmaker() as other, other.begin():
+        assert await BudgetRepository(other).open_current_period(tenant.id)
+        submit = asyncio.create_task(api.submit(tenant, "alpha", 5))
+        await asyncio.sleep(0.5)          # this submit now waits on the other's new budget row
+        assert not submit.done()
+
+    response = await asyncio.wait_for(submit, 10)
+
+    assert response.status == common_pb2.RUN_STATUS_ACCEPTED
+    budget = await budget_row(api.sessionmaker, tenant.id)
+    assert (budget.token_budget, budget.reserved_tokens) == (777, 6)     # this month's row
 
 
 async def test_a_tenant_without_any_budget_is_refused(api):
