@@ -73,6 +73,16 @@ class StreamStart:
     position: LogPosition | None   # None: nothing to read (the cursor is at/after the terminal event)
 
 
+def _stream_start(partition: int | None, first_offset: int | None, terminal_sequence: int | None,
+                  after: int) -> StreamStart | None:
+    """Where a Stream after `after` begins, from the run's ledger columns; None: not known yet."""
+    if terminal_sequence is not None and after >= terminal_sequence:
+        return StreamStart(None)
+    if partition is not None and first_offset is not None:
+        return StreamStart(LogPosition(partition, first_offset))
+    return None
+
+
 class RunsService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
                  lease_seconds: float, dsn: str | None = None, owner: str | None = None) -> None:
@@ -140,7 +150,10 @@ class RunsService:
             raise InvalidArgument(NEGATIVE_CURSOR.format(after=after))
         async with self.sessions() as session:
             run = await self._own_run(session, metadata, run_id)
-        start = await self._wait_for_events(run.id, after)
+        # The row just read usually has the start already (a resume, a finished run): no second read.
+        start = _stream_start(run.event_partition, run.event_first_offset, run.terminal_sequence, after)
+        if start is None:
+            start = await self._wait_for_events(run.id, after)
         if start.position is None:
             return
         try:
@@ -171,11 +184,7 @@ class RunsService:
             row = (await session.execute(
                 select(Run.event_partition, Run.event_first_offset, Run.terminal_sequence)
                 .where(Run.id == run_id))).one()
-        if row.terminal_sequence is not None and after >= row.terminal_sequence:
-            return StreamStart(None)
-        if row.event_partition is not None and row.event_first_offset is not None:
-            return StreamStart(LogPosition(row.event_partition, row.event_first_offset))
-        return None
+        return _stream_start(row.event_partition, row.event_first_offset, row.terminal_sequence, after)
 
     # --- Cancel -------------------------------------------------------------------------------
 
