@@ -234,9 +234,12 @@ class RunRepository:
             select(Run).where(Run.tenant_id == tenant_id, Run.request_key == request_key)
         )
 
-    async def get_for_tenant(self, tenant_id: uuid.UUID, run_id: uuid.UUID) -> Run | None:
-        """The run if it belongs to `tenant_id`; another tenant's run is indistinguishable from none."""
-        return await self._session.scalar(select(Run).where(Run.id == run_id, Run.tenant_id == tenant_id))
+    async def get_for_tenant(self, tenant_id: uuid.UUID, run_id: uuid.UUID, *,
+                             lock: bool = False) -> Run | None:
+        """The run if it belongs to `tenant_id`; another tenant's run is indistinguishable from none.
+        `lock`: row-locked (FOR UPDATE) until the caller's transaction ends."""
+        query = select(Run).where(Run.id == run_id, Run.tenant_id == tenant_id)
+        return await self._session.scalar(query.with_for_update() if lock else query)
 
     async def limit_usage(self, tenant_id: uuid.UUID, window: dt.timedelta,
                           excluding: uuid.UUID) -> LimitUsage:

@@ -103,11 +103,7 @@ class RunsService:
             parsed = uuid.UUID(run_id)
         except ValueError:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id)) from None
-        if lock:
-            run = await session.scalar(select(Run).where(Run.id == parsed, Run.tenant_id == tenant.id)
-                                       .with_for_update())
-        else:
-            run = await RunRepository(session).get_for_tenant(tenant.id, parsed)
+        run = await RunRepository(session).get_for_tenant(tenant.id, parsed, lock=lock)
         if run is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
         return run
