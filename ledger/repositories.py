@@ -45,7 +45,7 @@ def hash_api_key(key: str) -> str:
 
 def current_period_start() -> ColumnElement[dt.date]:
     """First day of the current UTC month, on the database clock."""
-    return cast(func.date_trunc("month", func.timezone("UTC", func.now())), Date)
+    return period_start_of(func.now())
 
 
 def period_start_of(timestamp: Any) -> ColumnElement[dt.date]:
