@@ -70,6 +70,7 @@ from services.admission_rules import (
     check_deadline,
     check_request_shape,
     largest_cap_that_fits,
+    limit_advice,
     normalize_float,
     payload_hash,
     rate_window_retry_after,
@@ -79,8 +80,6 @@ from services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
     BUDGET_TOO_SMALL_FOR_PROMPT,
     CONCURRENCY_LIMIT,
-    CONTEXT_ADVICE_LOWER_CAP,
-    CONTEXT_ADVICE_SHORTEN_PROMPT,
     MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
     NO_BUDGET,
     REQUEST_KEY_REUSED,
@@ -320,7 +319,7 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
     if limit is None or usage.tokens_in_window + needed <= limit:
         return
     if needed > limit:
-        advice = _advice_for_limit(limit, len(prepared.prompt_token_ids))
+        advice = limit_advice(limit, len(prepared.prompt_token_ids))
         raise ResourceExhausted(
             TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice)
         )
@@ -333,12 +332,6 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
         ),
         metadata=[(RETRY_AFTER_MS_KEY, str(wait_ms))],
     )
-
-
-def _advice_for_limit(limit: int, prompt_tokens: int) -> str:
-    if prompt_tokens < limit:
-        return CONTEXT_ADVICE_LOWER_CAP.format(fit=limit - prompt_tokens)
-    return CONTEXT_ADVICE_SHORTEN_PROMPT.format(limit=limit)
 
 
 async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> ResourceExhausted:

@@ -100,16 +100,21 @@ def _check_range(name: str, value: float, bounds: tuple[float, float]) -> None:
         raise InvalidArgument(SAMPLING_OUT_OF_RANGE.format(name=name, low=low, high=high, value=value))
 
 
+def limit_advice(limit: int, prompt_tokens: int) -> str:
+    """What to change when prompt + output cap exceeds `limit` (a context or a tokens-per-minute
+    limit): the cap, if the prompt alone fits, else the prompt."""
+    if prompt_tokens < limit:
+        return CONTEXT_ADVICE_LOWER_CAP.format(fit=limit - prompt_tokens)
+    return CONTEXT_ADVICE_SHORTEN_PROMPT.format(limit=limit)
+
+
 def check_context(model_version: str, context_limit: int, prompt_tokens: int, cap: int) -> None:
     if prompt_tokens + cap <= context_limit:
         return
-    if prompt_tokens >= context_limit:
-        advice = CONTEXT_ADVICE_SHORTEN_PROMPT.format(limit=context_limit)
-    else:
-        advice = CONTEXT_ADVICE_LOWER_CAP.format(fit=context_limit - prompt_tokens)
     raise InvalidArgument(
         CONTEXT_TOO_LONG.format(
-            prompt=prompt_tokens, cap=cap, model=model_version, limit=context_limit, advice=advice
+            prompt=prompt_tokens, cap=cap, model=model_version, limit=context_limit,
+            advice=limit_advice(context_limit, prompt_tokens),
         )
     )
 
