@@ -23,15 +23,11 @@ from services.routing.finish import Ending, settle_and_fix_terminal
 from services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
 from services.routing.worker import DETAIL_EXPIRED_BEFORE_START, RoutingWorker, WorkerSettings, new_owner_id
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
-from tests.support.routing_stack import MODEL, Stack, collect
+from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
-
-
-def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
-    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
 
 
 # --- deadlines -------------------------------------------------------------------------------

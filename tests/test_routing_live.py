@@ -37,7 +37,7 @@ from tests.support.replica_proc import (
     stop_replica,
     wait_ready,
 )
-from tests.support.routing_stack import MODEL, REPLICA_SETTINGS, Stack, collect, replica_tables
+from tests.support.routing_stack import MODEL, REPLICA_SETTINGS, Stack, collect, deltas_tokens, replica_tables
 
 pytestmark = pytest.mark.integration
 
@@ -46,10 +46,6 @@ PROMPT = "Tell me about sluice gates."
 CORE_SETTINGS = {"engine": "core", "output_length": "cap"}
 HISTORY = " ".join(f"Gate {i} of the old canal lifts {i % 7} boats an hour in the dry season."
                    for i in range(30))
-
-
-def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
-    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:

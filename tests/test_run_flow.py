@@ -16,7 +16,7 @@ from ledger.models import RunStatus
 from services.runs import RUN_NOT_FOUND
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
-from tests.support.routing_stack import Stack, collect
+from tests.support.routing_stack import Stack, collect, deltas_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -25,10 +25,6 @@ PROMPT = "Tell me about sluice gates."
 
 def client(stack: Stack, api_key: str | None = None) -> SluiceClient:
     return SluiceClient(stack.address, api_key or stack.tenant.api_key)
-
-
-def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
-    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
 
 
 async def test_an_accepted_run_streams_events_1_to_n_and_completes_with_its_usage(stack: Stack):

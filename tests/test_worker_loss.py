@@ -23,15 +23,18 @@ from services.routing.worker import DETAIL_DRIVER_LOST
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica, stop_replica
-from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, collect, replica_tables
+from tests.support.routing_stack import (
+    REPLICA_SETTINGS,
+    TEST_LEASE_SECONDS,
+    Stack,
+    collect,
+    deltas_tokens,
+    replica_tables,
+)
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
-
-
-def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
-    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
 
 
 async def assert_settled_once_as_streamed(stack: Stack, run_id: str, input_tokens: int,

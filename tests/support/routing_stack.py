@@ -72,6 +72,11 @@ async def collect(stream: AsyncIterator[runs_pb2.RunEvent],
     return received
 
 
+def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
+    """Output tokens carried by the DELTA events among `events`."""
+    return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
+
+
 def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
     return [{"name": r.name, "pool": MODEL.version, "grpc_address": r.grpc_address,
              "metrics_port": r.metrics_port} for r in replicas]
