@@ -106,14 +106,7 @@ class KafkaEventLog:
         return None if found is None else LogPosition(partition, found.offset)
 
     async def read_durable(self, run_id: str, start: LogPosition) -> list[runs_pb2.RunEvent]:
-        tp = TopicPartition(self.topic, start.partition)
-        consumer = self._consumer()
-        await consumer.start()
-        try:
-            end = (await consumer.end_offsets([tp]))[tp]
-        finally:
-            await consumer.stop()
-        return [event async for event in self._read_range(run_id, start, end, EventDeduper(after=0))]
+        return [event async for event in self._read_range(run_id, start, None, EventDeduper(after=0))]
 
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
@@ -143,14 +136,17 @@ class KafkaEventLog:
         await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
         return self._tail
 
-    async def _read_range(self, run_id: str, start: LogPosition, end: int,
+    async def _read_range(self, run_id: str, start: LogPosition, end: int | None,
                           dedupe: EventDeduper) -> AsyncIterator[runs_pb2.RunEvent]:
-        """The run's events at offsets [start.offset, end) that `dedupe` lets through."""
+        """The run's events at offsets [start.offset, end) that `dedupe` lets through; `end` None:
+        the partition's end (its high watermark: what is durable) when the read begins."""
         tp = TopicPartition(self.topic, start.partition)
         consumer = self._consumer()
         await consumer.start()
         try:
             consumer.assign([tp])
+            if end is None:
+                end = (await consumer.end_offsets([tp]))[tp]
             await self._seek_checked(consumer, tp, start, run_id, dedupe.last_sequence)
             key = run_id.encode()
             while not dedupe.finished and await consumer.position(tp) < end:
