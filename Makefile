@@ -8,7 +8,7 @@ PYTEST  := $(PY) -m pytest
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
 
-protos:                      ## regenerate sluice/v1 stubs from protos/ (setup does this too)
+protos:                      ## regenerate the sluice.v1 stubs from protos/ (setup does this too)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/sluice/v1/*.proto
 
 infra-up: setup              ## start PostgreSQL and Kafka (idempotent) and wait until healthy
@@ -21,10 +21,10 @@ migrate: infra-up
 	.venv/bin/alembic upgrade head
 
 seed: migrate                ## demo tenant, API key and model
-	$(PY) -m ledger.seed
+	$(PY) -m sluice.ledger.seed
 
 demo: seed                   ## the platform end to end: stream, resume, cancel, worker loss, usage
-	$(PY) -m demo
+	$(PY) -m sluice.demo
 
 test: infra-up               ## the whole suite against real PostgreSQL, Kafka and Triton
 	$(PYTEST) -q -rfEs
@@ -34,16 +34,16 @@ test-unit: setup             ## pure tests only (no servers)
 
 lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .
-	.venv/bin/mypy engine planner router sim services ledger eventlog clients demo sluice_config replica bench infra
+	tree=$$(infra/typecheck_tree.sh) && MYPYPATH=$$tree .venv/bin/mypy $$tree/sluice $$tree/sluice_client bench infra/kafka_admin.py
 
 bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
 	$(PY) -m bench
 
 sim: setup                   ## seed 003's fleet on the simulator
-	$(PY) -m sim --preset seed003
+	$(PY) -m sluice.sim --preset seed003
 
 plan: setup                  ## size seed 003's brief
-	$(PY) -m planner examples/briefs/seed003.yaml
+	$(PY) -m sluice.planner examples/briefs/seed003.yaml
 
 clean: infra-down
 	rm -rf .sluice

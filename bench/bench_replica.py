@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import sluice.services.replica_client as rc
 
-from replica.engine_api import GenerationRequest  # noqa: E402
-from replica.engine_core_adapter import CoreEngine, CoreSettings  # noqa: E402
-from services import replica_client as rc  # noqa: E402
+from sluice.replica.engine_api import GenerationRequest
+from sluice.replica.engine_core_adapter import CoreEngine, CoreSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 READY_MARKER = "ready model=tensorrt_llm"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -103,7 +103,7 @@ def start_replica(settings: dict[str, object], log_path: Path) -> tuple[subproce
     for key, value in settings.items():
         env[f"SLUICE_REPLICA__{key.upper()}"] = json.dumps(value)
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "replica.serve", "--name", "bench"],
+        process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", "bench"],
                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + 90

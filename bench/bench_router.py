@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from engine.sampling import GeometricLength
-from router.metrics import RouterMetrics
-from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
-from sim.fleet import Fleet, FleetConfig, ReplicaRestart
-from sim.workload import WorkloadConfig
+from sluice.engine.sampling import GeometricLength
+from sluice.router.metrics import RouterMetrics
+from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
+from sluice.sim.fleet import Fleet, FleetConfig, ReplicaRestart
+from sluice.sim.workload import WorkloadConfig
 
 DECISION_REPLICAS = 64
 DECISION_PROMPT_TOKENS = 4000

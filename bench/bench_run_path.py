@@ -17,10 +17,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from clients.sdk import Addresses, SluiceClient
-from ledger.seed import DEMO_API_KEY
+from sluice.ledger.seed import DEMO_API_KEY
+from sluice_client.sdk import Addresses, SluiceClient
+
+from sluice.config import load_config
 from sluice.v1 import common_pb2, runs_pb2
-from sluice_config import load_config
 
 PROMPT = "Summarise how a sluice gate controls the flow of water, in plain words."
 

@@ -26,20 +26,21 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncpg
 import grpc.aio
 from alembic import command
 from alembic.config import Config
+from sluice.ledger.db import configured_dsn, make_engine, make_sessionmaker
+from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_model
+from sluice.services.admission import add_admission_servicer
 from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
-from ledger.db import configured_dsn, make_engine, make_sessionmaker
-from ledger.models import Run, RunStatus
-from ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_model
-from services.admission import add_admission_servicer
+from sluice.config import load_config
 from sluice.v1 import admission_pb2, admission_pb2_grpc
-from sluice_config import REPO_ROOT, load_config
 
 BENCH_KEY = "sk-bench-000000000000000000000000000000"
 PROMPT = (
@@ -86,7 +87,7 @@ async def _admin(statement: str) -> None:
 
 
 def _migrate(dsn: str) -> None:
-    config = Config(str(REPO_ROOT / "alembic.ini"))
+    config = Config(str(Path(__file__).resolve().parents[1] / "alembic.ini"))
     config.set_main_option("sqlalchemy.url", dsn.replace("%", "%%"))
     command.upgrade(config, "head")
 

@@ -1,7 +1,7 @@
-"""`python -m clients ...` runs the `sluice` CLI."""
+"""`python -m sluice_client ...` runs the `sluice` CLI."""
 
 import sys
 
-from clients.cli import main
+from sluice_client.cli import main
 
 sys.exit(main())

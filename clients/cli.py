@@ -31,10 +31,10 @@ import grpc
 import grpc.aio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+from sluice_client.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken, status_name
 
-from clients.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken, status_name
+from sluice.config import load_config
 from sluice.v1 import admission_pb2, common_pb2, runs_pb2
-from sluice_config import load_config
 
 EXIT_OK = 0
 EXIT_RPC_ERROR = 1
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stream = out or sys.stdout
     if argv[:1] == ["plan"]:
-        from planner.cli import main as plan_main  # the planner needs none of the RPC machinery
+        from sluice.planner.cli import main as plan_main  # the planner needs none of the RPC machinery
 
         return int(plan_main(argv[1:]) or 0)
     args = _parser().parse_args(argv)

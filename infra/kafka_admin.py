@@ -10,14 +10,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # noqa: E402
-from aiokafka.errors import KafkaError  # noqa: E402
-
-from sluice_config import load_config  # noqa: E402
+from sluice.config import load_config
 
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
 

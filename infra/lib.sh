@@ -1,6 +1,6 @@
 # Shared helpers for the infra scripts; sourced, never run.
 # Every path and port comes from config/sluice.toml (with SLUICE_<SECTION>__<KEY> overrides),
-# read through sluice_config so the scripts and the services can never disagree.
+# read through sluice.config so the scripts and the services can never disagree.
 
 set -euo pipefail
 
@@ -20,7 +20,7 @@ die() { printf '[%s] ERROR: %s\n' "${SCRIPT_TAG:-infra}" "$*" >&2; exit 1; }
 config_get() {
   (cd "$REPO_ROOT" && "$PY" - "$1" "${2-}" <<'PYEOF'
 import sys
-from sluice_config import load_config, data_dir
+from sluice.config import load_config, data_dir
 dotted, default = sys.argv[1], sys.argv[2]
 cfg = load_config()
 if dotted == "paths.data_dir":

@@ -44,13 +44,21 @@ LOCK_STAMP=.venv/.requirements.lock.sha256
 if [[ "$(cat "$LOCK_STAMP" 2>/dev/null)" != "$(sha requirements.lock)" ]]; then
   say "pip install -r requirements.lock (first time takes a few minutes)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.lock
-  # The repository root is the import root; an editable install (compat mode: a .pth
-  # naming the root) makes `python -m demo` work anywhere and installs the `sluice` CLI.
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -e . --config-settings editable_mode=compat 2>/dev/null
   sha requirements.lock >"$LOCK_STAMP"
 else
   say "python packages up to date with requirements.lock"
+fi
+
+# Editable installs of both distributions: the platform (one import root, `sluice`, with the
+# design card's folders mapped in) and the client (sluice_client and the `sluice` CLI). Redone
+# whenever their packaging files change, so a pulled checkout never runs on a stale mapping.
+EDITABLE_STAMP=.venv/.editable.sha256
+editable_key="$(cat pyproject.toml setup.py clients/pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$EDITABLE_STAMP" 2>/dev/null)" != "$editable_key" ]]; then
+  say "editable install of sluice and sluice-client"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -e . -e clients
+  echo "$editable_key" >"$EDITABLE_STAMP"
 fi
 
 # --- gRPC stubs -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-from sluice_config import load_config
+from sluice.config import load_config
 
 
 def configured_dsn() -> str:

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, RunStatus, Tenant
 from sqlalchemy import (
     ColumnElement,
     Date,
@@ -32,8 +33,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
 from sqlalchemy.ext.asyncio import AsyncSession
-
-from ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, RunStatus, Tenant
 
 _ACCEPTED_LITERAL = f"'{RunStatus.ACCEPTED.value}'"
 

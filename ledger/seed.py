@@ -1,4 +1,4 @@
-"""Seed the demo ledger: `python -m ledger.seed [--key KEY] [--other-key KEY] [--dsn DSN]`.
+"""Seed the demo ledger: `python -m sluice.ledger.seed [--key KEY] [--other-key KEY] [--dsn DSN]`.
 
 Idempotent: running it again changes nothing except refreshing the model row (end_id from the
 tokenizer) and the tenants' tiers and limits, and adding a key given with --key. Creates
@@ -21,14 +21,13 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.models import ApiKey, Budget, Model, Tenant
+from sluice.ledger.repositories import hash_api_key
+from sluice.services.tokenization import load_tokenizer
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
-
-from ledger.db import make_engine, make_sessionmaker
-from ledger.models import ApiKey, Budget, Model, Tenant
-from ledger.repositories import hash_api_key
-from services.tokenization import load_tokenizer
 
 DEMO_API_KEY = "sk-demo-00000000000000000000000000000000"
 OTHER_API_KEY = "sk-other-0000000000000000000000000000000"
@@ -64,7 +63,7 @@ class ModelSeed:
 TINY_CHAT = ModelSeed(
     version="tiny-chat-v1",
     alias="chat",
-    tokenizer="models/tiny-chat/tokenizer.json",
+    tokenizer="tiny-chat/tokenizer.json",
     context_limit=4096,
     worker_pool="tiny-chat-v1",
     quality_tier="standard",

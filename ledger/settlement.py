@@ -21,13 +21,12 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus, UsageEntry
+from sluice.ledger.pricing import cost_micros
+from sluice.ledger.repositories import BudgetRepository
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
-
-from ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus, UsageEntry
-from ledger.pricing import cost_micros
-from ledger.repositories import BudgetRepository
 
 
 class SettlementError(ValueError):

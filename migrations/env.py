@@ -3,7 +3,7 @@
 Which database, first match wins:
   1. `-x dsn=...` on the alembic command line;
   2. `sqlalchemy.url` set on the Config by a caller (tests: `cfg.set_main_option(...)`);
-  3. sluice_config.load_config()["database"]["dsn"] (config/sluice.toml + SLUICE_DATABASE__DSN).
+  3. sluice.config.load_config()["database"]["dsn"] (sluice/config/sluice.toml + SLUICE_DATABASE__DSN).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import asyncio
 from logging.config import fileConfig
 
 from alembic import context
+from sluice.ledger.models import Base
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from ledger.models import Base
-from sluice_config import load_config
+from sluice.config import load_config
 
 config = context.config
 if config.config_file_name is not None:

@@ -46,13 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc.aio
-from sqlalchemy import func
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
-from ledger.channels import RUNS_ACCEPTED_CHANNEL
-from ledger.models import RunStatus
-from ledger.pricing import reservation_cost_micros
-from ledger.repositories import (
+from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.models import RunStatus
+from sluice.ledger.pricing import reservation_cost_micros
+from sluice.ledger.repositories import (
     BudgetRepository,
     ModelInfo,
     ModelRepository,
@@ -60,8 +57,8 @@ from ledger.repositories import (
     TenantInfo,
     TenantRepository,
 )
-from services import tokenization
-from services.admission_rules import (
+from sluice.services import tokenization
+from sluice.services.admission_rules import (
     PoolPace,
     Sampling,
     SubmitIntent,
@@ -75,8 +72,8 @@ from services.admission_rules import (
     payload_hash,
     rate_window_retry_after,
 )
-from services.auth import Metadata, authenticate
-from services.errors import (
+from sluice.services.auth import Metadata, authenticate
+from sluice.services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
     BUDGET_TOO_SMALL_FOR_PROMPT,
     CONCURRENCY_LIMIT,
@@ -95,6 +92,9 @@ from services.errors import (
     SluiceError,
     grpc_errors,
 )
+from sqlalchemy import func
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)

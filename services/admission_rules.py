@@ -13,9 +13,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ledger.pricing import PriceCard, largest_output_cap_within_cost
-from ledger.repositories import WindowEntry
-from services.errors import (
+from sluice.ledger.pricing import PriceCard, largest_output_cap_within_cost
+from sluice.ledger.repositories import WindowEntry
+from sluice.services.errors import (
     CONTEXT_ADVICE_LOWER_CAP,
     CONTEXT_ADVICE_SHORTEN_PROMPT,
     CONTEXT_TOO_LONG,

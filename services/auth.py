@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sluice.ledger.repositories import TenantInfo, TenantRepository
+from sluice.services.errors import MISSING_API_KEY, UNKNOWN_API_KEY, Unauthenticated
 from sqlalchemy.ext.asyncio import AsyncSession
-
-from ledger.repositories import TenantInfo, TenantRepository
-from services.errors import MISSING_API_KEY, UNKNOWN_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"

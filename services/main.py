@@ -1,4 +1,4 @@
-"""`python -m services.main`: Sluice's gateway services, one process, several instances allowed.
+"""`python -m sluice.services.main`: Sluice's gateway services, one process, several instances allowed.
 
 Roles (each process may take several):
 
@@ -11,7 +11,7 @@ Roles (each process may take several):
 
 `--role all` (the default) is the all-in-one development process: gateway +
 routing worker + Routing API. Replicas are separate processes
-(`python -m replica.serve --name r0`).
+(`python -m sluice.replica.serve --name r0`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc.aio
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.services import replica_client
+from sluice.services.admission import add_admission_servicer
+from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
+from sluice.services.routing.servicer import add_routing_servicer
+from sluice.services.runs import add_runs_servicer
+from sluice.services.usage import add_usage_servicer
 
-from eventlog.kafka import KafkaEventLog
-from ledger.db import make_engine, make_sessionmaker
-from services import replica_client
-from services.admission import add_admission_servicer
-from services.routing.app import DRAIN_S, build_worker, observe_routing_process
-from services.routing.servicer import add_routing_servicer
-from services.runs import add_runs_servicer
-from services.usage import add_usage_servicer
-from sluice_config import load_config
+from sluice.config import load_config
+from sluice.eventlog.kafka import KafkaEventLog
 
 log = logging.getLogger("sluice")
 
@@ -103,7 +103,7 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.main", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sluice.services.main", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", action="append", choices=ROLES,
                         help="what this process serves (repeatable; default all)")

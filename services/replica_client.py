@@ -35,7 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
-from replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
+from sluice.replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
 
 LOG = logging.getLogger(__name__)
 

@@ -26,25 +26,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc.aio
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
+from sluice.ledger.pricing import cost_micros
+from sluice.ledger.repositories import RunRepository
+from sluice.ledger.settlement import settled_usage
+from sluice.services.auth import Metadata, authenticate
+from sluice.services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
+from sluice.services.notify import ChannelListener, notify
+from sluice.services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
+from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from sluice.services.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing, tracer
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from eventlog.events import status_value
-from eventlog.interface import CursorPastRetention, EventLog, LogPosition
-from eventlog.kafka import KafkaEventLog
-from ledger.db import make_engine, make_sessionmaker
-from ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
-from ledger.pricing import cost_micros
-from ledger.repositories import RunRepository
-from ledger.settlement import settled_usage
-from services.auth import Metadata, authenticate
-from services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
-from services.notify import ChannelListener, notify
-from services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
-from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from services.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing, tracer
+from sluice.config import load_config
+from sluice.eventlog.events import status_value
+from sluice.eventlog.interface import CursorPastRetention, EventLog, LogPosition
+from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
-from sluice_config import load_config
 
 RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to their own tenant only)"
 NEGATIVE_CURSOR = "after must be 0 (from the start) or the last sequence received (got {after})"
@@ -255,7 +255,7 @@ def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[
 
 
 async def serve(config: Mapping[str, Any], listen: str) -> None:
-    """A standalone Runs server (`python -m services.runs`) until SIGTERM/SIGINT."""
+    """A standalone Runs server (`python -m sluice.services.runs`) until SIGTERM/SIGINT."""
     setup_tracing(TelemetrySettings.from_config(config), "sluice-runs")
     engine = make_engine(str(config["database"]["dsn"]))
     events = KafkaEventLog.from_config(config)
@@ -281,7 +281,7 @@ async def serve(config: Mapping[str, Any], listen: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.runs")
+    parser = argparse.ArgumentParser(prog="python -m sluice.services.runs")
     parser.add_argument("--listen", default=None, help="address to serve on (default [runs].listen)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

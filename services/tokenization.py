@@ -1,8 +1,9 @@
 """Tokenizers by path, loaded once per process.
 
-`models.tokenizer` holds a tokenizer.json path relative to the repo root (absolute paths are
-used as they are). Loading parses the whole vocabulary, so each file is loaded once and shared;
-`tokenizers.Tokenizer.encode` is thread-safe and holds no per-call state.
+`models.tokenizer` holds a tokenizer.json path relative to the `sluice.models` package (its
+data files ship in the wheel; absolute paths are used as they are). Loading parses the whole
+vocabulary, so each file is loaded once and shared; `tokenizers.Tokenizer.encode` is
+thread-safe and holds no per-call state.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from sluice_config import REPO_ROOT
+import sluice.models
+
+MODELS_DIR = Path(sluice.models.__file__).resolve().parent
 
 
 def resolve_tokenizer_path(path: str) -> Path:
     candidate = Path(path)
-    return candidate if candidate.is_absolute() else REPO_ROOT / candidate
+    return candidate if candidate.is_absolute() else MODELS_DIR / candidate
 
 
 @functools.lru_cache(maxsize=32)

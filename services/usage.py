@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc.aio
+from sluice.ledger.models import UsageEntry
+from sluice.ledger.repositories import BudgetRepository, InFlightTotals, RunRepository
+from sluice.services.auth import Metadata, authenticate
+from sluice.services.errors import BAD_DATE, DATE_RANGE_REVERSED, InvalidArgument, grpc_errors
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from ledger.models import UsageEntry
-from ledger.repositories import BudgetRepository, InFlightTotals, RunRepository
-from services.auth import Metadata, authenticate
-from services.errors import BAD_DATE, DATE_RANGE_REVERSED, InvalidArgument, grpc_errors
 from sluice.v1 import common_pb2, usage_pb2, usage_pb2_grpc
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.core import EngineCore
-from engine.cost_model import CostModel
-from engine.profiles import get_hardware, get_model
-from engine.sampling import LengthDistribution, TokenSpace, tokens_between
-from engine.types import EngineConfig, EngineRequest, RequestOutput, SchedulerPolicy
+from sluice.engine.core import EngineCore
+from sluice.engine.cost_model import CostModel
+from sluice.engine.profiles import get_hardware, get_model
+from sluice.engine.sampling import LengthDistribution, TokenSpace, tokens_between
+from sluice.engine.types import EngineConfig, EngineRequest, RequestOutput, SchedulerPolicy
 
 END_ID = 2
 SPACE = TokenSpace(vocab_size=1000, first_normal_id=4)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import Budget, RunStatus
+from sluice.ledger.pricing import reservation_cost_micros
+from sluice.ledger.repositories import BudgetRepository
+from sluice.services import errors
+from sluice.services.tokenization import encode
 from sqlalchemy import select
 
-from ledger.models import Budget, RunStatus
-from ledger.pricing import reservation_cost_micros
-from ledger.repositories import BudgetRepository
-from services import errors
-from services.tokenization import encode
 from sluice.v1 import common_pb2
 from tests.support.ledger_factories import (
     DEFAULT_MODEL,
@@ -169,13 +169,13 @@ async def test_the_bearer_authorization_header_is_accepted_too(api):
 
 async def test_the_models_own_tokenizer_counts_the_prompt(api):
     await make_model(api, ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096),
-                     tokenizer="models/tiny-chat/tokenizer.json")
+                     tokenizer="tiny-chat/tokenizer.json")
     tenant = await make_tenant(api)
     text = "Sluice admits work under budgets — héllo, wörld!"
 
     response = await api.submit(tenant, text, 16, model="chat")
 
-    expected = encode("models/tiny-chat/tokenizer.json", text)
+    expected = encode("tiny-chat/tokenizer.json", text)
     assert response.input_tokens == len(expected)
     assert (await get_run(api.sessionmaker, response.run_id)).prompt_token_ids == expected
 
@@ -310,7 +310,7 @@ async def test_bad_requests_are_refused_with_a_status_and_message_and_write_noth
 async def test_a_revoked_key_is_unauthenticated(api):
     await make_model(api)
     tenant = await make_tenant(api)
-    from ledger.models import ApiKey
+    from sluice.ledger.models import ApiKey
 
     async with api.sessionmaker() as session, session.begin():
         key = await session.scalar(select(ApiKey).where(ApiKey.tenant_id == tenant.id))

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import Model, Run
+from sluice.services import errors
 from sqlalchemy import select, update
 
-from ledger.models import Model, Run
-from services import errors
 from tests.support.ledger_factories import (
     DEFAULT_MODEL,
     ModelSpec,

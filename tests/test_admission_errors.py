@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 import pytest
-
-from services import errors
-from services.errors import grpc_errors
+from sluice.services import errors
+from sluice.services.errors import grpc_errors
 
 SERVICE = "sluice.test.Edge"
 

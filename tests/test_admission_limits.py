@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.settlement import settle_run
+from sluice.services import errors
+from sluice.services.admission import add_admission_servicer
 from sqlalchemy import update
 
-from ledger.db import make_engine, make_sessionmaker
-from ledger.models import Run, RunStatus
-from ledger.settlement import settle_run
-from services import errors
-from services.admission import add_admission_servicer
+from sluice.config import load_config
 from sluice.v1 import admission_pb2_grpc
-from sluice_config import load_config
 from tests.support.ledger_factories import add_model, add_tenant, count_runs, prompt_of
 
 if TYPE_CHECKING:

@@ -17,14 +17,14 @@ import asyncpg
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.models import Run, RunStatus
+from sluice.services import errors
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from ledger.channels import RUNS_ACCEPTED_CHANNEL
-from ledger.models import Run, RunStatus
-from services import errors
+from sluice.config import load_config
 from sluice.v1 import common_pb2
-from sluice_config import load_config
 from tests.support.db import asyncpg_dsn
 from tests.support.ledger_factories import (
     DEFAULT_MODEL,

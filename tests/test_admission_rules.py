@@ -6,10 +6,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-
-from ledger.repositories import WindowEntry
-from services import errors
-from services.admission_rules import (
+from sluice.ledger.repositories import WindowEntry
+from sluice.services import errors
+from sluice.services.admission_rules import (
     PoolPace,
     Sampling,
     SubmitIntent,
@@ -24,7 +23,8 @@ from services.admission_rules import (
     payload_hash,
     rate_window_retry_after,
 )
-from services.auth import api_key_from_metadata
+from sluice.services.auth import api_key_from_metadata
+
 from tests.support.ledger_factories import DEFAULT_MODEL
 
 GREEDY = Sampling(temperature=0.0, top_p=0.0, seed=0)

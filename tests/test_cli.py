@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 
-from clients import cli
-from sluice_config import REPO_ROOT
+from sluice_client import cli
+
+from tests.support import REPO_ROOT
 
 
 def test_a_command_without_any_api_key_exits_2_and_says_how_to_give_one(monkeypatch, capsys):

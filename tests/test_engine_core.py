@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from engine.core import EngineCore
-from engine.sampling import (
+from sluice.engine.core import EngineCore
+from sluice.engine.sampling import (
     INFEASIBLE_LOGNORMAL,
     FixedLength,
     GeometricLength,
@@ -14,7 +14,7 @@ from engine.sampling import (
     draw_output_length,
     uniform,
 )
-from engine.types import (
+from sluice.engine.types import (
     BAD_OUTPUT_LEN,
     CONTEXT_OVER_BUDGET,
     DUPLICATE_REQUEST,

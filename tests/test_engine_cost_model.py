@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import BAD_TP, CostFactors, CostModel
-from engine.profiles import (
+from sluice.engine.cost_model import BAD_TP, CostFactors, CostModel
+from sluice.engine.profiles import (
     UNKNOWN_HARDWARE,
     UNKNOWN_MODEL,
     get_hardware,

@@ -1,6 +1,6 @@
 """The paged KV pool: exact block ids, prefix reuse, LRU eviction, nothing leaked."""
 
-from engine.kv_cache import ROOT_HASH, BlockPool, block_hashes
+from sluice.engine.kv_cache import ROOT_HASH, BlockPool, block_hashes
 from tests.engine_helpers import (
     assert_nothing_leaked,
     make_config,

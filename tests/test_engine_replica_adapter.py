@@ -15,17 +15,17 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.sampling import TokenSpace, tokens_between
-from replica.engine_api import EngineRequestError, GenerationRequest
-from replica.engine_core_adapter import (
+from sluice.engine.sampling import TokenSpace, tokens_between
+from sluice.replica.engine_api import EngineRequestError, GenerationRequest
+from sluice.replica.engine_core_adapter import (
     ERR_NOT_BOOL,
     ERR_OUTPUT_LENGTH,
     CoreEngine,
     CoreSettings,
 )
-from replica.generator import prompt_seed
-from replica.metrics import ReplicaMetrics
-from router.load import parse_metrics
+from sluice.replica.generator import prompt_seed
+from sluice.replica.metrics import ReplicaMetrics
+from sluice.router.load import parse_metrics
 
 SPACE = TokenSpace(vocab_size=4096, first_normal_id=5)
 SETTINGS = CoreSettings(model="llama-3-8b", hardware="h100-sxm", tp=1, block_size=4, num_blocks=64,
@@ -115,7 +115,7 @@ def core_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     log_path = log_dir / "replica.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "replica.serve", "--name", "c0"],
+            [sys.executable, "-m", "sluice.replica.serve", "--name", "c0"],
             env=replica_env("c0", grpc_port, http_port, metrics_port, settings),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     replica = ReplicaProcess("c0", f"127.0.0.1:{grpc_port}", http_port, metrics_port, process, log_path)
@@ -143,7 +143,7 @@ def scrape(replica: object) -> dict[str, float]:
 
 @pytest.mark.integration
 async def test_a_core_replica_streams_reuses_prefixes_stops_and_reports_state(core_replica: object) -> None:
-    from services import replica_client as rc
+    from sluice.services import replica_client as rc
 
     address = core_replica.grpc_address  # type: ignore[attr-defined]
     prompt = tuple(range(100, 110))
@@ -237,8 +237,9 @@ def scrape_text(replica: object) -> str:
 @pytest.mark.integration
 async def test_the_default_replica_runs_the_core_and_its_metrics_follow_the_cores_state(
         default_replica: object) -> None:
-    from services import replica_client as rc
-    from sluice_config import load_config
+    from sluice.services import replica_client as rc
+
+    from sluice.config import load_config
 
     settings = CoreSettings.from_section(load_config()["replica"])
     space = TokenSpace(settings.vocab_size, settings.first_normal_id)

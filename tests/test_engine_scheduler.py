@@ -5,9 +5,9 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.core import EngineCore
-from engine.sampling import UniformLength
-from engine.types import EngineRequest, SchedulerPolicy, StepResult
+from sluice.engine.core import EngineCore
+from sluice.engine.sampling import UniformLength
+from sluice.engine.types import EngineRequest, SchedulerPolicy, StepResult
 from tests.engine_helpers import (
     END_ID,
     assert_nothing_leaked,

@@ -1,6 +1,6 @@
 """The event log's pure core: numbering, coalescing, reader de-duplication."""
 
-from eventlog.events import (
+from sluice.eventlog.events import (
     DeltaCoalescer,
     EventDeduper,
     RunEventSequencer,

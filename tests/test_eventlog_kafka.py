@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from eventlog.events import RunEventSequencer
-from eventlog.interface import LogPosition
-from eventlog.kafka import KafkaEventLog
+from sluice.config import load_config
+from sluice.eventlog.events import RunEventSequencer
+from sluice.eventlog.interface import LogPosition
+from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2, runs_pb2
-from sluice_config import load_config
 
 pytestmark = pytest.mark.integration
 

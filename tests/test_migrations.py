@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.models import Base, Model
+from sluice.ledger.repositories import TenantRepository
+from sluice.ledger.seed import DEMO_API_KEY, OTHER_API_KEY, seed
 from sqlalchemy import inspect, text
 
-from ledger.db import make_engine, make_sessionmaker
-from ledger.models import Base, Model
-from ledger.repositories import TenantRepository
-from ledger.seed import DEMO_API_KEY, OTHER_API_KEY, seed
 from tests.support.db import create_database, drop_database, run_alembic, unique_name
 
 pytestmark = pytest.mark.integration

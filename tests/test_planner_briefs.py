@@ -6,9 +6,9 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.profiles import HARDWARE_PRESETS, MODEL_PRESETS
-from planner import BriefError, parse_brief, plan
-from planner.errors import (
+from sluice.engine.profiles import HARDWARE_PRESETS, MODEL_PRESETS
+from sluice.planner import BriefError, parse_brief, plan
+from sluice.planner.errors import (
     BUDGET_NOT_A_MULTIPLE,
     DUTY_OR_READ_TIME,
     MISSING_FIELD,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner.cli import EXIT_BAD_BRIEF, EXIT_MEETS, EXIT_MISSES, main
-from planner.errors import UNKNOWN_MODEL_PRESET
+from sluice.planner.cli import EXIT_BAD_BRIEF, EXIT_MEETS, EXIT_MISSES, main
+from sluice.planner.errors import UNKNOWN_MODEL_PRESET
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "briefs"
 SEED003 = str(EXAMPLES / "seed003.yaml")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner import Plan, load_brief, parse_brief, plan
+from sluice.planner import Plan, load_brief, parse_brief, plan
 
 SEED000 = Path(__file__).resolve().parents[1] / "examples" / "briefs" / "seed000.yaml"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from planner import Plan, load_brief, plan
-from planner.fleet import FITS, OVERLOADED
+from sluice.planner import Plan, load_brief, plan
+from sluice.planner.fleet import FITS, OVERLOADED
 
 SEED003 = Path(__file__).resolve().parents[1] / "examples" / "briefs" / "seed003.yaml"
 KIB = 1024

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from planner import Plan, parse_brief, plan
-from planner.cli import EXIT_MEETS, main
-from planner.render import to_markdown
-from planner.simulate import sim_inputs, simulate
+from sluice.planner import Plan, parse_brief, plan
+from sluice.planner.cli import EXIT_MEETS, main
+from sluice.planner.render import to_markdown
+from sluice.planner.simulate import sim_inputs, simulate
 
 
 def small_brief() -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import yaml
 
-from planner import Plan, parse_brief, plan
+from sluice.planner import Plan, parse_brief, plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "briefs"
 

@@ -1,4 +1,4 @@
-"""A real replica (pytriton Triton, `python -m replica.serve`) driven by services.replica_client.
+"""A real replica (pytriton Triton, `python -m sluice.replica.serve`) driven by services.replica_client.
 
 These pin the host's behaviour (streaming, stop, errors, loss) with the simple engine, whose tokens
 and timing are exact; the default engine (the core) is tested in tests/test_engine_replica_adapter.py."""
@@ -16,12 +16,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from sluice.services import replica_client as rc
+from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 
-from replica import lifecycle
-from replica.engine_api import GenerationRequest
-from replica.generator import GeneratorConfig, expected_tokens, prompt_seed
-from replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
-from replica.serve import (
+from sluice.replica import lifecycle
+from sluice.replica.engine_api import GenerationRequest
+from sluice.replica.generator import GeneratorConfig, expected_tokens, prompt_seed
+from sluice.replica.protocol import ERR_BAD_OUTPUT_LEN, ERR_EMPTY_INPUT
+from sluice.replica.serve import (
     ERR_PORT_IN_USE,
     ERR_STOP_TIMEOUT,
     ERR_TRITON_EXITED,
@@ -30,8 +32,6 @@ from replica.serve import (
     EXIT_STARTUP_FAILED,
     STOP_TIMEOUT_S,
 )
-from services import replica_client as rc
-from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from tests.support.replica_proc import (
     ReplicaProcess,
     free_ports,
@@ -269,7 +269,7 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", grpc_port))
         squatter.listen()
-        result = subprocess.run([sys.executable, "-m", "replica.serve", "--name", "busy"],
+        result = subprocess.run([sys.executable, "-m", "sluice.replica.serve", "--name", "busy"],
                                 env=replica_env("busy", grpc_port, http_port, metrics_port, SETTINGS),
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -278,7 +278,7 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
 
 def test_an_unknown_engine_fails_startup_with_a_clear_error():
     ports = free_ports(3)
-    result = subprocess.run([sys.executable, "-m", "replica.serve", "--name", "odd"],
+    result = subprocess.run([sys.executable, "-m", "sluice.replica.serve", "--name", "odd"],
                             env=replica_env("odd", *ports, {**SETTINGS, "engine": "magic"}),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == EXIT_STARTUP_FAILED
@@ -290,7 +290,7 @@ def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error(t
     grpc_port, http_port, metrics_port = free_ports(3)
     script = (
         "import pathlib, sys, time\n"
-        "import replica.serve as serve\n"
+        "import sluice.replica.serve as serve\n"
         "serve.check_ports_free = lambda settings: None\n"
         f"settings = serve.ReplicaSettings('racy', '127.0.0.1', {http_port}, {grpc_port}, {metrics_port},"
         f" serve.GeneratorConfig(), workspace=pathlib.Path({str(tmp_path / 'ws')!r}))\n"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from replica.engine_api import EngineRequestError, GenerationRequest
-from replica.generator import (
+from sluice.replica.engine_api import EngineRequestError, GenerationRequest
+from sluice.replica.generator import (
     ERR_BAD_CAP,
     ERR_BAD_MODE,
     ERR_DUPLICATE_ID,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from replica.lifecycle import (
+from sluice.replica.lifecycle import (
     WRAPPER_NAME,
     descendants,
     orphaned_stubs,

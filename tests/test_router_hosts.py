@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from sluice.services.routing.app import build_worker
+from sluice.services.routing.worker import RoutingWorker
 
-from router.policies import LeastLoaded, PrefixAware
-from router.policy import RoundRobin, RouteRequest, make_policy
-from services.routing.app import build_worker
-from services.routing.worker import RoutingWorker
-from sim.fleet import Fleet, FleetConfig
-from sim.workload import WorkloadConfig
-from sluice_config import load_config
+from sluice.config import load_config
+from sluice.router.policies import LeastLoaded, PrefixAware
+from sluice.router.policy import RoundRobin, RouteRequest, make_policy
+from sluice.sim.fleet import Fleet, FleetConfig
+from sluice.sim.workload import WorkloadConfig
 
 POLICY_CLASSES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_aware": PrefixAware}
 

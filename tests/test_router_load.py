@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from router.load import LoadSnapshot, LoadTracker, parse_metrics, record_scrape, restarted
-from router.policies import PrefixAware
-from router.policy import ReplicaView, RouteRequest
+from sluice.router.load import LoadSnapshot, LoadTracker, parse_metrics, record_scrape, restarted
+from sluice.router.policies import PrefixAware
+from sluice.router.policy import ReplicaView, RouteRequest
 
 TRT_LLM_TEXT = """\
 # HELP nv_trt_llm_request_metrics TRT LLM request metrics
@@ -48,8 +48,8 @@ def test_absent_metrics_read_as_zero_and_the_fraction_is_derived():
 
 
 def test_parses_what_the_replica_host_exports():
-    from replica.engine_api import EngineStats
-    from replica.metrics import ReplicaMetrics
+    from sluice.replica.engine_api import EngineStats
+    from sluice.replica.metrics import ReplicaMetrics
 
     metrics = ReplicaMetrics(start_time=1234.5)
     metrics.update(EngineStats(active=4, waiting=6, scheduled=4, context=2, max_requests=64,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from router.metrics import RouterMetrics, RouterMetricsSnapshot
-from router.policy import RouteDecision
+from sluice.router.metrics import RouterMetrics, RouterMetricsSnapshot
+from sluice.router.policy import RouteDecision
 
 
 def test_decisions_are_counted_per_policy_and_outcome_with_predicted_tokens():

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.load import LoadSnapshot, LoadTracker
-from router.policies import (
+from sluice.router.load import LoadSnapshot, LoadTracker
+from sluice.router.policies import (
     NOT_WHOLE,
     OUTCOME_AFFINITY_HIT,
     OUTCOME_BALANCED_AWAY,
@@ -20,7 +20,7 @@ from router.policies import (
     PrefixAware,
     load_limit,
 )
-from router.policy import (
+from sluice.router.policy import (
     BAD_POLICY_OPTIONS,
     ORACLE_NEEDS_PROBE,
     UNKNOWN_POLICY,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.prefix_index import PrefixIndex, block_hashes
+from sluice.router.prefix_index import PrefixIndex, block_hashes
 
 BS = 4
 

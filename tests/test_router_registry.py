@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.health import HealthBook
-from router.load import LoadSnapshot, LoadTracker
-from router.policy import ReplicaView
-from router.registry import (
+from sluice.config import load_config
+from sluice.router.health import HealthBook
+from sluice.router.load import LoadSnapshot, LoadTracker
+from sluice.router.policy import ReplicaView
+from sluice.router.registry import (
     BAD_VALUE,
     DUPLICATE_NAME,
     MISSING_KEY,
@@ -15,7 +16,6 @@ from router.registry import (
     ReplicaRegistry,
     ReplicaSpec,
 )
-from sluice_config import load_config
 
 
 def test_the_shipped_config_yields_the_development_replicas():

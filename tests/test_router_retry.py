@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import PrefixAware
-from router.policy import ReplicaView, RouteRequest
-from router.retry import FailureAction, after_replica_failure, retry_candidates
+from sluice.router.policies import PrefixAware
+from sluice.router.policy import ReplicaView, RouteRequest
+from sluice.router.retry import FailureAction, after_replica_failure, retry_candidates
 
 
 def test_a_run_without_tokens_is_retried_on_another_replica():

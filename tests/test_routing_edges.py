@@ -10,18 +10,23 @@ import json
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import Run, RunStatus
+from sluice.services.routing import worker as routing_worker
+from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.claims import mark_queued
+from sluice.services.routing.finish import Ending, settle_and_fix_terminal
+from sluice.services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
+from sluice.services.routing.worker import (
+    DETAIL_EXPIRED_BEFORE_START,
+    RoutingWorker,
+    WorkerSettings,
+    new_owner_id,
+)
+from sluice_client import cli
+from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
-from clients import cli
-from clients.sdk import SluiceClient
-from ledger.models import Run, RunStatus
-from router.policy import make_policy_from_config
-from services.routing import worker as routing_worker
-from services.routing.app import registry_from_config
-from services.routing.claims import mark_queued
-from services.routing.finish import Ending, settle_and_fix_terminal
-from services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
-from services.routing.worker import DETAIL_EXPIRED_BEFORE_START, RoutingWorker, WorkerSettings, new_owner_id
+from sluice.router.policy import make_policy_from_config
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
 from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens
 

@@ -13,19 +13,19 @@ from pathlib import Path
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sluice.ledger.models import RunStatus, UsageEntry
+from sluice.services import telemetry
+from sluice.services.replica_client import TokenChunk
+from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.driver import TRITON
+from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+from sluice.services.telemetry import TelemetrySettings
+from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
-from clients.sdk import SluiceClient
-from ledger.models import RunStatus, UsageEntry
-from router.policies import PrefixAware
-from router.policy import make_policy_from_config
-from router.retry import NO_REPLICA_STARTED
-from services import telemetry
-from services.replica_client import TokenChunk
-from services.routing.app import registry_from_config
-from services.routing.driver import TRITON
-from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
-from services.telemetry import TelemetrySettings
+from sluice.router.policies import PrefixAware
+from sluice.router.policy import make_policy_from_config
+from sluice.router.retry import NO_REPLICA_STARTED
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import (

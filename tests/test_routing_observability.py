@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
+from sluice.ledger.models import RunStatus
+from sluice.services import telemetry
+from sluice.services.routing.observability import RoutingMetrics, RunOutcome, ServiceObjectives
+from sluice.services.telemetry import UNKNOWN_EXPORTER, TelemetrySettings
 
-from ledger.models import RunStatus
-from router.load import LoadSnapshot
-from router.policy import RouteDecision
-from services import telemetry
-from services.routing.observability import RoutingMetrics, RunOutcome, ServiceObjectives
-from services.telemetry import UNKNOWN_EXPORTER, TelemetrySettings
+from sluice.router.load import LoadSnapshot
+from sluice.router.policy import RouteDecision
 
 POOL = "tiny-chat-v1"
 

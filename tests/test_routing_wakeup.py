@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.models import RunStatus
+from sluice.services.routing.worker import RoutingWorker
+from sluice_client.sdk import SluiceClient
 from sqlalchemy import text
 
-from clients.sdk import SluiceClient
-from ledger.channels import RUNS_ACCEPTED_CHANNEL
-from ledger.models import RunStatus
-from services.routing.worker import RoutingWorker
 from tests.support.routing_stack import MODEL, Stack
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ import time
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import RunStatus
+from sluice.services.runs import RUN_NOT_FOUND
+from sluice_client.sdk import SluiceClient
 
-from clients.sdk import SluiceClient
-from ledger.models import RunStatus
-from services.runs import RUN_NOT_FOUND
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.routing_stack import Stack, collect, deltas_tokens

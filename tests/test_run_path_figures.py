@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sluice_client.sdk import SluiceClient
 
 from bench.bench_run_path import measure
-from clients.sdk import SluiceClient
 from tests.support.routing_stack import Stack
 
 pytestmark = pytest.mark.integration

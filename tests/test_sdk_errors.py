@@ -14,15 +14,15 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import Run, RunStatus
+from sluice.services import errors
+from sluice.services.admission import add_admission_servicer
+from sluice_client import cli, sdk
+from sluice_client.sdk import SluiceClient, SluiceError
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from clients import cli, sdk
-from clients.sdk import SluiceClient, SluiceError
-from ledger.models import Run, RunStatus
-from services import errors
-from services.admission import add_admission_servicer
-from sluice_config import load_config
+from sluice.config import load_config
 from tests.support.ledger_factories import DEFAULT_MODEL, MICROS, add_model, add_tenant, count_runs, prompt_of
 
 MODEL = DEFAULT_MODEL.alias or DEFAULT_MODEL.version

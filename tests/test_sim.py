@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from engine.profiles import get_model
-from engine.sampling import FixedLength, GeometricLength
-from engine.types import EngineConfig
-from router.policy import ReplicaView, RouteDecision, RouteRequest, make_policy
-from sim import (
+from sluice.engine.profiles import get_model
+from sluice.engine.sampling import FixedLength, GeometricLength
+from sluice.engine.types import EngineConfig
+from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, make_policy
+from sluice.sim import (
     SLO,
     Distribution,
     Fleet,
@@ -19,7 +19,7 @@ from sim import (
     WorkloadConfig,
     run_fleet,
 )
-from sim.workload import UNKNOWN_ARRIVAL, Workload
+from sluice.sim.workload import UNKNOWN_ARRIVAL, Workload
 
 SMALL_FLEET = FleetConfig(replicas=2, tp=1, model=get_model("llama-3-8b"),
                           engine=EngineConfig(block_size=16, max_num_seqs=32, max_num_tokens=512,
@@ -205,7 +205,7 @@ def test_an_unknown_arrival_mode_is_a_value_error() -> None:
 
 
 def test_the_cli_runs_a_preset_and_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
-    from sim.__main__ import main
+    from sluice.sim.__main__ import main
 
     main(["--preset", "small", "--duration", "20", "--users", "40"])
     printed = capsys.readouterr().out
@@ -215,7 +215,7 @@ def test_the_cli_runs_a_preset_and_prints_the_report(capsys: pytest.CaptureFixtu
 
 
 def test_an_unknown_preset_names_the_known_ones() -> None:
-    from sim.presets import UNKNOWN_PRESET, get_preset
+    from sluice.sim.presets import UNKNOWN_PRESET, get_preset
 
     with pytest.raises(ValueError) as error:
         get_preset("seed999")

@@ -8,8 +8,8 @@ import uuid
 
 import asyncpg
 import pytest
+from sluice.ledger.db import configured_dsn
 
-from ledger.db import configured_dsn
 from tests.support.db import (
     asyncpg_dsn,
     create_database,

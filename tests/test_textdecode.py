@@ -2,9 +2,9 @@
 
 import random
 
-from services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
 
-TOKENIZER = "models/tiny-chat/tokenizer.json"
+TOKENIZER = "tiny-chat/tokenizer.json"
 TEXT = ("Sluice streams tokens — résumé, naïve café, 東京, emoji 🚰🌊 and plain ASCII words, "
         "so that multi-byte characters split across tokens. ") * 6
 

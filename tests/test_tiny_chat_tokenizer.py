@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "models" / "tiny-chat" / "tokenizer.json"
+TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "sluice" / "models" / "tiny-chat" / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger.models import Model, Run, RunStatus, UsageEntry
+from sluice.ledger.pricing import cost_micros
+from sluice.ledger.settlement import SettlementError, settle_run, settled_usage
+from sluice.services import errors
 from sqlalchemy import select, update
 
-from ledger.models import Model, Run, RunStatus, UsageEntry
-from ledger.pricing import cost_micros
-from ledger.settlement import SettlementError, settle_run, settled_usage
-from services import errors
 from sluice.v1 import usage_pb2
 from tests.support.ledger_factories import (
     DEFAULT_MODEL,

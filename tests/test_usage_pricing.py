@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ledger.pricing import cost_micros, largest_output_cap_within_cost, reservation_cost_micros
+from sluice.ledger.pricing import cost_micros, largest_output_cap_within_cost, reservation_cost_micros
+
 from tests.support.ledger_factories import DEFAULT_MODEL, MICROS, ModelSpec
 
 

@@ -14,12 +14,12 @@ import grpc.aio
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
+from sluice.ledger.models import Run, RunStatus, UsageEntry
+from sluice.services.routing.worker import DETAIL_DRIVER_LOST
+from sluice_client.sdk import SluiceClient
 from sqlalchemy import func, select
 
-from clients.sdk import SluiceClient
-from eventlog.interface import CURSOR_PAST_RETENTION, LogPosition
-from ledger.models import Run, RunStatus, UsageEntry
-from services.routing.worker import DETAIL_DRIVER_LOST
+from sluice.eventlog.interface import CURSOR_PAST_RETENTION, LogPosition
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica, stop_replica

@@ -1,4 +1,4 @@
-"""`python -m services.routing [--listen HOST:PORT] [--name LABEL]`: one routing worker process.
+"""`python -m sluice.services.routing [--listen HOST:PORT] [--name LABEL]`: one routing worker process.
 
 Start several: they share the ledger and claim runs with SKIP LOCKED, each run
 exactly once. `--listen` also serves the Routing API ([routing].listen is the
@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import logging
 
-from sluice_config import load_config
+from sluice.config import load_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.routing", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.services.routing", description=__doc__)
     parser.add_argument("--listen", default=None, help="serve the Routing API here (default: not served)")
     parser.add_argument("--serve-api", action="store_true", help="serve the Routing API on [routing].listen")
     parser.add_argument("--name", default=None, help="label in this worker's lease owner id")
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("aiokafka").setLevel(logging.WARNING)  # it logs every consumer's assignment at INFO
     config = load_config()
     listen = args.listen or (str(config["routing"]["listen"]) if args.serve_api else None)
-    from services.routing.app import run_routing_process
+    from sluice.services.routing.app import run_routing_process
 
     asyncio.run(run_routing_process(config, listen, args.name))
 

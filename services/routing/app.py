@@ -11,16 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc.aio
+from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.services import replica_client
+from sluice.services.routing.observability import RoutingMetrics, ServiceObjectives
+from sluice.services.routing.servicer import add_routing_servicer
+from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+from sluice.services.telemetry import TelemetrySettings, serve_metrics, setup_tracing, shutdown_tracing
 
-from eventlog.kafka import KafkaEventLog
-from ledger.db import make_engine, make_sessionmaker
-from router.policy import make_policy_from_config
-from router.registry import ReplicaRegistry
-from services import replica_client
-from services.routing.observability import RoutingMetrics, ServiceObjectives
-from services.routing.servicer import add_routing_servicer
-from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
-from services.telemetry import TelemetrySettings, serve_metrics, setup_tracing, shutdown_tracing
+from sluice.eventlog.kafka import KafkaEventLog
+from sluice.router.policy import make_policy_from_config
+from sluice.router.registry import ReplicaRegistry
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sluice.ledger.models import Model, Run, RunStatus
+from sluice.services.notify import notify
 from sqlalchemy import ColumnElement, Integer, and_, bindparam, func, literal, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from eventlog.interface import LogPosition
-from ledger.models import Model, Run, RunStatus
-from services.notify import notify
+from sluice.eventlog.interface import LogPosition
 
 ACTIVE_CLAIMED = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
 CANCEL_CHANNEL = "sluice_run_cancel"    # NOTIFY payload: the run id whose cancel was requested

@@ -32,18 +32,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sluice.ledger.models import RunStatus
+from sluice.services import replica_client
+from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
+from sluice.services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
+from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from sluice.services.routing.observability import RunOutcome
+from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from eventlog.events import DeltaCoalescer, RunEventSequencer
-from eventlog.interface import EventLog, LogPosition
-from ledger.models import RunStatus
-from router.retry import DEFAULT_MAX_ATTEMPTS, NO_REPLICA_STARTED, FailureAction, after_replica_failure
-from services import replica_client
-from services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
-from services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
-from services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from services.routing.observability import RunOutcome
-from services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.eventlog.events import DeltaCoalescer, RunEventSequencer
+from sluice.eventlog.interface import EventLog, LogPosition
+from sluice.router.retry import DEFAULT_MAX_ATTEMPTS, NO_REPLICA_STARTED, FailureAction, after_replica_failure
 from sluice.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -17,15 +17,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.settlement import SettledUsage, settle_run_usage, settled_usage
+from sluice.services.notify import notify
+from sluice.services.routing.claims import EVENTS_CHANNEL, lease_until
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from eventlog.events import status_value, terminal_event
-from eventlog.interface import EventLog, LogPosition
-from ledger.models import Run, RunStatus
-from ledger.settlement import SettledUsage, settle_run_usage, settled_usage
-from services.notify import notify
-from services.routing.claims import EVENTS_CHANNEL, lease_until
+from sluice.eventlog.events import status_value, terminal_event
+from sluice.eventlog.interface import EventLog, LogPosition
 from sluice.v1 import common_pb2
 
 

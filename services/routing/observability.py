@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sluice.ledger.models import RunStatus
 
-from ledger.models import RunStatus
-from router.load import LoadSnapshot
-from router.metrics import RouterMetrics
-from router.policy import RouteDecision
+from sluice.router.load import LoadSnapshot
+from sluice.router.metrics import RouterMetrics
+from sluice.router.policy import RouteDecision
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5)

@@ -1,6 +1,6 @@
 """Routing gRPC API: the replica registry of the routing process that serves it, and Explain.
 
-Served by a routing worker process (`python -m services.routing --listen ...`),
+Served by a routing worker process (`python -m sluice.services.routing --listen ...`),
 so an edit changes where that process routes from its next claim on.
 """
 
@@ -10,13 +10,13 @@ import time
 
 import grpc
 import grpc.aio
+from sluice.ledger.models import Model
+from sluice.services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
+from sluice.services.routing.claims import in_flight_by_replica
+from sluice.services.routing.worker import RoutingWorker
 
-from ledger.models import Model
-from router.policy import RouteRequest
-from router.registry import RegistryError, ReplicaSpec
-from services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
-from services.routing.claims import in_flight_by_replica
-from services.routing.worker import RoutingWorker
+from sluice.router.policy import RouteRequest
+from sluice.router.registry import RegistryError, ReplicaSpec
 from sluice.v1 import routing_pb2, routing_pb2_grpc
 
 REPLICA_NAME_MISSING = "replica name is empty: name the replica to add, replace or remove"

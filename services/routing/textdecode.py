@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from sluice.services import tokenization
 from tokenizers import Tokenizer
-
-from services import tokenization
 
 REPLACEMENT = "\ufffd"
 

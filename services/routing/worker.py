@@ -34,20 +34,11 @@ from typing import Any
 
 import aiohttp
 from opentelemetry import trace
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-
-from eventlog.events import tokens_in
-from eventlog.interface import EventLog, LogPosition
-from ledger.channels import RUNS_ACCEPTED_CHANNEL
-from ledger.models import Model, Run, RunStatus
-from router.health import HealthBook, HealthOptions
-from router.load import LoadTracker, record_scrape, restarted
-from router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, explain
-from router.registry import ReplicaRegistry, ReplicaSpec
-from router.retry import DEFAULT_MAX_ATTEMPTS, retry_candidates
-from services import replica_client
-from services.notify import ChannelListener
-from services.routing.claims import (
+from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.models import Model, Run, RunStatus
+from sluice.services import replica_client
+from sluice.services.notify import ChannelListener
+from sluice.services.routing.claims import (
     CANCEL_CHANNEL,
     ClaimedRun,
     lock_accepted,
@@ -58,16 +49,25 @@ from services.routing.claims import (
     take_expired_leases,
     take_unpublished_terminals,
 )
-from services.routing.driver import TRITON, DriverSettings, LeaseLost, ReplicaClient, RunDriver, Target
-from services.routing.finish import (
+from sluice.services.routing.driver import TRITON, DriverSettings, LeaseLost, ReplicaClient, RunDriver, Target
+from sluice.services.routing.finish import (
     Ending,
     TerminalRecord,
     publish_terminal,
     settle_and_fix_terminal,
     terminal_record,
 )
-from services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
-from services.telemetry import tracer
+from sluice.services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
+from sluice.services.telemetry import tracer
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.eventlog.events import tokens_in
+from sluice.eventlog.interface import EventLog, LogPosition
+from sluice.router.health import HealthBook, HealthOptions
+from sluice.router.load import LoadTracker, record_scrape, restarted
+from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, explain
+from sluice.router.registry import ReplicaRegistry, ReplicaSpec
+from sluice.router.retry import DEFAULT_MAX_ATTEMPTS, retry_candidates
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ import asyncpg
 import pytest
 from alembic import command
 from alembic.config import Config
+from sluice.ledger.db import configured_dsn, make_engine, make_sessionmaker
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from ledger.db import configured_dsn, make_engine, make_sessionmaker
-from sluice_config import REPO_ROOT
+from tests.support import REPO_ROOT
 
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 

@@ -11,12 +11,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.ledger.models import ApiKey, Budget, Model, Run, Tenant, UsageEntry
+from sluice.ledger.repositories import hash_api_key
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from tokenizers import Tokenizer, models, pre_tokenizers
-
-from ledger.models import ApiKey, Budget, Model, Run, Tenant, UsageEntry
-from ledger.repositories import hash_api_key
 
 TEST_WORDS = ("alpha", "bravo", "charlie", "delta", "echo")
 TEST_VOCAB = {"[UNK]": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(TEST_WORDS)}}

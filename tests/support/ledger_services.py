@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from sluice.services.admission import add_admission_servicer
+from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.admission import add_admission_servicer
-from services.usage import add_usage_servicer
+from sluice.config import load_config
 from sluice.v1 import admission_pb2, admission_pb2_grpc, usage_pb2, usage_pb2_grpc
-from sluice_config import load_config
 from tests.support.ledger_factories import TenantHandle, build_word_tokenizer
 
 

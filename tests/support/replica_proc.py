@@ -1,4 +1,4 @@
-"""Start and stop real replica processes (`python -m replica.serve`) on free ports.
+"""Start and stop real replica processes (`python -m sluice.replica.serve`) on free ports.
 
 Each replica runs in its own session (process group) so a test can kill it
 together with the tritonserver it spawned, as a machine loss would.
@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice_config import REPO_ROOT, data_dir, load_config
+from sluice.config import data_dir, load_config
+from tests.support import REPO_ROOT
 
 READY_MARKER = "ready model=tensorrt_llm"
 
@@ -75,7 +76,7 @@ def launch_replica(name: str, log_dir: Path, replica_settings: Mapping[str, obje
     log_path = log_dir / f"replica-{name}-{grpc_port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "replica.serve", "--name", name],
+            [sys.executable, "-m", "sluice.replica.serve", "--name", name],
             cwd=REPO_ROOT, env=replica_env(name, grpc_port, http_port, metrics_port, replica_settings or {}),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )

@@ -2,11 +2,11 @@
 
     pytest_plugins = ["tests.support.db", "tests.support.routing_stack"]
 
-- `replicas` (session): two real Triton replicas (`python -m replica.serve`) on free ports;
+- `replicas` (session): two real Triton replicas (`python -m sluice.replica.serve`) on free ports;
 - `stack` (per test): a fresh migrated database with the tiny-chat model and two tenants,
   Admission + Runs + Usage served in-process on a free port, the real Kafka event log,
   and one in-process routing worker; `stack.start_worker_process()` launches more routing
-  workers as separate processes (`python -m services.routing`) that a test may SIGKILL.
+  workers as separate processes (`python -m sluice.services.routing`) that a test may SIGKILL.
 """
 
 from __future__ import annotations
@@ -26,24 +26,25 @@ from typing import Any
 
 import grpc.aio
 import pytest
+from sluice.ledger.models import Run
+from sluice.services import replica_client
+from sluice.services.admission import add_admission_servicer
+from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
+from sluice.services.runs import RunsService, add_runs_servicer
+from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from eventlog.kafka import KafkaEventLog
-from ledger.models import Run
-from router.policy import make_policy_from_config
-from services import replica_client
-from services.admission import add_admission_servicer
-from services.routing.app import registry_from_config
-from services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
-from services.runs import RunsService, add_runs_servicer
-from services.usage import add_usage_servicer
+from sluice.config import load_config
+from sluice.eventlog.kafka import KafkaEventLog
+from sluice.router.policy import make_policy_from_config
 from sluice.v1 import runs_pb2
-from sluice_config import REPO_ROOT, load_config
+from tests.support import REPO_ROOT
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
 from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
 
 MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096)
-TOKENIZER = "models/tiny-chat/tokenizer.json"
+TOKENIZER = "tiny-chat/tokenizer.json"
 TOKEN_DELAY_MS = 20
 # The simple engine at a fixed 20 ms per token: the routing tests reason about time
 # (a cancel lands mid-stream, a run outlives a lease), so they pin a predictable replica.
@@ -130,7 +131,7 @@ def launch_worker_process(config: dict[str, Any], log_dir: Path, name: str,
                           timeout_s: float = 30.0) -> WorkerProcess:
     log_path = log_dir / f"routing-{name}-{uuid.uuid4().hex[:6]}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "services.routing", "--name", name],
+        process = subprocess.Popen([sys.executable, "-m", "sluice.services.routing", "--name", name],
                                    cwd=REPO_ROOT, env=worker_env(config), stdout=log,
                                    stderr=subprocess.STDOUT)
     worker = WorkerProcess(name, process, log_path)

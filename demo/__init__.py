@@ -1,1 +1,0 @@
-"""`python -m demo` (run by `make demo`): the whole platform end to end on real servers."""

@@ -1,0 +1,1 @@
+"""`python -m sluice.demo` (run by `make demo`): the whole platform end to end on real servers."""

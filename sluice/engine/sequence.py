@@ -1,0 +1,76 @@
+"""One request's mutable state inside the engine (never leaves the core).
+
+Token accounting, the same for a fresh request and one resumed after a pause:
+
+    known tokens   = prompt + streamed outputs                 (ids we can name)
+    context_len    = known tokens when the context phase began (what must be in KV
+                     before the next sample)
+    num_computed   = tokens whose KV is in this sequence's blocks
+
+The context phase computes KV up to `context_len` (in chunks) and its last chunk
+samples one token; each generation step then computes the KV of the newest
+token and samples the next, so in generation num_computed = known − 1 and the
+step reads num_computed + 1 tokens of KV.
+
+`total_samples` is how many tokens the "model" samples in all: the drawn
+output length, plus one for the end_id step when the request stops short of
+its cap (end_id is sampled but not streamed, as TensorRT-LLM does).
+"""
+
+from __future__ import annotations
+
+from sluice.engine.kv_cache import ROOT_HASH, block_hashes
+from sluice.engine.sampling import TokenSpace, tokens_between
+from sluice.engine.types import EngineRequest, FinishReason
+
+
+class SequenceState:
+    __slots__ = (
+        "request", "request_id", "prompt_len", "cap", "output_len", "total_samples",
+        "num_sampled", "num_computed", "context_len", "in_context", "block_ids", "hashes",
+        "num_registered", "admitted", "reused_blocks", "num_cached_tokens", "times_paused",
+    )
+
+    def __init__(self, request: EngineRequest, output_len: int) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_len = len(request.prompt_token_ids)
+        self.cap = request.max_output_tokens
+        self.output_len = output_len
+        self.total_samples = output_len + (1 if output_len < self.cap else 0)
+        self.num_sampled = 0
+        self.num_computed = 0
+        self.context_len = self.prompt_len
+        self.in_context = True
+        self.block_ids: list[int] = []
+        self.hashes: list[int] = []        # chained hashes of the known tokens' full blocks (lazy)
+        self.num_registered = 0            # leading blocks already registered in the pool
+        self.admitted = False
+        self.reused_blocks = 0             # at first admission, reported per response
+        self.num_cached_tokens = 0
+        self.times_paused = 0
+
+    @property
+    def num_streamed(self) -> int:
+        return min(self.num_sampled, self.output_len)
+
+    def finish_reason(self) -> FinishReason:
+        return "length" if self.output_len == self.cap else "end_id"
+
+    def known_tokens(self, space: TokenSpace) -> list[int]:
+        prompt = list(self.request.prompt_token_ids)
+        if self.num_streamed:
+            prompt.extend(tokens_between(space, self.request.seed, 0, self.num_streamed))
+        return prompt
+
+    def hashes_upto(self, num_tokens: int, block_size: int, space: TokenSpace) -> list[int]:
+        """Chained hashes of the full blocks among the first `num_tokens` known tokens."""
+        wanted = num_tokens // block_size
+        have = len(self.hashes)
+        if wanted > have:
+            prompt = self.request.prompt_token_ids
+            tokens = prompt if num_tokens <= self.prompt_len else self.known_tokens(space)
+            parent = self.hashes[-1] if have else ROOT_HASH
+            self.hashes.extend(block_hashes(tokens[:wanted * block_size], block_size, parent,
+                                            start=have * block_size))
+        return self.hashes[:wanted]

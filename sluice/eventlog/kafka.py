@@ -1,0 +1,176 @@
+"""Kafka backend of the event log (aiokafka).
+
+Writes: one idempotent producer per process (enable_idempotence, acks=all),
+key = run id so that one run's events land in one partition, in order; value =
+a serialized sluice.v1.RunEvent. `append` returns once the broker has
+acknowledged the record to all in-sync replicas, so the position it returns is
+durable and may be recorded in the ledger.
+
+Reads: consumers with no group (manual assignment). A replay seeks to the run's
+first offset in its partition and keeps the records whose key is the run id;
+live records come from one tail per process (eventlog/tail.py) that fans the
+end of the topic out to the streams waiting for each run. Consumers only ever
+see records below the high watermark, i.e. records that are durable, which is
+what lets Stream promise that no client sees an event the log could still lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
+from aiokafka.partitioner import DefaultPartitioner
+
+from sluice.eventlog.events import EventDeduper
+from sluice.eventlog.interface import CursorPastRetention, LogPosition
+from sluice.eventlog.tail import LiveTail
+from sluice.v1 import runs_pb2
+
+POLL_TIMEOUT_MS = 200
+
+
+class KafkaEventLog:
+    """EventLog over one Kafka topic. Create and close it on the event loop that uses it."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self._producer: AIOKafkaProducer | None = None
+        self._producer_lock = asyncio.Lock()
+        self._tail: LiveTail | None = None   # started by the first follow()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> KafkaEventLog:
+        kafka = config["kafka"]
+        return cls(bootstrap=str(kafka["bootstrap"]), topic=str(kafka["events_topic"]))
+
+    async def _ready_producer(self) -> AIOKafkaProducer:
+        async with self._producer_lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    enable_idempotence=True,   # broker drops retried duplicates; order kept per partition
+                    acks="all",
+                    linger_ms=0,               # coalescing happens upstream, per run
+                )
+                await producer.start()
+                self._producer = producer
+            return self._producer
+
+    async def start(self) -> None:
+        await self._ready_producer()
+
+    async def close(self) -> None:
+        if self._tail is not None:
+            await self._tail.close()
+            self._tail = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
+        producer = await self._ready_producer()
+        metadata = await producer.send_and_wait(
+            self.topic, value=event.SerializeToString(), key=event.run_id.encode())
+        return LogPosition(partition=metadata.partition, offset=metadata.offset)
+
+    def _consumer(self) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            # A position that retention deleted must surface as an error, never
+            # be silently moved to the earliest or latest record.
+            auto_offset_reset="none",
+            fetch_max_wait_ms=100,
+        )
+
+    async def partition_of(self, run_id: str) -> int:
+        """The partition the producer's default partitioner sends this run's key to."""
+        producer = await self._ready_producer()
+        partitions = sorted(await producer.partitions_for(self.topic))
+        return int(DefaultPartitioner()(run_id.encode(), partitions, partitions))
+
+    async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:
+        partition = await self.partition_of(run_id)
+        tp = TopicPartition(self.topic, partition)
+        consumer = self._consumer()
+        await consumer.start()
+        try:
+            found = (await consumer.offsets_for_times({tp: max(0, since_ms)})).get(tp)
+        finally:
+            await consumer.stop()
+        return None if found is None else LogPosition(partition, found.offset)
+
+    async def read_durable(self, run_id: str, start: LogPosition) -> list[runs_pb2.RunEvent]:
+        return [event async for event in self._read_range(run_id, start, None, EventDeduper(after=0))]
+
+    async def follow(self, run_id: str, start: LogPosition,
+                     after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+        tail = await self._ready_tail()
+        subscription = tail.subscribe(run_id, start.partition)
+        try:
+            dedupe = EventDeduper(after)
+            # What was written before the subscription: replayed with a short-lived consumer.
+            if start.offset < subscription.start_offset:
+                async for event in self._read_range(run_id, start, subscription.start_offset, dedupe):
+                    yield event
+            # Everything after it: handed over by the process's live tail.
+            while not dedupe.finished:
+                item = await subscription.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                event = runs_pb2.RunEvent.FromString(item[1])
+                if dedupe.accept(event):
+                    yield event
+        finally:
+            tail.unsubscribe(subscription)
+
+    async def _ready_tail(self) -> LiveTail:
+        if self._tail is None:
+            self._tail = LiveTail(self.bootstrap, self.topic)
+        producer = await self._ready_producer()
+        await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
+        return self._tail
+
+    async def _read_range(self, run_id: str, start: LogPosition, end: int | None,
+                          dedupe: EventDeduper) -> AsyncIterator[runs_pb2.RunEvent]:
+        """The run's events at offsets [start.offset, end) that `dedupe` lets through; `end` None:
+        the partition's end (its high watermark: what is durable) when the read begins."""
+        tp = TopicPartition(self.topic, start.partition)
+        consumer = self._consumer()
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            if end is None:
+                end = (await consumer.end_offsets([tp]))[tp]
+            await self._seek_checked(consumer, tp, start, run_id, dedupe.last_sequence)
+            key = run_id.encode()
+            while not dedupe.finished and await consumer.position(tp) < end:
+                try:
+                    batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
+                except OffsetOutOfRangeError as exc:
+                    # Retention deleted the segment under a slow replay.
+                    raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
+                for record in batch.get(tp, []):
+                    if record.offset >= end:
+                        break
+                    if record.key != key:
+                        continue
+                    event = runs_pb2.RunEvent.FromString(record.value)
+                    if dedupe.accept(event):
+                        yield event
+                    if dedupe.finished:
+                        break
+        finally:
+            await consumer.stop()
+
+    async def _seek_checked(self, consumer: AIOKafkaConsumer, tp: TopicPartition, start: LogPosition,
+                            run_id: str, after: int) -> None:
+        beginning = (await consumer.beginning_offsets([tp]))[tp]
+        if start.offset < beginning:
+            raise CursorPastRetention(run_id, after)
+        consumer.seek(tp, start.offset)

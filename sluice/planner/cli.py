@@ -1,0 +1,55 @@
+"""Command-line edge: `sluice plan BRIEF.yaml [--json] [--simulate]` (also `python -m sluice.planner`).
+
+Exit status: 0 when the plan meets its SLO, 1 when it does not (the plan is still
+printed), 2 when the brief is invalid (the message names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from sluice.planner.brief import load_brief
+from sluice.planner.errors import BriefError
+from sluice.planner.plan import plan
+from sluice.planner.render import to_json, to_markdown
+
+EXIT_MEETS, EXIT_MISSES, EXIT_BAD_BRIEF = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice plan", description="Size a serving fleet from a brief, "
+                                     "printing every step's arithmetic.")
+    parser.add_argument("brief", help="YAML brief (see examples/briefs/)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
+    parser.add_argument("--simulate", action="store_true",
+                        help="run the fleet simulator on the planned fleet and print its p95 TTFT, ITL and "
+                             "utilization beside the analytical figures")
+    parser.add_argument("--sim-seconds", type=float, default=300.0,
+                        help="simulated seconds of peak traffic for --simulate (default 300)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        brief = load_brief(args.brief)
+        result = plan(brief)
+    except BriefError as error:
+        print(f"sluice plan: {error}", file=sys.stderr)
+        return EXIT_BAD_BRIEF
+    except OSError as error:
+        print(f"sluice plan: cannot read {args.brief}: {error.strerror}", file=sys.stderr)
+        return EXIT_BAD_BRIEF
+    meets = result.meets_slo
+    if args.simulate:
+        from sluice.planner.simulate import simulate  # the simulator is only imported when asked for
+
+        simulation = simulate(brief, result, seconds=args.sim_seconds,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = replace(result, simulation=simulation)
+        meets = meets and simulation.slo_holds
+    print(to_json(result) if args.json else to_markdown(result))
+    return EXIT_MEETS if meets else EXIT_MISSES

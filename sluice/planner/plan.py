@@ -1,0 +1,237 @@
+"""`plan(brief) -> Plan`: the whole sizing, in the order a reader checks it.
+
+    demand → replica (TP, memory) → fleet size → decode, prefill → utilization
+    → replicas → engine configuration → latency → cost → failure scenarios
+    → critical dependencies → verdict → comparison with the brief's reference figures
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from sluice.planner import fmt
+from sluice.planner.brief import FIXED_BUDGET, Brief
+from sluice.planner.cost import cost_section
+from sluice.planner.demand import Load, demand
+from sluice.planner.engine_config import EngineConfig, engine_config
+from sluice.planner.errors import UNKNOWN_REFERENCE_FIGURE, BriefError
+from sluice.planner.fleet import (
+    FITS,
+    Split,
+    fleet_replicas,
+    replicas_section,
+    scenarios,
+    split,
+    utilization_section,
+)
+from sluice.planner.latency import Ttft, latency_section, ttft
+from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario, Section
+from sluice.planner.supply import Replica, decode_section, memory_section, prefill_section, replica
+
+_MODELLING_NOTES = (
+    "Every hardware figure comes from engine.cost_model.CostModel, the core the replica engine and the "
+    "simulator also price steps with.",
+    "Utilization = prefill tokens/s ÷ prefill capacity + decode tokens/s ÷ decode capacity at the planned "
+    "batch (seed 003 §2); failure rows scale those shares (seed 003's method) and also show decode re-priced "
+    "at the scenario's own batch.",
+    "Queueing is M/M/1 on each replica's busy share: conservative for inflight batching; --simulate measures "
+    "it.",
+)
+
+
+def plan(brief: Brief) -> Plan:
+    load, demand_figures = demand(brief)
+    rep = replica(brief)
+    sizing = fleet_replicas(brief, rep, load)
+    n = sizing.replicas
+    base = split(rep.cost, n, load)
+    config = engine_config(brief, rep.cost, load, n, rep.replicas_per_node)
+    t = ttft(brief, rep.cost, base.utilization, base.decode_fraction, load.requests_per_s / n,
+             brief.workload.prefix_hit_rate)
+    gpus = n * rep.tp
+    sections = (
+        demand_figures,
+        memory_section(brief, rep, load, n),
+        decode_section(brief, rep, load, n),
+        prefill_section(brief, rep, load, n),
+        utilization_section(brief, rep, load, base),
+        replicas_section(brief, rep, load, base, sizing),
+        latency_section(brief, rep.cost, t, base.utilization, base.prefill_fraction, base.step_s,
+                        config.itl_p95_s, config.itl_p95_formula, load.requests_per_s / n),
+        cost_section(brief, load, gpus),
+    )
+    rows = scenarios(brief, rep, load, base)
+    meets, verdict_text = _verdict(brief, rep, load, base, sections, rows, t, config)
+    result = Plan(
+        brief=brief.name,
+        mode=brief.sizing.mode,
+        sections=sections,
+        scenarios=rows,
+        engine_config=config.settings,
+        dependencies=_dependencies(brief, rep, load, base, rows),
+        verdict=verdict_text,
+        meets_slo=meets,
+        replicas=n,
+        gpus=gpus,
+        assumptions=brief.defaults + _MODELLING_NOTES,
+        reference_source=brief.reference.source if brief.reference else "",
+        reference_checks=(),
+    )
+    return _compare_with_reference(brief, result)
+
+
+def _verdict(brief: Brief, rep: Replica, load: Load, base: Split, sections: tuple[Section, ...],
+             rows: tuple[Scenario, ...], t: Ttft, config: EngineConfig) -> tuple[bool, str]:
+    ceiling, slo = brief.sizing.max_utilization, brief.slo
+    by_key = {figure.key: figure for section in sections for figure in section.figures}
+    fleet_sequences = by_key["memory.fleet_sequences"].value
+    needed = int(by_key["replicas.needed_with_spares"].value)
+    memory_share = load.generating / fleet_sequences if fleet_sequences else math.inf
+    shares = {"prefill compute": base.prefill_fraction, "decode bandwidth": base.decode_fraction,
+              "KV memory": memory_share}
+    binding = max(shares, key=lambda name: shares[name])
+    def cmp(ok: bool) -> str:
+        return "≤" if ok else ">"
+
+    checks = [
+        (ok := base.utilization <= ceiling, f"utilization {fmt.pct(base.utilization)} {cmp(ok)} the "
+                                            f"{fmt.pct(ceiling)} ceiling"),
+        (ok := t.p95_s <= slo.ttft_p95_s, f"p95 TTFT {fmt.ms(t.p95_s)} {cmp(ok)} {fmt.ms(slo.ttft_p95_s)}"),
+        (ok := config.itl_p95_s <= slo.itl_p95_s,
+         f"p95 ITL {fmt.ms(config.itl_p95_s)} {cmp(ok)} {fmt.ms(slo.itl_p95_s)}"),
+        (ok := memory_share <= 1.0, f"KV for {fmt.num(load.generating)} generating sequences needs "
+                                    f"{fmt.pct(memory_share)} of the fleet's pool"),
+        (ok := needed <= base.replicas,
+         f"{needed} replicas needed with spares {cmp(ok)} {base.replicas} planned"),
+    ]
+    meets = all(ok for ok, _ in checks)
+    failed = [text for ok, text in checks if not ok]
+    survived = [row.name for row in rows if row.key.endswith("lost") and row.verdict == FITS]
+    text = (f"{'Meets' if meets else 'Does not meet'} the SLO. {base.replicas} × TP{rep.tp} replicas "
+            f"({base.replicas * rep.tp} × {brief.hardware.name}) run at {fmt.pct(base.utilization)} "
+            "utilization "
+            f"(prefill {fmt.pct(base.prefill_fraction)} + decode {fmt.pct(base.decode_fraction)}); "
+            f"p95 TTFT ≈ {fmt.ms(t.p95_s)} (SLO {fmt.ms(slo.ttft_p95_s)}), p95 ITL ≤ "
+            f"{fmt.ms(config.itl_p95_s)} "
+            f"(SLO {fmt.ms(slo.itl_p95_s)}). The binding resource is {binding} ({fmt.pct(shares[binding])}).")
+    if failed:
+        text += " Fails: " + "; ".join(failed) + "."
+    if survived:
+        text += f" Within the ceiling with {survived[-1]}."
+    return meets, text
+
+
+_HINTS = {
+    "prefix_hit_rate_falls": "monitor the hit rate and alert on drops; keep prompt prefixes cache-friendly",
+    "traffic_doubles": "order capacity ahead of growth (lead time); shed with retry-after above the ceiling",
+    "traffic_grows": "order capacity ahead of growth (lead time); shed with retry-after above the ceiling",
+    "inputs_double": "watch input lengths (retrieval, history); cap context or add prefill capacity",
+    "inputs_grow": "watch input lengths (retrieval, history); cap context or add prefill capacity",
+    "precision_reverted": "validate the lower precision's quality before committing; keep a second "
+                          "method (e.g. INT8 W8A8) as fallback",
+}
+
+
+def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
+                  rows: tuple[Scenario, ...]) -> tuple[str, ...]:
+    ceiling, w, f = brief.sizing.max_utilization, brief.workload, brief.factors
+    deps: list[str] = []
+    for row in sorted(rows, key=lambda r: -r.utilization):
+        if row.verdict != FITS:
+            hint = _HINTS.get(row.key, "keep a spare failure domain; restore capacity before a second loss")
+            deps.append(f"{row.name}: utilization {fmt.pct(row.utilization)} ({row.verdict}) — {hint}.")
+    precision = next((row for row in rows if row.key == "precision_reverted"), None)
+    if precision is not None and precision.verdict == FITS:
+        deps.append(f"Precision: the plan uses {brief.model.weight_precision} weights and "
+                    f"{brief.model.kv_precision} KV; reverted to bf16 it would run at "
+                    f"{fmt.pct(precision.utilization)}, within the ceiling — a margin, not a dependency.")
+    if w.prefix_credit_in_sizing and w.prefix_hit_rate > 0:
+        raw = load.input_tok_per_s / base.prefill_capacity
+        floor = 1.0 - (ceiling - base.decode_fraction) / raw
+        deps.append(f"Prefix cache hit rate ≥ {fmt.pct(max(floor, 0.0))}: the sizing counts on "
+                    f"{fmt.pct(w.prefix_hit_rate)}; below the floor utilization passes {fmt.pct(ceiling)}.")
+    elif w.prefix_hit_rate > 0:
+        cold = brief.slo.ttft_input_tokens * (1 - brief.scenarios.prefix_hit_rate)
+        cold_t = ttft(brief, rep.cost, base.utilization, base.decode_fraction,
+                      load.requests_per_s / base.replicas, brief.scenarios.prefix_hit_rate)
+        deps.append(f"Prefix cache for TTFT: an SLO-sized input ({fmt.count(brief.slo.ttft_input_tokens)} "
+                    "tokens) "
+                    f"prefills {fmt.count(brief.slo.ttft_input_tokens * (1 - w.prefix_hit_rate))} new tokens "
+                    "at the "
+                    f"expected {fmt.pct(w.prefix_hit_rate)} hit rate, {fmt.count(cold)} at "
+                    f"{fmt.pct(brief.scenarios.prefix_hit_rate)}: p95 TTFT ≈ {fmt.ms(cold_t.p95_s)} "
+                    f"(SLO {fmt.ms(brief.slo.ttft_p95_s)}). Prompt structure must stay cache-friendly.")
+    growth = ceiling / base.utilization
+    deps.append(f"Demand model: users ÷ turn period sets every token rate; the fleet reaches the "
+                f"{fmt.pct(ceiling)} ceiling at {fmt.times(growth)} today's request rate "
+                f"(a turn every {fmt.num(load.turn_period_s / growth)} s instead of "
+                f"{fmt.num(load.turn_period_s)} s). Measure the duty cycle before committing.")
+    deps.append(f"Efficiency assumptions: {fmt.pct(f.achieved_bandwidth_fraction)} of HBM bandwidth, "
+                f"{fmt.pct(f.achieved_flops_fraction)} of {f.compute_dtype} dense FLOP/s, "
+                f"{fmt.pct(f.allreduce_fraction)} of each step in all-reduce — measure a replica's decode "
+                "step "
+                "and prefill rate first.")
+    if brief.sizing.mode != FIXED_BUDGET:
+        deps.append(f"Measured goodput ({fmt.num(brief.sizing.goodput_tok_per_s_per_replica or 0)} tok/s per "
+                    f"replica) and prefill share ({fmt.pct(brief.sizing.prefill_share or 0)}) are inputs: "
+                    "re-measure them for each model, GPU and SLO.")
+    return tuple(deps)
+
+
+def _reference_value(result: Plan, key: str) -> tuple[str, float, str] | None:
+    """(label, value, unit) of a plan figure, scenario ("scenarios.<key>") or setting ("engine.<name>")."""
+    group, _, name = key.partition(".")
+    if group == "scenarios":
+        row = next((r for r in result.scenarios if r.key == name), None)
+        return (row.name, row.utilization, "fraction") if row else None
+    if group == "engine":
+        setting = next((s for s in result.engine_config if s.name == name), None)
+        return (setting.name, setting.value, "") if setting else None
+    try:
+        figure = result.figure(key)
+    except KeyError:
+        return None
+    return figure.label, figure.value, figure.unit
+
+
+def _known_reference_keys(result: Plan) -> str:
+    keys = [figure.key for figure in result.figures()]
+    keys += [f"scenarios.{row.key}" for row in result.scenarios]
+    keys += [f"engine.{setting.name}" for setting in result.engine_config]
+    return ", ".join(keys)
+
+
+def _compare_with_reference(brief: Brief, result: Plan) -> Plan:
+    if brief.reference is None:
+        return result
+    checks: list[ReferenceCheck] = []
+    notes: dict[str, str] = {}
+    for key, printed in brief.reference.figures.items():
+        found = _reference_value(result, key)
+        if found is None:
+            field = f"reference.figures.{key}"
+            raise BriefError(field, UNKNOWN_REFERENCE_FIGURE.format(field=field, value=key,
+                                                                    known=_known_reference_keys(result)))
+        label, planned, unit = found
+        diff = (planned - printed.value) / printed.value if printed.value else planned - printed.value
+        matches = abs(diff) <= REFERENCE_TOLERANCE
+        checks.append(ReferenceCheck(key, label, printed.value, planned, unit, diff, matches, printed.why))
+        if not matches:
+            notes[key] = (f"{brief.reference.source} prints {fmt.value(printed.value, unit)} "
+                          f"({diff:+.1%} from this arithmetic)" + (f": {printed.why}" if printed.why else ""))
+
+    def annotate(figure: Figure) -> Figure:
+        extra = notes.get(figure.key)
+        if not extra:
+            return figure
+        return replace(figure, note=f"{figure.note}; {extra}" if figure.note else extra)
+
+    sections = tuple(replace(section, figures=tuple(annotate(f) for f in section.figures))
+                     for section in result.sections)
+    rows = tuple(replace(row, note=f"{row.note}; {notes[key]}" if row.note else notes[key])
+                 if (key := f"scenarios.{row.key}") in notes else row for row in result.scenarios)
+    settings = tuple(replace(s, reason=f"{s.reason}; {notes[key]}") if (key := f"engine.{s.name}") in notes
+                     else s for s in result.engine_config)
+    return replace(result, sections=sections, scenarios=rows, engine_config=settings,
+                   reference_checks=tuple(checks))

@@ -1,0 +1,88 @@
+"""Prometheus gauges under TensorRT-LLM's metric names, on the replica's metrics port.
+
+The names, labels and help texts are those of tensorrtllm_backend (inflight
+batcher), so a router that scrapes a real TensorRT-LLM Triton server reads
+these the same way (router/load.py):
+
+    nv_trt_llm_request_metrics{request_type=active|waiting|scheduled|context|max}
+    nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|reused|fraction}
+    nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=
+        total_context_tokens|generation_requests|micro_batch_id|paused_requests}
+    nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}
+
+plus sluice_replica_start_time_seconds, which TensorRT-LLM lacks: a change
+tells the router the replica restarted with an empty prefix cache. Every value
+comes from the engine's EngineStats, set by the host after each step and on
+every submit/abort, so a scrape shows the state as of the last step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from sluice.replica.engine_api import EngineStats
+from sluice.replica.protocol import MODEL_NAME
+
+REQUEST_METRIC = "nv_trt_llm_request_metrics"
+KV_METRIC = "nv_trt_llm_kv_cache_block_metrics"
+BATCHER_METRIC = "nv_trt_llm_inflight_batcher_metrics"
+GENERAL_METRIC = "nv_trt_llm_general_metrics"
+START_TIME_METRIC = "sluice_replica_start_time_seconds"
+
+Reading = Callable[[EngineStats], float]
+Rows = tuple[tuple[str, Reading], ...]          # (label value, how to read it from the stats)
+
+_REQUESTS: Rows = (
+    ("active", lambda s: s.active), ("waiting", lambda s: s.waiting), ("scheduled", lambda s: s.scheduled),
+    ("context", lambda s: s.context), ("max", lambda s: s.max_requests),
+)
+_KV_BLOCKS: Rows = (
+    ("max", lambda s: s.kv_max_blocks), ("free", lambda s: s.kv_free_blocks),
+    ("used", lambda s: s.kv_used_blocks), ("tokens_per", lambda s: s.kv_tokens_per_block),
+    ("reused", lambda s: s.kv_reused_blocks), ("fraction", lambda s: s.kv_fraction),
+)
+_BATCHER: Rows = (
+    ("total_context_tokens", lambda s: s.total_context_tokens),
+    ("generation_requests", lambda s: s.generation),
+    ("micro_batch_id", lambda s: 0),            # no pipeline parallelism: always micro-batch 0
+    ("paused_requests", lambda s: s.paused),
+)
+
+
+class ReplicaMetrics:
+    def __init__(self, start_time: float, clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model": MODEL_NAME, "version": "1"}
+
+        def family(name: str, help_text: str, label: str, rows: Rows) -> list[tuple[Gauge, Reading]]:
+            gauge = Gauge(name, help_text, ["model", "version", label], registry=self.registry)
+            # Children bound once: update() runs every engine step.
+            return [(gauge.labels(**labels, **{label: key}), value) for key, value in rows]
+
+        self._rows = (
+            family(REQUEST_METRIC, "TRT LLM request metrics", "request_type", _REQUESTS)
+            + family(KV_METRIC, "TRT LLM KV cache block metrics", "kv_cache_block_type", _KV_BLOCKS)
+            + family(BATCHER_METRIC, "TRT LLM inflight_batcher-specific metrics",
+                     "inflight_batcher_specific_metric", _BATCHER)
+        )
+        general = Gauge(GENERAL_METRIC, "General TRT LLM metrics", ["model", "version", "general_type"],
+                        registry=self.registry)
+        self._iterations = general.labels(**labels, general_type="iteration_counter")
+        self._timestamp = general.labels(**labels, general_type="timestamp")
+        self._clock = clock
+        start = Gauge(START_TIME_METRIC,
+                      "Unix time this replica process started; a change means a restart (empty cache)",
+                      registry=self.registry)
+        start.set(start_time)
+
+    def serve(self, port: int, address: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def update(self, stats: EngineStats) -> None:
+        for child, value in self._rows:
+            child.set(value(stats))
+        self._iterations.set(stats.iterations)
+        self._timestamp.set(self._clock())      # when these stats were taken (TRT-LLM: per iteration)

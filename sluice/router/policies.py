@@ -1,0 +1,419 @@
+"""The load-aware policies: least_loaded and prefix_aware (and its exact-cache oracle).
+
+Load. A replica's load is the number of requests it holds, counted from three
+sources that each see something the others miss::
+
+    load = max(waiting + running,   # scraped from the replica: every router's traffic, but stale
+               view.in_flight,      # the host's count of runs it sent and has not seen finish
+               own in-flight)       # this policy's count from on_routed/on_finished, never stale
+
+The maximum, not the sum: the scraped count already includes the runs this
+router sent before the scrape, so adding them would count a run twice, while
+runs sent since the scrape (a burst) show up in the in-flight counts at once.
+
+Prefix-aware cost (NVIDIA Dynamo's KV router, in KV blocks of the replica)::
+
+    cost = prefill_weight * blocks still to prefill after the cached overlap
+           + blocks of KV the replica is already decoding
+
+Dynamo's default weight is 1; ours is 64, because the two kinds of block are
+not worth the same. On seed 003's 70B FP8 / 8 x H100 a prompt block not
+reused costs ~1.1 ms of the node's compute, stalling every decode in that
+step, while one more block of someone else's KV costs ~0.07 ms over a
+350-token answer (~16x). With weight 1 the decode term, which differs by
+hundreds of blocks between busy replicas, outvotes a 2,500-token cached
+history: in bench/bench_router.py's chat fleet an exact-cache router with
+weight 1 kept 69% of prompt tokens cached, with 16 91%, with 64 93%. At 64 the
+decode term is in effect the tie-break among replicas holding the same prefix
+(new conversations), and balance is left to the explicit bound below.
+
+Imbalance bound. Cost alone lets a hot prefix pile every request onto one
+replica. So before costing, a replica whose load exceeds
+
+    min load among candidates * (1 + imbalance_bound) + imbalance_slack
+
+is not a candidate at all, whatever it has cached; the least-loaded replica
+always is. Defaults 0.5 and 8 requests: a replica 100 requests deep is skipped
+once another is at 61 or less. Tighter bounds cost more than they buy in the
+chat fleet: at 0.1 and 2, one follow-up turn in five was sent away from its
+history, paying a full re-prefill whose chunks slowed every decode on the new
+replica (hit rate 78% against 94%, TTFT p95 311 ms against 60 ms), while the
+time-averaged load CoV was no better (0.023 against 0.020). The slack keeps
+the bound meaningful at low loads, where a relative bound alone would force
+strict rotation.
+
+Session affinity. A request with a conversation id goes back to the replica
+that served the conversation's previous turn while that replica is within the
+bound and has not restarted since; otherwise the cost decides.
+
+Long-context pool. Prompts longer than ``long_context_threshold_tokens`` go
+to replicas marked ``long_context`` and shorter ones stay off them, each
+falling back to the whole pool when its side is empty (seed 003: a 32k request
+takes 8x the KV and stalls the general pool's prefill).
+
+Outcomes (counted by router.metrics):
+- ``affinity_hit``: sent to the conversation's replica, or to a replica holding
+  the longest cached prefix when candidates differed;
+- ``balanced_away``: a replica holding more of the prompt (or the conversation's
+  replica) was passed over for load;
+- ``fallback``: every candidate held the same prefix (often none, or just the
+  shared system prompt), so load alone decided.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Final
+
+from sluice.router.policy import CachedTokensProbe, ReplicaView, RouteDecision, RouteRequest
+from sluice.router.prefix_index import PrefixIndex, extend_hashes
+
+OUTCOME_LEAST_LOADED = "least_loaded"
+OUTCOME_AFFINITY_HIT = "affinity_hit"
+OUTCOME_BALANCED_AWAY = "balanced_away"
+OUTCOME_FALLBACK = "fallback"
+UNKNOWN_OPTION = "unknown routing policy option {option!r}; known: {known}"
+NOT_WHOLE = "routing policy option {option!r} takes a whole number, got {value!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyOptions:
+    """Knobs of the load-aware policies; every one has the default the bench was run with."""
+
+    imbalance_bound: float = 0.50              # relative headroom over the least-loaded replica
+    imbalance_slack: int = 8                   # absolute headroom, in requests
+    prefill_weight: float = 64.0               # Dynamo's overlap_score_weight (see the module docstring)
+    long_context_threshold_tokens: int = 16_384
+    index_ttl_s: float = 600.0                 # prefix-index entries untouched this long are dropped
+    index_unit_tokens: int = 64                # tokens per index entry, rounded down to whole KV blocks
+    max_conversations: int = 100_000           # session-affinity entries kept (LRU)
+
+    @classmethod
+    def with_overrides(cls, overrides: Mapping[str, float]) -> PolicyOptions:
+        """Defaults with `overrides` (from config or keyword options) cast to each field's type."""
+        values = {field.name: getattr(cls(), field.name) for field in fields(cls)}
+        for option, value in overrides.items():
+            if option not in values:
+                raise ValueError(UNKNOWN_OPTION.format(option=option, known=", ".join(sorted(values))))
+            if isinstance(values[option], int) and not float(value).is_integer():
+                raise ValueError(NOT_WHOLE.format(option=option, value=value))
+            values[option] = type(values[option])(value)
+        return cls(**values)
+
+
+# -- helpers shared by both policies -------------------------------------------------------------
+
+
+def split_long_context(request: RouteRequest, replicas: Sequence[ReplicaView],
+                       threshold_tokens: int) -> list[ReplicaView]:
+    """The candidates on the request's side of the long-context split (or all, if that side is empty)."""
+    wants_long = len(request.token_ids) > threshold_tokens
+    side = [view for view in replicas if view.long_context == wants_long]
+    return side if side else list(replicas)
+
+
+def kv_utilization(view: ReplicaView) -> float:
+    return view.kv_used_blocks / view.kv_capacity_blocks if view.kv_capacity_blocks > 0 else 0.0
+
+
+def load_limit(min_load: int, bound: float, slack: int) -> float:
+    """Highest load a replica may have and still be chosen."""
+    return min_load * (1.0 + bound) + slack
+
+
+class InFlight:
+    """The policy's own count of requests routed and not yet finished, per replica."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, tuple[str, int]] = {}      # request id -> (replica, KV blocks)
+        self.count: dict[str, int] = {}
+        self.blocks: dict[str, int] = {}
+
+    def add(self, request_id: str, replica: str, blocks: int) -> None:
+        self.remove(request_id)
+        self._runs[request_id] = (replica, blocks)
+        self.count[replica] = self.count.get(replica, 0) + 1
+        self.blocks[replica] = self.blocks.get(replica, 0) + blocks
+
+    def remove(self, request_id: str) -> None:
+        entry = self._runs.pop(request_id, None)
+        if entry is None:
+            return
+        replica, blocks = entry
+        self.count[replica] -= 1
+        self.blocks[replica] -= blocks
+
+    def drop_replica(self, replica: str) -> None:
+        for request_id in [rid for rid, (name, _) in self._runs.items() if name == replica]:
+            del self._runs[request_id]
+        self.count.pop(replica, None)
+        self.blocks.pop(replica, None)
+
+    def load(self, view: ReplicaView) -> int:
+        return max(view.waiting + view.running, view.in_flight, self.count.get(view.name, 0))
+
+
+def _prompt_blocks(request: RouteRequest, block_size: int) -> int:
+    return -(-len(request.token_ids) // block_size)
+
+
+# -- least_loaded --------------------------------------------------------------------------------
+
+
+class LeastLoaded:
+    """Fewest requests first; KV utilization, then name, break ties."""
+
+    name = "least_loaded"
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        self.options = options or PolicyOptions()
+        self._in_flight = InFlight()
+        self._block_size: dict[str, int] = {}
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               now: float) -> RouteDecision | None:
+        candidates = split_long_context(request, replicas, self.options.long_context_threshold_tokens)
+        if not candidates:
+            return None
+        load = self._in_flight.load
+        best = min(candidates, key=lambda view: (load(view), kv_utilization(view), view.name))
+        self._block_size[best.name] = best.block_size
+        return RouteDecision(replica=best.name, outcome=OUTCOME_LEAST_LOADED)
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
+        block_size = self._block_size.get(decision.replica, 16)
+        self._in_flight.add(request.request_id, decision.replica, _prompt_blocks(request, block_size))
+
+    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+        self._in_flight.remove(request.request_id)
+
+    def on_replica_restarted(self, replica: str) -> None:
+        self._in_flight.drop_replica(replica)
+
+
+# -- prefix_aware --------------------------------------------------------------------------------
+
+
+# A scored candidate is a plain tuple, not a dataclass: choose() builds 64 of them per decision and
+# the decision must stay under 200 us. Field order is the ranking: cost, then load, then KV
+# utilization, then name, so min() over eligible candidates is the choice.
+_Scored = tuple[float, int, float, str, int, ReplicaView]
+_LOAD: Final = 1
+_OVERLAP: Final = 4
+_VIEW: Final = 5
+
+
+class PrefixAware:
+    """Dynamo-style cost over a learned prefix index, session affinity, an explicit imbalance bound.
+
+    With ``cached_tokens`` given it becomes the oracle: the same cost and bound,
+    but each replica's overlap comes from the probe (the replica's exact cache)
+    instead of the learned index, and no session affinity (exact overlap makes it moot).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, options: PolicyOptions | None = None,
+                 cached_tokens: CachedTokensProbe | None = None) -> None:
+        self.options = options or PolicyOptions()
+        self._probe = cached_tokens
+        if cached_tokens is not None:
+            self.name = "oracle"
+        self._index = PrefixIndex(ttl_s=self.options.index_ttl_s)
+        self._in_flight = InFlight()
+        self._views: dict[str, ReplicaView] = {}
+        self._epoch: dict[str, int] = {}
+        self._conversations: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # (request id, unit) -> (the prompt object hashed, its chain so far)
+        self._hash_cache: OrderedDict[tuple[str, int], tuple[Sequence[int], list[int]]] = OrderedDict()
+        self._last_expiry = float("-inf")
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               now: float) -> RouteDecision | None:
+        options = self.options
+        candidates = split_long_context(request, replicas, options.long_context_threshold_tokens)
+        if not candidates:
+            return None
+        self._observe(candidates, now)
+
+        scored, min_load, most, least = self._score(request, candidates)
+        limit = load_limit(min_load, options.imbalance_bound, options.imbalance_slack)
+        eligible = [entry for entry in scored if entry[_LOAD] <= limit]
+
+        # The oracle sees each replica's cache exactly; session affinity could only blind it.
+        sticky = self._conversation_replica(request) if self._probe is None else None
+        if sticky is not None:
+            for entry in eligible:
+                if entry[_VIEW].name == sticky:
+                    return self._decide(request, entry, OUTCOME_AFFINITY_HIT)
+
+        best = min(eligible)
+        sticky_bypassed = sticky is not None and any(entry[_VIEW].name == sticky for entry in scored)
+        if best[_OVERLAP] < most or sticky_bypassed:
+            outcome = OUTCOME_BALANCED_AWAY
+        elif most > least:
+            outcome = OUTCOME_AFFINITY_HIT
+        else:
+            outcome = OUTCOME_FALLBACK
+        return self._decide(request, best, outcome)
+
+    def _observe(self, candidates: Sequence[ReplicaView], now: float) -> None:
+        """Remember each candidate's view (block size, capacity) for on_routed; resize the index."""
+        views = self._views
+        index = self._index
+        for view in candidates:
+            known = views.get(view.name)
+            if known is None or known.kv_capacity_blocks != view.kv_capacity_blocks:
+                index.set_capacity(view.name, view.kv_capacity_blocks // self._stride(view.block_size), now)
+            views[view.name] = view
+        # TTL expiry is checked at most once a second: it walks every replica's oldest entry.
+        if now - self._last_expiry >= 1.0 or now < self._last_expiry:
+            index.expire(now)
+            self._last_expiry = now
+
+    def _score(self, request: RouteRequest,
+               candidates: Sequence[ReplicaView]) -> tuple[list[_Scored], int, int, int]:
+        """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
+        lowest load and the highest and lowest overlap among them. One pass, no builtin calls
+        per candidate: this loop is most of the decision's cost after hashing."""
+        overlaps, stride = self._overlaps(request, candidates)
+        weight = self.options.prefill_weight
+        own_count = self._in_flight.count
+        own_blocks = self._in_flight.blocks
+        prompt_tokens = len(request.token_ids)
+        scored: list[_Scored] = []
+        append = scored.append
+        min_load = most = -1
+        least = 1 << 62
+        for view in candidates:
+            name = view.name
+            overlap = overlaps[name] * stride
+            used = view.kv_used_blocks
+            own = own_blocks.get(name, 0)
+            decode = used if used >= own else own
+            load = view.waiting + view.running
+            if view.in_flight > load:
+                load = view.in_flight
+            own = own_count.get(name, 0)
+            if own > load:
+                load = own
+            capacity = view.kv_capacity_blocks
+            append((weight * (-(-prompt_tokens // view.block_size) - overlap) + decode, load,
+                    used / capacity if capacity > 0 else 0.0, name, overlap, view))
+            if load < min_load or min_load < 0:
+                min_load = load
+            if overlap > most:
+                most = overlap
+            if overlap < least:
+                least = overlap
+        return scored, min_load, most, least
+
+    def _overlaps(self, request: RouteRequest,
+                  candidates: Sequence[ReplicaView]) -> tuple[dict[str, int], int]:
+        """Cached prompt length per candidate, in index entries, and the KV blocks per entry."""
+        if self._probe is not None:
+            probe = self._probe
+            return {view.name: probe(view.name, request.token_ids) // view.block_size
+                    for view in candidates}, 1
+        sizes = {view.block_size for view in candidates}
+        if len(sizes) == 1:                                         # the usual pool: one block size
+            block_size = sizes.pop()
+            names = [view.name for view in candidates]
+            return self._overlap_units(request, block_size, names), self._stride(block_size)
+        overlaps: dict[str, int] = {}                               # mixed sizes: in blocks
+        for block_size in sizes:
+            stride = self._stride(block_size)
+            names = [view.name for view in candidates if view.block_size == block_size]
+            for name, units in self._overlap_units(request, block_size, names).items():
+                overlaps[name] = units * stride
+        return overlaps, 1
+
+    def _overlap_units(self, request: RouteRequest, block_size: int, names: list[str]) -> dict[str, int]:
+        unit = self._stride(block_size) * block_size
+        cached = self._cached_hashes(request, unit)
+        if cached is not None and len(cached) * unit > len(request.token_ids) - unit:
+            return self._index.overlap_blocks(cached, names)
+        units, hashes = self._index.match(request.token_ids, unit, names)
+        self._remember_hashes(request, unit, hashes)
+        return units
+
+    def _stride(self, block_size: int) -> int:
+        """KV blocks per index entry. One entry per 64 tokens rather than per block cuts the
+        decision's hashing and index walk ~2x for 16-token blocks; the overlap it finds is
+        then exact to within one entry (under 64 tokens), which the cost barely notices."""
+        return max(1, self.options.index_unit_tokens // block_size)
+
+    def _decide(self, request: RouteRequest, entry: _Scored, outcome: str) -> RouteDecision:
+        view = entry[_VIEW]
+        block_size = view.block_size
+        # An engine always computes the prompt's last token, so a whole-prompt match reuses one block less.
+        reusable = min(entry[_OVERLAP], (len(request.token_ids) - 1) // block_size)
+        return RouteDecision(replica=view.name, outcome=outcome,
+                             predicted_cached_tokens=max(reusable, 0) * block_size)
+
+    def _conversation_replica(self, request: RouteRequest) -> str | None:
+        if request.conversation_id is None:
+            return None
+        entry = self._conversations.get(request.conversation_id)
+        if entry is None:
+            return None
+        replica, epoch = entry
+        return replica if self._epoch.get(replica, 0) == epoch else None
+
+    def _hashes(self, request: RouteRequest, unit: int) -> list[int]:
+        """The prompt's full chain in index units; choose() may have left a partial one to complete."""
+        hashes = self._cached_hashes(request, unit)
+        if hashes is None:
+            hashes = []
+            self._remember_hashes(request, unit, hashes)
+        return extend_hashes(request.token_ids, unit, hashes)
+
+    def _cached_hashes(self, request: RouteRequest, unit: int) -> list[int] | None:
+        # choose() and on_routed() hash the same prompt object; a reused request id with another
+        # prompt (an Explain call, a resend) must not pick up a stale chain, hence the identity check.
+        entry = self._hash_cache.get((request.request_id, unit))
+        return entry[1] if entry is not None and entry[0] is request.token_ids else None
+
+    def _remember_hashes(self, request: RouteRequest, unit: int, hashes: list[int]) -> None:
+        self._hash_cache[(request.request_id, unit)] = (request.token_ids, hashes)
+        if len(self._hash_cache) > 64:
+            self._hash_cache.popitem(last=False)
+
+    # -- learning --------------------------------------------------------------------------------
+
+    def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
+        view = self._views.get(decision.replica)
+        block_size = view.block_size if view is not None else 16
+        self._in_flight.add(request.request_id, decision.replica, _prompt_blocks(request, block_size))
+        unit = self._stride(block_size) * block_size
+        if view is not None and self._probe is None:
+            self._index.record(decision.replica, self._hashes(request, unit), now)
+        if request.conversation_id is not None:
+            conversations = self._conversations
+            conversations[request.conversation_id] = (decision.replica, self._epoch.get(decision.replica, 0))
+            conversations.move_to_end(request.conversation_id)
+            while len(conversations) > self.options.max_conversations:
+                conversations.popitem(last=False)
+        self._hash_cache.pop((request.request_id, unit), None)
+
+    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+        self._in_flight.remove(request.request_id)
+
+    def on_replica_restarted(self, replica: str) -> None:
+        """The replica's cache is empty: forget its prefixes, its conversations and its in-flight runs."""
+        self._index.drop_replica(replica)
+        self._epoch[replica] = self._epoch.get(replica, 0) + 1
+        self._in_flight.drop_replica(replica)
+
+    # -- introspection for hosts and tests -------------------------------------------------------
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self._index
+
+    def in_flight(self, replica: str) -> int:
+        return self._in_flight.count.get(replica, 0)

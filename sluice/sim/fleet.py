@@ -1,0 +1,473 @@
+"""Discrete-event fleet simulator: N engine cores on one virtual clock.
+
+Each replica is an `engine.core.EngineCore` in counting mode (no per-token
+outputs) priced by the same `CostModel` the Triton replica uses. Events sit in
+one heap ordered by (time, insertion order):
+
+    arrival(turn)     route it through the RoutingPolicy, queue it on the replica
+    wake(replica)     the replica's step (or decode run) ended: deliver first
+                      tokens and finishes, then start the next step
+
+A step's state change is applied when it starts and its outputs are delivered
+when it ends, so a request arriving mid-step joins at the next step boundary,
+as in an inflight-batching engine.
+
+Decode runs. When a replica has only decodes to do and nothing it could
+admit, its next k steps (until the first request finishes) are *planned*:
+their durations are known, nothing is applied yet, and one wake is set at the
+end. If a request arrives at that replica during the plan, the steps that have
+started by then are applied (EngineCore.run_decode) and a wake is set at the
+end of the one in progress, where the newcomer is admitted. This keeps the
+work per replica proportional to arrivals + finishes + context steps rather
+than to tokens.
+
+Routing sees `ReplicaView`s built from each replica's state as last applied
+(a replica in a planned run reports its state at the run's start), which is
+what a live router sees too: scraped gauges lag by a scrape interval.
+
+Oracle hook. `Fleet.cached_tokens(replica, token_ids)` returns the prompt
+tokens a replica has cached right now (EngineCore.cached_prefix_tokens); pass
+it to `router.policy.make_policy("oracle", cached_tokens=fleet.cached_tokens)`,
+or give `run_fleet` a policy name and it does so.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from sluice.engine.core import EngineCore
+from sluice.engine.cost_model import CostFactors, CostModel
+from sluice.engine.profiles import HardwareProfile, ModelProfile, get_hardware, get_model
+from sluice.engine.types import (
+    DecodeRun,
+    EngineConfig,
+    EngineRequest,
+    EngineRequestError,
+    EngineStats,
+    RequestOutput,
+)
+from sluice.router.policy import ReplicaView, RouteRequest, RoutingPolicy, make_policy
+from sluice.sim.metrics import (
+    SLO,
+    Distribution,
+    FleetReport,
+    ItlRecorder,
+    ReplicaSummary,
+    RequestRecord,
+    meets_slo,
+)
+from sluice.sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
+
+UNKNOWN_REPLICA = "the policy chose {name!r}, which is not a replica of this fleet"
+DOWN_REPLICA = "the policy chose {name!r}, which is down and was not among the candidates"
+
+_WAKE, _ARRIVAL, _DOWN, _UP = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRestart:
+    """Replica `replica` (index) dies at `at_s` and is serving again, with an empty cache, `down_s` later.
+    Its in-flight requests end INTERRUPTED and their users resend them at once (a new submit)."""
+
+    at_s: float
+    replica: int
+    down_s: float = 60.0
+
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    replicas: int = 8
+    model: ModelProfile = field(default_factory=lambda: get_model("llama-3-70b", weights="fp8", kv="fp8"))
+    hardware: HardwareProfile = field(default_factory=lambda: get_hardware("h100-sxm"))
+    tp: int = 8
+    efficiency: CostFactors = field(default_factory=CostFactors)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        block_size=32, max_num_seqs=160, max_num_tokens=2048, stream_tokens=False))
+    long_context_replicas: int = 0          # the last N replicas report long_context=True to the router
+    name_prefix: str = "r"
+    decode_runs: bool = True                # False: every step is its own event (the reference the
+                                            # fast path is tested against)
+    restarts: tuple[ReplicaRestart, ...] = ()
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.model, self.hardware, self.tp, self.efficiency)
+
+
+class SimReplica:
+    """One engine core plus what the host knows about it: its plan, wake version and gauges."""
+
+    __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
+                 "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
+                 "paused", "down", "start_time", "retired")
+
+    def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
+        self.name = name
+        self.engine = engine
+        self.long_context = long_context
+        self.version = 0                       # bumps when a planned wake is replaced
+        self.busy = False
+        self.plan_start = 0.0
+        self.plan_ends: list[float] = []       # end time of each planned decode step (unapplied)
+        self.pending: tuple[RequestOutput, ...] = ()
+        self.in_flight = 0
+        self.routed = 0
+        self.kv_area = 0.0                     # ∫ used blocks dt
+        self.kv_peak = 0
+        self.gen_tokens = 0
+        self.gen_steps = 0
+        self.paused = 0
+        self.down = False
+        self.start_time = 0.0                  # changes at a restart, as the replica's gauge does
+        self.retired: list[EngineStats] = []   # final stats of engines lost to restarts
+
+    def view(self, pool: str) -> ReplicaView:
+        engine = self.engine
+        return ReplicaView(name=self.name, pool=pool, block_size=engine.pool.block_size,
+                           kv_capacity_blocks=engine.pool.num_blocks, long_context=self.long_context,
+                           waiting=engine.num_waiting, running=engine.num_running,
+                           kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight,
+                           start_time=self.start_time)
+
+
+class Fleet:
+    """The replicas of one run. Build it, make a policy (with `cached_tokens` for the oracle), `run`."""
+
+    def __init__(self, config: FleetConfig, workload: WorkloadConfig) -> None:
+        self.config = config
+        self.workload_config = workload
+        self._cost = config.cost_model()
+        self._engine_config = replace(config.engine, output_length=workload.output_tokens,
+                                      tokens=workload.tokens, stream_tokens=False)
+        first_long = config.replicas - config.long_context_replicas
+        self.replicas = [SimReplica(f"{config.name_prefix}{index}", self.fresh_engine(),
+                                    long_context=index >= first_long)
+                         for index in range(config.replicas)]
+        self._by_name = {replica.name: replica for replica in self.replicas}
+
+    def fresh_engine(self) -> EngineCore:
+        return EngineCore(self._engine_config, self._cost)
+
+    def replica(self, name: str) -> SimReplica | None:
+        return self._by_name.get(name)
+
+    def cached_tokens(self, replica: str, token_ids: Sequence[int]) -> int:
+        """The oracle's probe: prompt tokens `replica` has cached right now."""
+        return self._by_name[replica].engine.cached_prefix_tokens(token_ids)
+
+    def run(self, policy: RoutingPolicy, slo: SLO | None = None) -> FleetReport:
+        return _Run(self, policy, slo if slo is not None else SLO()).execute()
+
+
+def run_fleet(config: FleetConfig, workload: WorkloadConfig, policy: RoutingPolicy | str,
+              slo: SLO | None = None, **policy_options: float) -> FleetReport:
+    """Simulate `workload` on the fleet under `policy` (an object, or a name for make_policy;
+    the name "oracle" gets the fleet's exact-cache probe)."""
+    fleet = Fleet(config, workload)
+    if isinstance(policy, str):
+        policy = make_policy(policy, cached_tokens=fleet.cached_tokens, **policy_options)
+    return fleet.run(policy, slo)
+
+
+class _Run:
+    """One simulation: the event loop and its bookkeeping."""
+
+    def __init__(self, fleet: Fleet, policy: RoutingPolicy, slo: SLO) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.slo = slo
+        self.config = fleet.workload_config
+        self.workload = Workload(self.config)
+        self.pool = self.config.model_version
+        # (time, insertion order, kind, replica, its version then, turn): arrivals carry the turn,
+        # the other kinds the replica
+        self.heap: list[tuple[float, int, int, SimReplica | None, int, Conversation | Turn | None]] = []
+        self.counter = 0
+        self.records: dict[str, RequestRecord] = {}
+        self.turns: dict[str, tuple[Turn, RouteRequest, SimReplica]] = {}
+        self.itl = ItlRecorder()
+        self.rejected = 0
+        self.interrupted = 0
+        self.arrived = 0
+        self.outcomes: Counter[str] = Counter()
+        self.events = 0
+
+    # --- event plumbing ---------------------------------------------------------------------
+
+    def push_wake(self, at: float, replica: SimReplica) -> None:
+        replica.version += 1
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, _WAKE, replica, replica.version, None))
+
+    def push_arrival(self, at: float, what: Conversation | Turn) -> None:
+        """A conversation's next turn (drawn when it arrives, so only requests in flight hold a
+        prompt) or a ready-made turn (a resend)."""
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, _ARRIVAL, None, 0, what))
+
+    def push_restart(self, restart: ReplicaRestart) -> None:
+        replica = self.fleet.replicas[restart.replica]
+        for at, kind in ((restart.at_s, _DOWN), (restart.at_s + restart.down_s, _UP)):
+            self.counter += 1
+            heapq.heappush(self.heap, (at, self.counter, kind, replica, 0, None))
+
+    def execute(self) -> FleetReport:
+        cpu, wall = time.process_time(), time.perf_counter()
+        for at, conversation in self.workload.initial_arrivals():
+            self.push_arrival(at, conversation)
+        for restart in self.fleet.config.restarts:
+            self.push_restart(restart)
+        end = self.config.duration_s
+        heap = self.heap
+        while heap and heap[0][0] <= end:
+            at, _, kind, replica, version, arriving = heapq.heappop(heap)
+            self.events += 1
+            if kind == _ARRIVAL and arriving is not None:
+                turn = arriving if isinstance(arriving, Turn) else self.draw_turn(arriving)
+                if turn is not None:
+                    self.arrive(turn, at)
+            elif replica is None:
+                continue
+            elif kind == _WAKE:
+                if version == replica.version:     # else a wake that settle_plan or a restart replaced
+                    self.wake(replica, at)
+            elif kind == _DOWN:
+                self.replica_down(replica, at)
+            else:
+                self.replica_up(replica, at)
+        for replica in self.fleet.replicas:
+            self.flush_plan(replica, end)
+        return self.report(time.process_time() - cpu, time.perf_counter() - wall)
+
+    def draw_turn(self, conversation: Conversation) -> Turn | None:
+        """The conversation's next turn; when it is over, a closed-loop user opens a new one."""
+        turn = self.workload.next_turn(conversation)
+        if turn is None and conversation.user >= 0 and conversation.turn > 0:
+            turn = self.workload.next_turn(self.workload.new_conversation(conversation.user))
+        return turn
+
+    # --- arrivals ---------------------------------------------------------------------------
+
+    def arrive(self, turn: Turn, at: float) -> None:
+        self.arrived += 1
+        request = RouteRequest(request_id=turn.request_id, model_version=self.pool, token_ids=turn.prompt,
+                               max_output_tokens=turn.max_output_tokens,
+                               conversation_id=turn.conversation.conversation_id)
+        views = [replica.view(self.pool) for replica in self.fleet.replicas if not replica.down]
+        decision = self.policy.choose(request, views, at)
+        if decision is None:
+            self.reject(turn, at)
+            return
+        replica = self.fleet.replica(decision.replica)
+        if replica is None:
+            raise ValueError(UNKNOWN_REPLICA.format(name=decision.replica))
+        if replica.down:
+            raise ValueError(DOWN_REPLICA.format(name=decision.replica))
+        self.policy.on_routed(request, decision, at)
+        self.outcomes[decision.outcome] += 1
+        self.settle_plan(replica, at)
+        try:
+            replica.engine.add_request(EngineRequest(
+                request_id=turn.request_id, prompt_token_ids=turn.prompt,
+                max_output_tokens=turn.max_output_tokens, end_id=END_ID, seed=turn.seed))
+        except EngineRequestError:
+            self.policy.on_finished(request, replica.name, at)
+            self.reject(turn, at)
+            return
+        replica.in_flight += 1
+        replica.routed += 1
+        self.records[turn.request_id] = RequestRecord(
+            request_id=turn.request_id, replica=replica.name, arrival_s=at, input_tokens=len(turn.prompt))
+        self.turns[turn.request_id] = (turn, request, replica)
+        if not replica.busy:
+            self.start(replica, at)
+
+    def reject(self, turn: Turn, at: float) -> None:
+        self.rejected += 1
+        turn.conversation.turns_left = 0          # the user gives up on this conversation
+        self.push_arrival(at + self.workload.think_time(), turn.conversation)
+
+    # --- restarts ---------------------------------------------------------------------------
+
+    def replica_down(self, replica: SimReplica, at: float) -> None:
+        """The replica dies: its runs end INTERRUPTED (tokens so far stay consumed, nothing is
+        regenerated), each user resends its turn as a new request, the cache is gone."""
+        self.flush_plan(replica, at)
+        replica.down = True
+        replica.busy = False
+        replica.pending = ()
+        replica.version += 1                      # its pending wake is void
+        replica.retired.append(replica.engine.stats())
+        lost = [request_id for request_id, (_, _, held) in self.turns.items() if held is replica]
+        for request_id in lost:
+            turn, request, _ = self.turns.pop(request_id)
+            self.records[request_id].finish_reason = "interrupted"
+            self.interrupted += 1
+            self.policy.on_finished(request, replica.name, at)
+            self.push_arrival(at, self.workload.resend(turn))
+        replica.in_flight = 0
+
+    def replica_up(self, replica: SimReplica, at: float) -> None:
+        replica.engine = self.fleet.fresh_engine()
+        replica.down = False
+        replica.start_time = at
+        self.policy.on_replica_restarted(replica.name)
+
+    # --- replica steps ----------------------------------------------------------------------
+
+    def settle_plan(self, replica: SimReplica, at: float) -> None:
+        """A request is about to join `replica`: apply the planned steps that have started by `at`
+        and move the wake to the end of the one in progress."""
+        ends = replica.plan_ends
+        if not ends:
+            return
+        started = min(bisect_right(ends, at) + 1, len(ends))
+        if started == len(ends):
+            return                                # the plan ends as planned; the wake applies it
+        run = self.apply_plan(replica, started, ends[started - 1])
+        assert not run.outputs, "a plan stops at its first finish, so a cut plan finishes nobody"
+        replica.pending = ()
+        self.push_wake(ends[started - 1], replica)
+
+    def flush_plan(self, replica: SimReplica, end: float) -> None:
+        """At the end of the run, apply the planned steps that started by `end`, as single steps
+        would have been; what they would deliver after `end` is not delivered."""
+        ends = replica.plan_ends
+        if ends:
+            started = min(bisect_right(ends, end) + 1, len(ends))
+            self.apply_plan(replica, started, ends[started - 1])
+
+    def apply_plan(self, replica: SimReplica, steps: int, until: float) -> DecodeRun:
+        """Apply the first `steps` planned decode steps, which hold the replica's KV from the plan's
+        start to `until` (the end of the last of them), and clear the plan."""
+        replica.kv_area += replica.engine.pool.num_used * (until - replica.plan_start)
+        run = replica.engine.run_decode(steps)
+        self.record_run(replica, run.step_durations, run.batch_size, run.tokens_in_last_step)
+        replica.plan_ends = []
+        return run
+
+    def wake(self, replica: SimReplica, at: float) -> None:
+        if replica.plan_ends:
+            outputs = self.apply_plan(replica, len(replica.plan_ends), at).outputs
+        else:
+            outputs, replica.pending = replica.pending, ()
+        replica.busy = False
+        for output in outputs:
+            self.deliver(replica, output, at)
+        self.start(replica, at)
+
+    def start(self, replica: SimReplica, at: float) -> None:
+        engine = replica.engine
+        if not engine.has_work():
+            return
+        used = engine.pool.num_used
+        replica.kv_peak = max(replica.kv_peak, used)
+        limit = engine.decode_run_limit() if self.fleet.config.decode_runs else 0
+        if limit >= 2:
+            durations = engine.decode_run_durations(limit)
+            ends: list[float] = []
+            clock = at
+            for duration in durations:
+                clock += duration
+                ends.append(clock)
+            replica.plan_start = at
+            replica.plan_ends = ends
+            finish = ends[-1]               # KV use is accounted when the plan is applied
+        else:
+            result = engine.step()
+            ended_by_end_id = sum(1 for o in result.outputs
+                                  if o.finished and o.num_new_tokens == 0 and not o.first_token)
+            self.record_step(replica, result.duration_s, result.num_generation_requests - ended_by_end_id)
+            replica.paused += result.num_paused
+            replica.pending = result.outputs
+            finish = at + result.duration_s
+            if result.duration_s <= 0.0 and not result.outputs:
+                return                            # nothing could run; the next arrival restarts it
+            replica.kv_area += used * result.duration_s
+        replica.busy = True
+        self.push_wake(finish, replica)
+
+    def record_step(self, replica: SimReplica, duration: float, generation_tokens: int) -> None:
+        if generation_tokens > 0:
+            replica.gen_tokens += generation_tokens
+            replica.gen_steps += 1
+            self.itl.add(duration, generation_tokens)
+
+    def record_run(self, replica: SimReplica, durations: Sequence[float], batch: int, last: int) -> None:
+        replica.gen_tokens += batch * (len(durations) - 1) + last
+        replica.gen_steps += len(durations)
+        self.itl.add_run(durations, batch, last)
+
+    def deliver(self, replica: SimReplica, output: RequestOutput, at: float) -> None:
+        record = self.records[output.request_id]
+        if output.first_token:
+            record.first_token_s = at
+            record.cached_tokens = output.num_cached_tokens
+        if not output.finished:
+            return
+        record.finish_s = at
+        record.output_tokens = output.num_output_tokens
+        record.finish_reason = output.finish_reason or ""
+        turn, request, _ = self.turns.pop(output.request_id)
+        replica.in_flight -= 1
+        self.policy.on_finished(request, replica.name, at)
+        self.workload.answer_finished(turn, output.num_output_tokens)
+        self.push_arrival(at + self.workload.think_time(), turn.conversation)
+
+    # --- the report -------------------------------------------------------------------------
+
+    def report(self, cpu_s: float, wall_s: float) -> FleetReport:
+        config, slo = self.config, self.slo
+        start, end = config.warmup_s, config.duration_s
+        window = max(end - start, 1e-9)
+        measured = [r for r in self.records.values()
+                    if r.arrival_s >= start and r.finish_reason != "interrupted"]
+        done = [r for r in measured if not math.isnan(r.finish_s)]
+        ttft = [r.first_token_s - r.arrival_s for r in done]
+        e2e = [r.finish_s - r.arrival_s for r in done]
+        tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+        good = sum(1 for r in done if meets_slo(r, slo))
+        inputs = sum(r.input_tokens for r in done)
+        outputs = sum(r.output_tokens for r in done)
+        cached = sum(r.cached_tokens for r in done)
+        summaries = tuple(self.summarize(replica, end) for replica in self.fleet.replicas)
+        kv_means = [s.kv_utilization_mean for s in summaries]
+        return FleetReport(
+            policy=self.policy.name, duration_s=window, replicas=len(summaries),
+            requests_arrived=self.arrived, requests_completed=len(done), requests_rejected=self.rejected,
+            requests_unfinished=sum(1 for r in self.records.values()
+                                    if math.isnan(r.finish_s) and r.finish_reason != "interrupted"),
+            requests_interrupted=self.interrupted,
+            ttft=Distribution.of(ttft), tpot=Distribution.of(tpot), itl=self.itl.distribution(),
+            e2e=Distribution.of(e2e), request_throughput=len(done) / window,
+            output_token_throughput=outputs / window, total_token_throughput=(inputs + outputs) / window,
+            goodput=good / window, slo=slo, slo_attainment=good / len(done) if done else 0.0,
+            mean_input_tokens=inputs / len(done) if done else 0.0,
+            mean_output_tokens=outputs / len(done) if done else 0.0,
+            cache_hit_rate=cached / inputs if inputs else 0.0,
+            kv_utilization_mean=sum(kv_means) / len(kv_means) if kv_means else 0.0,
+            kv_utilization_peak=max((s.kv_utilization_peak for s in summaries), default=0.0),
+            routing_outcomes=tuple(sorted(self.outcomes.items())), per_replica=summaries,
+            sim_cpu_s=cpu_s, sim_wall_s=wall_s, events=self.events,
+        )
+
+    def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:
+        lives = [*replica.retired, replica.engine.stats()]
+        blocks = lives[-1].kv.max_blocks
+        reused = sum(stats.kv.reused_blocks for stats in lives)
+        looked_up = reused + sum(stats.kv.missed_blocks for stats in lives)
+        return ReplicaSummary(
+            name=replica.name, requests=replica.routed,
+            busy_fraction=min(1.0, sum(stats.busy_s for stats in lives) / end),
+            mean_batch=replica.gen_tokens / replica.gen_steps if replica.gen_steps else 0.0,
+            kv_utilization_mean=replica.kv_area / end / blocks, kv_utilization_peak=replica.kv_peak / blocks,
+            cache_hit_rate=reused / looked_up if looked_up else 0.0, paused=replica.paused,
+            steps=sum(stats.num_steps for stats in lives),
+        )
+
