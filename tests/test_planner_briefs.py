@@ -72,7 +72,9 @@ def test_a_model_that_fits_no_gpu_count_in_a_node_says_how_much_each_gpu_would_h
     assert error.field == "model"
     assert str(error) == MODEL_FITS_NO_GPU_COUNT.format(
         field="model", model="llama-3.1-405b", precision="bf16", weights_gb=811.8, gpus_per_node=8,
-        hardware="h100-sxm", hbm_gb=80, reserve_gb=5, per_gpu_gb=811.8 / 8)
+        hardware="h100-sxm", usable_gb=72, fraction=0.9, reserve_gb=5, per_gpu_gb=811.8 / 8,
+        # 811.8 GB ÷ 16 = 50.7 GB + 5 ≤ 72; in fp8, 405.9 ÷ 8 = 50.7 GB + 5 ≤ 72 at one node.
+        smallest="TP 16 (2 nodes, crossing InfiniBand) at bf16 weights, or fp8 weights at TP 8")
 
 
 def test_a_tensor_parallel_degree_below_the_smallest_that_fits_is_refused() -> None:
@@ -81,8 +83,9 @@ def test_a_tensor_parallel_degree_below_the_smallest_that_fits_is_refused() -> N
     data["sizing"]["tp"] = 1
     error = error_for(data)
     assert error.field == "sizing.tp"
-    assert str(error) == TP_TOO_SMALL.format(field="sizing.tp", value=1, weights_gb=141.2, hbm_gb=80,
-                                             min_tp=2)
+    # 0.9 × 80 = 72 GB: 141.2 ÷ 2 = 70.6 GB + 5 GB reserve does not fit, 141.2 ÷ 4 + 5 does.
+    assert str(error) == TP_TOO_SMALL.format(field="sizing.tp", value=1, weights_gb=141.2, usable_gb=72,
+                                             hbm_gb=80, min_tp=4)
 
 
 def test_a_budget_that_is_not_whole_replicas_is_refused() -> None:

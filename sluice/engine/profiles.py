@@ -21,6 +21,9 @@ PRECISION_BYTES: Mapping[str, float] = MappingProxyType(
     {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 )
 
+# Storage precisions a GPU only runs with tensor cores of that dtype.
+_NEEDS_TENSOR_CORES = ("fp8",)
+
 UNKNOWN_PRECISION = "unknown precision {name!r}; known: {known}"
 UNKNOWN_MODEL = "unknown model preset {name!r}; known: {known}"
 UNKNOWN_HARDWARE = "unknown hardware preset {name!r}; known: {known}"
@@ -84,6 +87,11 @@ class HardwareProfile:
     # Share of a tensor-parallel step spent in all-reduce over NVLink/NVSwitch; the
     # cost model's default (CostFactors.allreduce_fraction) is taken from here.
     nvlink_allreduce_overhead_fraction: float = 0.2
+
+    def supports_precision(self, precision: str) -> bool:
+        """Whether the GPU can store and run a precision: FP8 needs FP8 tensor cores (Hopper and
+        later); 16-bit, int8 and int4 (weight-only) run everywhere."""
+        return precision not in _NEEDS_TENSOR_CORES or precision in self.dense_flops_per_s
 
     def flops(self, dtype: str) -> float:
         try:

@@ -28,12 +28,17 @@ from sluice.engine.profiles import (
 )
 from sluice.planner.errors import (
     DUTY_OR_READ_TIME,
+    KV_HEADS_ABOVE_HEADS,
     NO_COMPUTE_DTYPE,
+    NOT_A_BRIEF,
     P95_BELOW_MEAN,
+    PRECISION_NOT_ON_GPU,
     PRESET_OR_SHAPE,
+    TURN_SHORTER_THAN_ANSWER,
     UNKNOWN_HARDWARE_PRESET,
     UNKNOWN_MODEL_PRESET,
     UNKNOWN_PRECISION,
+    YAML_SYNTAX,
     BriefError,
 )
 from sluice.planner.reader import Reader
@@ -48,6 +53,8 @@ _HARDWARE_SHAPE = ("name", "hbm_gb", "hbm_bandwidth_tb_per_s", "dense_tflops",
                    "nvlink_allreduce_overhead_fraction")
 _DEFAULT_FACTORS = CostFactors()
 SEED_003 = "seed 003"
+MAX_GPUS_PER_NODE = 72   # the largest NVLink domain sold (GB200 NVL72)
+MAX_TOKENS = 1e7         # ten million tokens: beyond any context window served today
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +166,19 @@ class Brief:
 def load_brief(path: str | Path) -> Brief:
     """Read and validate a YAML brief; `BriefError` names the offending field."""
     path = Path(path)
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        detail = " ".join(str(error).split())
+        raise BriefError("brief", YAML_SYNTAX.format(detail=detail)) from None
+    except UnicodeDecodeError as error:
+        raise BriefError("brief", YAML_SYNTAX.format(detail=f"not UTF-8 text ({error.reason})")) from None
     return parse_brief(data, default_name=path.stem)
 
 
 def parse_brief(data: object, default_name: str = "brief") -> Brief:
+    if not isinstance(data, Mapping):
+        raise BriefError("brief", NOT_A_BRIEF.format(value=data))
     defaults: list[str] = []
     root = Reader(data, "", defaults, ("name", "model", "hardware", "sizing", "demand", "workload", "slo",
                                        "efficiency", "latency", "engine", "cost", "scenarios", "reference"))
@@ -174,28 +189,37 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
     workload = _workload(root.section("workload", (
         "input_tokens", "output_tokens", "kv_context_tokens", "decode_batch", "prefix_hit_rate",
         "prefix_credit_in_sizing")))
+    model_section = root.section("model", ("preset", "weights", "kv_cache") + _MODEL_SHAPE)
+    model = _model(model_section)
+    _check_precisions_run_on(model, hardware, model_section)
+    slo = _slo(root.section("slo", ("ttft_p95_ms", "ttft_input_tokens", "itl_p95_ms", "availability")),
+               workload)
+    demand_section = root.section("demand", (
+        "users", "duty_cycle", "turn_period_s", "read_and_type_s", "generation_tok_per_s"))
+    demand = _demand(demand_section)
+    _check_turn_outlasts_answer(demand, workload, slo, demand_section)
+    engine = _engine(root.section("engine", ("memory_fraction", "max_num_seqs_headroom"), required=False))
     return Brief(
         name=name,
-        model=_model(root.section("model", ("preset", "weights", "kv_cache") + _MODEL_SHAPE)),
+        model=model,
         hardware=hardware,
-        gpus_per_node=hardware_section.integer("gpus_per_node", 8, "one NVSwitch domain of an HGX node"),
+        gpus_per_node=hardware_section.integer("gpus_per_node", 8, "one NVSwitch domain of an HGX node",
+                                              maximum=MAX_GPUS_PER_NODE),
         price_per_gpu_hour=hardware_section.number("price_per_gpu_hour"),
         sizing=_sizing(root.section("sizing", (
             "mode", "gpus", "goodput_tok_per_s_per_replica", "prefill_share", "tp", "spare_replicas",
             "max_utilization"))),
-        demand=_demand(root.section("demand", (
-            "users", "duty_cycle", "turn_period_s", "read_and_type_s", "generation_tok_per_s"))),
+        demand=demand,
         workload=workload,
-        slo=_slo(root.section("slo", ("ttft_p95_ms", "ttft_input_tokens", "itl_p95_ms", "availability")),
-                 workload),
+        slo=slo,
         factors=_factors(root.section("efficiency", (
             "achieved_bandwidth_fraction", "achieved_flops_fraction", "allreduce_fraction",
-            "fixed_overhead_ms", "activation_reserve_gb", "memory_fraction", "compute_dtype"),
-            required=False), hardware),
+            "fixed_overhead_ms", "activation_reserve_gb", "compute_dtype"),
+            required=False), hardware, engine),
         latency=_latency(root.section("latency", (
             "network_rtt_ms", "gateway_ms", "tokenization_ms", "first_sample_ms", "sse_first_write_ms",
             "scheduler_overhead_ms"), required=False)),
-        engine=_engine(root.section("engine", ("memory_fraction", "max_num_seqs_headroom"), required=False)),
+        engine=engine,
         average_to_peak_traffic=_average_to_peak(root.section("cost", ("average_to_peak_traffic",),
                                                               required=False)),
         scenarios=_scenarios(root.section("scenarios", (
@@ -226,16 +250,43 @@ def _model(section: Reader) -> ModelProfile:
         return get_model(preset, weights=weights, kv=kv)
     heads = section.integer("num_attention_heads")
     hidden = section.integer("hidden_size")
+    kv_heads = section.integer("num_kv_heads")
+    if kv_heads > heads or heads % kv_heads:
+        field = section.field("num_kv_heads")
+        raise BriefError(field, KV_HEADS_ABOVE_HEADS.format(field=field, value=kv_heads, heads=heads))
     return ModelProfile(
         name=section.text("name"),
         num_params=section.number("num_params"),
         num_layers=section.integer("num_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=section.integer("num_kv_heads"),
+        num_kv_heads=kv_heads,
         head_dim=section.integer("head_dim", hidden // heads, "hidden_size ÷ num_attention_heads"),
         bytes_per_weight=2.0, bytes_per_kv_element=2.0,
     ).with_precision(weights, kv)
+
+
+def _check_precisions_run_on(model: ModelProfile, hardware: HardwareProfile, section: Reader) -> None:
+    """FP8 storage needs FP8 tensor cores (Hopper and later); A100 runs int8 instead."""
+    for key, precision in (("weights", model.weight_precision), ("kv_cache", model.kv_precision)):
+        if not hardware.supports_precision(precision):
+            field = section.field(key)
+            known = ", ".join(p for p in PRECISION_BYTES if hardware.supports_precision(p))
+            raise BriefError(field, PRECISION_NOT_ON_GPU.format(field=field, hardware=hardware.name,
+                                                                value=precision, known=known))
+
+
+def _check_turn_outlasts_answer(demand: Demand, workload: Workload, slo: Slo, section: Reader) -> None:
+    """A stated turn period must hold the answer it contains (the read-and-type form always does)."""
+    if demand.turn_period_s is None:
+        return
+    rate = demand.generation_tok_per_s or 1.0 / slo.itl_p95_s
+    answer = workload.output_tokens.mean / rate
+    if demand.turn_period_s <= answer:
+        field = section.field("turn_period_s")
+        raise BriefError(field, TURN_SHORTER_THAN_ANSWER.format(
+            field=field, value=demand.turn_period_s, answer=answer,
+            tokens=workload.output_tokens.mean, rate=rate))
 
 
 def _hardware(section: Reader) -> HardwareProfile:
@@ -269,7 +320,7 @@ def _sizing(section: Reader) -> Sizing:
         gpus=section.integer("gpus") if fixed else section.optional_integer("gpus"),
         goodput_tok_per_s_per_replica=None if fixed else section.number("goodput_tok_per_s_per_replica"),
         prefill_share=None if fixed else section.fraction("prefill_share"),
-        tp=section.optional_integer("tp"),
+        tp=section.optional_integer("tp", maximum=MAX_GPUS_PER_NODE),
         spare_replicas=section.integer("spare_replicas", 1, "N+1: survive one replica lost",
                                        allow_zero=True),
         max_utilization=section.number("max_utilization", 0.85,
@@ -296,8 +347,8 @@ def _demand(section: Reader) -> Demand:
 
 
 def _lengths(section: Reader) -> TokenLengths:
-    mean = section.number("mean")
-    p95 = section.number("p95", mean, "no p95 given: the mean")
+    mean = section.number("mean", maximum=MAX_TOKENS)
+    p95 = section.number("p95", mean, "no p95 given: the mean", maximum=MAX_TOKENS)
     if p95 < mean:
         field = section.field("p95")
         raise BriefError(field, P95_BELOW_MEAN.format(field=field, value=p95, mean=mean))
@@ -312,7 +363,7 @@ def _workload(section: Reader) -> Workload:
         output_tokens=outputs,
         kv_context_tokens=section.integer(
             "kv_context_tokens", int(inputs.mean + outputs.mean),
-            "mean input + mean output: the context a sequence reaches as it ends"),
+            "mean input + mean output: the context a sequence reaches as it ends", maximum=2 * MAX_TOKENS),
         decode_batch=section.optional_integer("decode_batch"),
         prefix_hit_rate=section.fraction("prefix_hit_rate", 0.0, "no prefix cache"),
         prefix_credit_in_sizing=section.flag(
@@ -330,7 +381,7 @@ def _slo(section: Reader, workload: Workload) -> Slo:
     )
 
 
-def _factors(section: Reader, hardware: HardwareProfile) -> CostFactors:
+def _factors(section: Reader, hardware: HardwareProfile, engine: EngineChoices) -> CostFactors:
     base = _DEFAULT_FACTORS
     dtype = section.text("compute_dtype", base.compute_dtype,
                          "seed 003 prices FP8 prefill at 990 TFLOP/s, H100's bf16 dense peak")
@@ -350,8 +401,9 @@ def _factors(section: Reader, hardware: HardwareProfile) -> CostFactors:
                                         allow_zero=True) / 1e3,
         activation_reserve_bytes=section.number("activation_reserve_gb", base.activation_reserve_bytes / 1e9,
                                                 SEED_003, allow_zero=True) * 1e9,
-        memory_fraction=section.number("memory_fraction", base.memory_fraction,
-                                       "seed 003 sizes KV from the whole 80 GB"),
+        # One memory rule: the KV pool, the smallest TP and the engine configuration all use the
+        # share of HBM the emitted engine configuration gives the engine.
+        memory_fraction=engine.memory_fraction,
         compute_dtype=dtype,
     )
 

@@ -1,7 +1,9 @@
 """Command-line edge: `sluice plan BRIEF.yaml [--json] [--simulate]` (also `python -m sluice.planner`).
 
 Exit status: 0 when the plan meets its SLO, 1 when it does not (the plan is still
-printed), 2 when the brief is invalid (the message names the field).
+printed), 2 when the brief is invalid (the message names the field: YAML syntax,
+a value out of range, a model that does not fit, a TP that does not split the heads,
+a precision the GPU lacks, a turn shorter than its answer). No input gives a traceback.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.simulate:
         from sluice.planner.simulate import simulate  # the simulator is only imported when asked for
 
-        simulation = simulate(brief, result, seconds=args.sim_seconds,
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+        try:
+            simulation = simulate(brief, result, seconds=args.sim_seconds,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except ValueError as error:   # the simulator refusing a configuration: say so, keep the plan
+            print(f"sluice plan: --simulate could not run this plan: {error}", file=sys.stderr)
+            print(to_json(result) if args.json else to_markdown(result))
+            return EXIT_MISSES
         result = replace(result, simulation=simulation)
         meets = meets and simulation.slo_holds
     print(to_json(result) if args.json else to_markdown(result))

@@ -12,7 +12,7 @@ Rules (seed 003 §4, made mechanical):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from sluice.engine.cost_model import CostModel
 from sluice.planner import fmt
@@ -55,8 +55,7 @@ def engine_config(brief: Brief, cost: CostModel, load: Load, replicas: int,
     serving = replicas - replicas_per_node if replicas > replicas_per_node else replicas
     degraded = batch_per_replica(load.generating, serving)
     wanted = degraded * (1 + brief.engine.max_num_seqs_headroom)
-    engine_cost = CostModel(cost.model, cost.hardware, cost.tp,
-                            replace(cost.efficiency, memory_fraction=brief.engine.memory_fraction))
+    engine_cost = cost   # brief.factors carry the engine's memory fraction: one memory rule
     fit = engine_cost.sequences_that_fit(ctx)
     max_num_seqs = min(_round_up(wanted, _SEQS_STEP), max(fit, 1))
     seqs_reason = (f"⌈{fmt.num(load.generating)} generating ÷ {serving} replicas (one node lost)⌉ = "

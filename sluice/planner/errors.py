@@ -10,6 +10,7 @@ MISSING_FIELD = "brief field {field!r} is missing"
 NOT_A_MAPPING = "brief field {field!r} must be a mapping of fields, got {value!r}"
 NOT_A_NUMBER = "brief field {field!r} must be a number, got {value!r}"
 NOT_POSITIVE = "brief field {field!r} must be greater than zero, got {value!r}"
+TOO_LARGE = "brief field {field!r} must be at most {maximum:g}, got {value!r}"
 NEGATIVE = "brief field {field!r} must not be negative, got {value!r}"
 NOT_A_FRACTION = "brief field {field!r} must be a fraction in [0, 1), got {value!r}"
 NOT_AN_INTEGER = "brief field {field!r} must be a whole number, got {value!r}"
@@ -27,12 +28,26 @@ DUTY_OR_READ_TIME = ("brief field {field!r} needs either 'duty_cycle' with 'turn
 TP_NOT_A_DIVISOR = ("brief field {field!r}: tensor-parallel degree {value} must divide the "
                     "{gpus_per_node} GPUs of a node (one NVSwitch domain)")
 TP_TOO_SMALL = ("brief field {field!r}: at TP {value} the weights ({weights_gb:.1f} GB per GPU) and the "
-                "activation reserve leave no room for KV on a {hbm_gb:.0f} GB GPU; the smallest TP that "
-                "fits is {min_tp}")
+                "activation reserve leave no room for KV in the {usable_gb:.0f} GB the engine may use of a "
+                "{hbm_gb:.0f} GB GPU; the smallest TP that fits is {min_tp}")
+TP_SPLITS_HEADS = ("brief field {field!r}: tensor-parallel degree {value} must divide the model's "
+                   "{heads} attention heads, and its {kv_heads} KV heads must divide evenly over the GPUs "
+                   "(or be replicated a whole number of times); TP degrees that do: {known}")
+KV_HEADS_ABOVE_HEADS = ("brief field {field!r}: {value} KV heads must be at most the {heads} attention heads "
+                        "and divide them (grouped-query attention)")
+PRECISION_NOT_ON_GPU = ("brief field {field!r}: {hardware} has no {value} support (no {value} tensor cores); "
+                        "precisions it runs: {known}")
+TURN_SHORTER_THAN_ANSWER = ("brief field {field!r}: a turn of {value:g} s is not longer than the answer it "
+                            "contains ({answer:.3g} s = {tokens:,.0f} output tokens at {rate:.3g} tok/s); "
+                            "a user cannot ask again before the answer ends")
+YAML_SYNTAX = "brief is not valid YAML: {detail}"
+NOT_A_BRIEF = "brief must be a mapping of sections (name, model, hardware, ...), got {value!r}"
 MODEL_FITS_NO_GPU_COUNT = ("brief field {field!r}: {model} at {precision} weights ({weights_gb:.1f} GB) "
                            "fits no tensor-parallel group inside one node of {gpus_per_node} × {hardware} "
-                           "({hbm_gb:.0f} GB each, {reserve_gb:.0f} GB activation reserve): even at TP "
-                           "{gpus_per_node} each GPU would hold {per_gpu_gb:.1f} GB of weights")
+                           "({usable_gb:.0f} GB usable each at memory fraction {fraction}, "
+                           "{reserve_gb:.0f} GB activation reserve): even at TP {gpus_per_node} each GPU "
+                           "would hold {per_gpu_gb:.1f} GB of weights; the smallest configuration that fits "
+                           "is {smallest}")
 BUDGET_NOT_A_MULTIPLE = ("brief field {field!r}: a budget of {value} GPUs is not a whole number of "
                          "TP-{tp} replicas")
 BUDGET_BELOW_ONE_REPLICA = ("brief field {field!r}: a budget of {value} GPUs is less than one TP-{tp} "

@@ -9,6 +9,7 @@ author's behalf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from sluice.planner.errors import (
@@ -21,12 +22,17 @@ from sluice.planner.errors import (
     NOT_AN_INTEGER,
     NOT_POSITIVE,
     NOT_TEXT,
+    TOO_LARGE,
     UNKNOWN_CHOICE,
     UNKNOWN_FIELD,
     BriefError,
 )
 
 _REQUIRED = object()
+# Bounds that keep the arithmetic finite (no brief means 10¹⁸ of anything): numbers, and counts
+# (users, GPUs, tokens) that the planner loops or rounds over.
+_LARGEST = 1e18
+_LARGEST_COUNT = 1e9
 
 
 class Reader:
@@ -78,12 +84,14 @@ class Reader:
         return default
 
     def number(self, key: str, default: object = _REQUIRED, why: str = "", *,
-               allow_zero: bool = False) -> float:
+               allow_zero: bool = False, maximum: float = _LARGEST) -> float:
         value = _yaml_exponent(self._get(key, default, why))
         field = self.field(key)
         # bool is an int subclass: `users: yes` must not read as 1 user.
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
             raise BriefError(field, NOT_A_NUMBER.format(field=field, value=value))
+        if value > maximum:
+            raise BriefError(field, TOO_LARGE.format(field=field, value=value, maximum=maximum))
         if value < 0:
             raise BriefError(field, NEGATIVE.format(field=field, value=value))
         if value == 0 and not allow_zero:
@@ -94,15 +102,15 @@ class Reader:
         return self.number(key) if self.has(key) else None
 
     def integer(self, key: str, default: object = _REQUIRED, why: str = "", *,
-                allow_zero: bool = False) -> int:
-        number = self.number(key, default, why, allow_zero=allow_zero)
+                allow_zero: bool = False, maximum: float = _LARGEST_COUNT) -> int:
+        number = self.number(key, default, why, allow_zero=allow_zero, maximum=maximum)
         if not number.is_integer():
             field = self.field(key)
             raise BriefError(field, NOT_AN_INTEGER.format(field=field, value=self._data.get(key)))
         return int(number)
 
-    def optional_integer(self, key: str) -> int | None:
-        return self.integer(key) if self.has(key) else None
+    def optional_integer(self, key: str, maximum: float = _LARGEST_COUNT) -> int | None:
+        return self.integer(key, maximum=maximum) if self.has(key) else None
 
     def fraction(self, key: str, default: object = _REQUIRED, why: str = "") -> float:
         """A share in [0, 1): hit rates, duty cycles, efficiency losses."""

@@ -12,11 +12,17 @@ import math
 from dataclasses import dataclass, replace
 
 from sluice.engine.cost_model import CostFactors, CostModel
-from sluice.engine.profiles import HardwareProfile, ModelProfile
+from sluice.engine.profiles import HardwareProfile, ModelProfile, precision_bytes
 from sluice.planner import fmt
 from sluice.planner.brief import Brief
 from sluice.planner.demand import Load
-from sluice.planner.errors import MODEL_FITS_NO_GPU_COUNT, TP_NOT_A_DIVISOR, TP_TOO_SMALL, BriefError
+from sluice.planner.errors import (
+    MODEL_FITS_NO_GPU_COUNT,
+    TP_NOT_A_DIVISOR,
+    TP_SPLITS_HEADS,
+    TP_TOO_SMALL,
+    BriefError,
+)
 from sluice.planner.result import Figure, Section
 
 
@@ -28,37 +34,71 @@ class Replica:
     replicas_per_node: int
 
 
-def tp_choices(gpus_per_node: int) -> tuple[int, ...]:
-    """Tensor-parallel degrees inside one NVSwitch domain: the divisors of the node's GPU count."""
-    return tuple(tp for tp in range(1, gpus_per_node + 1) if gpus_per_node % tp == 0)
+def tp_choices(gpus_per_node: int, model: ModelProfile | None = None) -> tuple[int, ...]:
+    """Tensor-parallel degrees inside one NVSwitch domain: the divisors of the node's GPU count that
+    split the model's attention heads evenly and its KV heads evenly (or replicate them whole)."""
+    return tuple(tp for tp in range(1, gpus_per_node + 1)
+                 if gpus_per_node % tp == 0 and (model is None or splits_heads(model, tp)))
+
+
+def splits_heads(model: ModelProfile, tp: int) -> bool:
+    kv = model.num_kv_heads
+    return model.num_attention_heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
 
 def cost_model(model: ModelProfile, hardware: HardwareProfile, tp: int, factors: CostFactors) -> CostModel:
     return CostModel(model, hardware, tp=tp, efficiency=factors)
 
 
-def replica(brief: Brief) -> Replica:
-    """The TP group: the smallest degree that fits, and the degree used (default: the whole node)."""
-    node = brief.gpus_per_node
-    fitting = [tp for tp in tp_choices(node)
-               if cost_model(brief.model, brief.hardware, tp, brief.factors).fits()]
+def _smallest_fitting(brief: Brief) -> str:
+    """The smallest configuration that would hold the model: more GPUs at its precision (TP across
+    nodes), or a smaller weight precision at TP = the node."""
+    m, h, f, node = brief.model, brief.hardware, brief.factors, brief.gpus_per_node
+    options: list[str] = []
+    for nodes in range(2, 17):
+        tp = node * nodes
+        if splits_heads(m, tp) and cost_model(m, h, tp, f).fits():
+            options.append(f"TP {tp} ({nodes} nodes, crossing InfiniBand) at {m.weight_precision} weights")
+            break
+    for precision in ("fp8", "int8", "int4"):
+        if precision_bytes(precision) >= m.bytes_per_weight or not h.supports_precision(precision):
+            continue
+        smaller = m.with_precision(precision, m.kv_precision if h.supports_precision(m.kv_precision)
+                                   else "bf16")
+        fit = [tp for tp in tp_choices(node, smaller) if cost_model(smaller, h, tp, f).fits()]
+        if fit:
+            options.append(f"{precision} weights at TP {fit[0]}")
+            break
+    return ", or ".join(options) if options else "none within 16 nodes or int4 weights"
+
+
+def replica(brief: Brief, tp: int | None = None) -> Replica:
+    """The TP group: the smallest degree that fits, and the degree used (`tp`, else the brief's, else
+    the whole node). A model that fits no group in a node is refused with the smallest that would."""
+    node, m, h, f = brief.gpus_per_node, brief.model, brief.hardware, brief.factors
+    choices = tp_choices(node, m)
+    fitting = [choice for choice in choices if cost_model(m, h, choice, f).fits()]
     if not fitting:
-        m, h = brief.model, brief.hardware
         raise BriefError("model", MODEL_FITS_NO_GPU_COUNT.format(
             field="model", model=m.name, precision=m.weight_precision, weights_gb=m.weight_bytes() / 1e9,
-            gpus_per_node=node, hardware=h.name, hbm_gb=h.hbm_bytes / 1e9,
-            reserve_gb=brief.factors.activation_reserve_bytes / 1e9,
-            per_gpu_gb=m.weight_bytes() / node / 1e9))
+            gpus_per_node=node, hardware=h.name, usable_gb=h.hbm_bytes * f.memory_fraction / 1e9,
+            fraction=f.memory_fraction, reserve_gb=f.activation_reserve_bytes / 1e9,
+            per_gpu_gb=m.weight_bytes() / node / 1e9, smallest=_smallest_fitting(brief)))
     min_tp = fitting[0]
-    tp = brief.sizing.tp if brief.sizing.tp is not None else node
+    if tp is None:
+        tp = brief.sizing.tp if brief.sizing.tp is not None else choices[-1]
     if node % tp:
         raise BriefError("sizing.tp", TP_NOT_A_DIVISOR.format(field="sizing.tp", value=tp,
                                                               gpus_per_node=node))
+    if not splits_heads(m, tp):
+        raise BriefError("sizing.tp", TP_SPLITS_HEADS.format(
+            field="sizing.tp", value=tp, heads=m.num_attention_heads, kv_heads=m.num_kv_heads,
+            known=", ".join(str(choice) for choice in choices)))
     if tp < min_tp:
         raise BriefError("sizing.tp", TP_TOO_SMALL.format(
-            field="sizing.tp", value=tp, weights_gb=brief.model.weight_bytes() / tp / 1e9,
-            hbm_gb=brief.hardware.hbm_bytes / 1e9, min_tp=min_tp))
-    return Replica(cost_model(brief.model, brief.hardware, tp, brief.factors), tp, min_tp, node // tp)
+            field="sizing.tp", value=tp, weights_gb=m.weight_bytes() / tp / 1e9,
+            usable_gb=h.hbm_bytes * f.memory_fraction / 1e9, hbm_gb=h.hbm_bytes / 1e9, min_tp=min_tp))
+    return Replica(cost_model(m, h, tp, f), tp, min_tp, node // tp)
 
 
 def batch_per_replica(generating: float, replicas: int) -> int:
@@ -88,9 +128,10 @@ def memory_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
                f"({m.weight_precision}) = {fmt.gb(weights)}"),
         Figure("memory.min_tp", "smallest tensor-parallel degree that fits", rep.min_tp, "",
                f"{fmt.gb(weights)} ÷ {rep.min_tp} = {fmt.gb(min_tp_weights)} + "
-               f"{fmt.gb(f.activation_reserve_bytes)} activation reserve ≤ "
-               f"{fmt.gb(h.hbm_bytes * f.memory_fraction)}"
-               f" of {h.name} HBM"),
+               f"{fmt.gb(f.activation_reserve_bytes)} activation reserve ≤ {fmt.gb(h.hbm_bytes)} × "
+               f"{fmt.num(f.memory_fraction)} engine memory fraction = "
+               f"{fmt.gb(h.hbm_bytes * f.memory_fraction)} of {h.name} HBM (the same rule as the pool "
+               "below and the engine configuration)"),
         Figure("memory.tp", "tensor-parallel degree of a replica", tp, "", tp_formula),
         Figure("memory.weight_bytes_per_gpu", "weights per GPU", cost.weight_bytes_per_gpu(), "B",
                f"{fmt.gb(weights)} ÷ {tp} = {fmt.gb(cost.weight_bytes_per_gpu())}"),
