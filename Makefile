@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit lint bench sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit lint bench bench-platform sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -38,6 +38,9 @@ lint: setup                  ## ruff everywhere; mypy (strict on engine, planner
 
 bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
 	$(PY) -m bench
+
+bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small
+	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,)
 
 sim: setup                   ## seed 003's fleet on the simulator
 	$(PY) -m sluice.sim --preset seed003

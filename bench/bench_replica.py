@@ -94,16 +94,18 @@ def group_cpu_seconds(session: int) -> float:
     return total / CLOCK_TICKS
 
 
-def start_replica(settings: dict[str, object], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    grpc_port, http_port, metrics_port = free_ports(3)
+def start_replica(settings: dict[str, object], log_path: Path, *, name: str = "bench", pool: str = "bench",
+                  ports: Sequence[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A replica on `ports` (grpc, http, metrics; default free ones); returns it and its gRPC address."""
+    grpc_port, http_port, metrics_port = ports or free_ports(3)
     env = dict(os.environ)
-    entry = {"name": "bench", "pool": "bench", "grpc_address": f"127.0.0.1:{grpc_port}",
+    entry = {"name": name, "pool": pool, "grpc_address": f"127.0.0.1:{grpc_port}",
              "http_port": http_port, "metrics_port": metrics_port}
     env["SLUICE_REPLICAS"] = json.dumps([entry])
     for key, value in settings.items():
         env[f"SLUICE_REPLICA__{key.upper()}"] = json.dumps(value)
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", "bench"],
+        process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + 90

@@ -1,0 +1,378 @@
+"""Platform cost and latency on the real stack (`make bench-platform`, issue 9):
+`python -m bench.bench_platform [--quick] [--token-delay-ms 100] [--gateways 2] [--routing-workers 1]`.
+
+Starts everything itself on a throwaway database and a private Kafka topic (PostgreSQL and Kafka
+must be running: `make infra-up`): two Triton replicas running the "simple" engine at
+--token-delay-ms per step (default 100 ms: one token per live request per step, so 256 streams
+ask the replicas for ~2,560 tokens/s, which they serve in well under a core; the platform, not the
+replicas, is what saturates the box), --gateways gateway processes (`sluice.services.main --role
+gateway`, each on its own port) and --routing-workers routing worker processes
+(`sluice.services.routing`, [routing].max_runs_per_worker raised so they hold every stream).
+Clients spread over the gateways and 50 tenants.
+
+Phases, in order, with the CPU-seconds each component spent read from /proc (platform = gateway
++ routing worker + the PostgreSQL backends of the bench database + the Kafka JVM; replicas and
+this client are reported apart, never in the platform figure):
+
+  ttft       TTFT added over calling a Triton replica directly, measured side by side: each
+             round calls the replica (services.replica_client.stream_generate, same prompt
+             length, 4 tokens) and the platform (Submit → first DELTA over Stream), one at a
+             time, then 16 of each concurrently
+  run-cost   platform CPU per run of 2 output tokens (concurrency 16)
+  stream-64  platform CPU per delivered token, 64 concurrent 300-token streams
+  stream-256 the same at 256
+  interrupt  runs ending INTERRUPTED among 1,000 runs at 256 concurrent streams
+  submit     Submit latency at 500 Submits/s offered open-loop (fixed arrival times, latency
+             from the scheduled time) over 50 tenants round-robin across the gateways, routing
+             workers stopped and the backlog claimed every 50 ms by a stand-in (as bench_submit);
+             gateway CPU per Submit
+
+Prints every figure with its conditions; never fails on timing. --quick shrinks every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc.aio
+from sluice.ledger.seed import TINY_CHAT
+from sluice.services import replica_client
+from sluice.services.tokenization import encode
+
+from bench.bench_submit import _claim_backlog
+from bench.platform_stack import (
+    COMPONENTS,
+    CpuMeter,
+    CpuSample,
+    PlatformStack,
+    StackSettings,
+    create_database,
+    create_topic,
+    delete_topic,
+    drop_database,
+    tenant_key,
+)
+from sluice.config import load_config
+from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
+
+T = TypeVar("T")
+PROMPT = "Summarise how a sluice gate controls the flow of water, in plain words, for a new operator."
+TENANTS = 50
+STREAM_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How big each phase is (full or --quick)."""
+
+    ttft_serial: int               # one-at-a-time pairs (direct, platform)
+    ttft_rounds: int               # rounds of 16 direct then 16 platform at once
+    cost_runs: int                 # 2-token runs
+    stream_tokens: int             # output tokens per stream in stream-64/256
+    stream_runs_64: int
+    stream_runs_256: int
+    interrupt_runs: int
+    interrupt_tokens: int
+    submit_seconds: float
+
+
+FULL = Plan(ttft_serial=40, ttft_rounds=5, cost_runs=200, stream_tokens=300, stream_runs_64=64,
+            stream_runs_256=256, interrupt_runs=1000, interrupt_tokens=100, submit_seconds=10.0)
+QUICK = Plan(ttft_serial=12, ttft_rounds=2, cost_runs=48, stream_tokens=100, stream_runs_64=64,
+             stream_runs_256=256, interrupt_runs=256, interrupt_tokens=40, submit_seconds=3.0)
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+# --- client -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    ttft_s: float          # Submit call → first DELTA received (nan if none)
+    tokens: int
+    events: int
+    status: str            # terminal status name, or "ERROR <code>" when the call failed
+    detail: str
+
+
+class Client:
+    """Raw stubs on one channel per gateway; tenant i's calls carry tenant i's key."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.channels = [grpc.aio.insecure_channel(address) for address in addresses]
+        self.admission = [admission_pb2_grpc.AdmissionStub(c) for c in self.channels]
+        self.runs = [runs_pb2_grpc.RunsStub(c) for c in self.channels]
+        self._next = 0
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    def pick(self) -> tuple[int, int]:
+        """(gateway, tenant) for the next call: both round-robin."""
+        self._next += 1
+        return self._next % len(self.channels), self._next % TENANTS
+
+    async def submit(self, gateway: int, tenant: int, tokens: int) -> str:
+        request = admission_pb2.SubmitRequest(model="chat", input=PROMPT.encode(), max_output_tokens=tokens,
+                                              request_key=uuid.uuid4().hex)
+        metadata = (("x-api-key", tenant_key(tenant)),)
+        response = await self.admission[gateway].Submit(request, metadata=metadata)
+        return str(response.run_id)
+
+    async def run(self, tokens: int) -> RunOutcome:
+        gateway, tenant = self.pick()
+        started = time.perf_counter()
+        first = float("nan")
+        received = events = 0
+        status, detail = "NO TERMINAL", ""
+        try:
+            run_id = await self.submit(gateway, tenant, tokens)
+            call = self.runs[gateway].Stream(runs_pb2.StreamRequest(run_id=run_id, after=0),
+                                             metadata=(("x-api-key", tenant_key(tenant)),))
+            async for event in call:
+                events += 1
+                if event.type == runs_pb2.EVENT_TYPE_DELTA:
+                    if received == 0:
+                        first = time.perf_counter() - started
+                    received += len(event.token_ids)
+                elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
+                    status = common_pb2.RunStatus.Name(event.status).removeprefix("RUN_STATUS_")
+                    detail = event.detail
+        except grpc.aio.AioRpcError as error:
+            status, detail = f"ERROR {error.code().name}", error.details() or ""
+        return RunOutcome(first, received, events, status, detail)
+
+
+async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]) -> list[T]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one() -> T:
+        async with gate:
+            return await make()
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+# --- phases -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    wall_s: float
+    cpu: dict[str, float]          # component -> CPU-seconds over the phase
+
+    @property
+    def platform(self) -> float:
+        return sum(self.cpu[name] for name in COMPONENTS)
+
+    def split(self, per: float, unit: str, scale: float) -> str:
+        parts = " ".join(f"{name} {self.cpu[name] / per * scale:.1f}" for name in COMPONENTS)
+        replicas, client = (self.cpu[name] / per * scale for name in ("replicas", "client"))
+        apart = f"replicas {replicas:.1f}, client {client:.1f}"
+        return f"{self.platform / per * scale:.1f} {unit} ({parts}; {apart}, not counted)"
+
+
+async def measured(meter: CpuMeter, work: Awaitable[T]) -> tuple[T, Spent]:
+    before: CpuSample = await meter.sample()
+    started = time.perf_counter()
+    result = await work
+    wall = time.perf_counter() - started
+    after = await meter.sample()
+    return result, Spent(wall, after.minus(before))
+
+
+def outcome_counts(outcomes: Sequence[RunOutcome]) -> str:
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    return ", ".join(f"{status} {count}" for status, count in sorted(counts.items()))
+
+
+def completed(outcomes: Sequence[RunOutcome]) -> int:
+    return sum(1 for outcome in outcomes if outcome.status == "COMPLETED")
+
+
+def interrupted_details(outcomes: Sequence[RunOutcome]) -> str:
+    details = {f"{o.status}: {o.detail[:80]}" for o in outcomes if o.status not in ("COMPLETED",)}
+    return "; ".join(sorted(details)[:3])
+
+
+async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan) -> list[str]:
+    prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
+
+    async def direct(index: int) -> float:
+        started = time.perf_counter()
+        async for _chunk in replica_client.stream_generate(replicas[index % len(replicas)],
+                                                           f"direct-{uuid.uuid4().hex}", prompt_ids, 4,
+                                                           seed=index):
+            return time.perf_counter() - started
+        return float("nan")
+
+    async def platform() -> float:
+        return (await client.run(4)).ttft_s
+
+    lines = []
+    levels = (("one at a time", 1, plan.ttft_serial), ("16 concurrent", 16, plan.ttft_rounds))
+    for label, width, rounds in levels:
+        direct_s: list[float] = []
+        platform_s: list[float] = []
+        for round_index in range(rounds):
+            direct_s += await asyncio.gather(*(direct(round_index * width + i) for i in range(width)))
+            platform_s += await asyncio.gather(*(platform() for _ in range(width)))
+        d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
+        p50, p95 = pct(platform_s, 50) * 1e3, pct(platform_s, 95) * 1e3
+        lines.append(f"TTFT {label} ({len(platform_s)} each): direct p50 {d50:.1f} / p95 {d95:.1f} ms;"
+                     f" platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
+                     f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
+    return lines
+
+
+async def phase_runs(meter: CpuMeter, client: Client, runs: int, concurrency: int,
+                     tokens: int) -> tuple[list[RunOutcome], Spent]:
+    return await measured(meter, bounded(runs, concurrency, lambda: client.run(tokens)))
+
+
+async def phase_submit(meter: CpuMeter, client: Client, dsn: str, rate: float,
+                       seconds: float) -> tuple[list[str], Spent]:
+    """Open loop: Submit i is sent at start + i / rate whether or not earlier ones returned."""
+    count = int(rate * seconds)
+    latencies: list[float] = []
+    errors: list[str] = []
+    stop_claiming = asyncio.Event()
+    claimer = asyncio.create_task(_claim_backlog(dsn, 0.05, stop_claiming))
+
+    async def one(index: int, due: float) -> None:
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        gateway, tenant = index % len(client.channels), index % TENANTS
+        try:
+            await client.submit(gateway, tenant, 16)
+            latencies.append(time.perf_counter() - due)
+        except grpc.aio.AioRpcError as error:
+            errors.append(f"{error.code().name}: {(error.details() or '')[:60]}")
+
+    async def offered() -> None:
+        start = time.perf_counter() + 0.2
+        await asyncio.gather(*(one(i, start + i / rate) for i in range(count)))
+
+    try:
+        _, spent = await measured(meter, offered())
+    finally:
+        stop_claiming.set()
+        await claimer
+    lines = [f"Submit at {rate:.0f}/s offered open-loop for {seconds:.0f} s ({count} submits,"
+             f" {TENANTS} tenants, {len(client.channels)} gateway processes):"
+             f" p50 {pct(latencies, 50) * 1e3:.2f} ms,"
+             f" p95 {pct(latencies, 95) * 1e3:.2f} ms, p99 {pct(latencies, 99) * 1e3:.2f} ms;"
+             f" achieved {len(latencies) / spent.wall_s:.0f}/s; errors {len(errors)}"
+             + (f" ({'; '.join(sorted(set(errors))[:3])})" if errors else ""),
+             f"  gateway CPU per Submit {spent.cpu['gateway'] / max(count, 1) * 1e3:.2f} ms"
+             f" (postgres {spent.cpu['postgres'] / max(count, 1) * 1e3:.2f} ms, client"
+             f" {spent.cpu['client'] / max(count, 1) * 1e3:.2f} ms)"]
+    return lines, spent
+
+
+# --- the whole bench ----------------------------------------------------------------------------
+
+async def kafka_background(meter: CpuMeter, seconds: float = 5.0) -> float:
+    """The broker's CPU-seconds per second with our stack idle: other users plus idle polling."""
+    _, spent = await measured(meter, asyncio.sleep(seconds))
+    return spent.cpu["kafka"] / spent.wall_s
+
+
+def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, background: float) -> list[str]:
+    tokens = sum(o.tokens for o in outcomes)
+    events = sum(o.events for o in outcomes)
+    kafka_net = max(0.0, spent.cpu["kafka"] - background * spent.wall_s)
+    return [f"{label}: {len(outcomes)} runs, {tokens} tokens in {events} events"
+            f" ({tokens / max(events, 1):.2f} tokens/event), {spent.wall_s:.1f} s wall,"
+            f" {tokens / spent.wall_s:.0f} tokens/s; outcomes: {outcome_counts(outcomes)}",
+            f"  platform CPU per token {spent.split(max(tokens, 1), 'us', 1e6)}",
+            f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)"]
+
+
+async def bench(args: argparse.Namespace) -> None:
+    plan = QUICK if args.quick else FULL
+    config = load_config()
+    bootstrap = str(config["kafka"]["bootstrap"])
+    database, dsn = await create_database(TENANTS)
+    topic = await create_topic(bootstrap, int(config["kafka"]["partitions"]))
+    settings = StackSettings(token_delay_ms=args.token_delay_ms, gateways=args.gateways,
+                             routing_workers=args.routing_workers,
+                             max_runs_per_worker=max(64, -(-256 // args.routing_workers)),
+                             max_backlog_per_pool=10**6)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-platform-"))
+    stack = PlatformStack(settings, dsn, topic, log_dir)
+    meter = CpuMeter(stack, database)
+    client: Client | None = None
+    try:
+        await asyncio.to_thread(stack.start)
+        await meter.start()
+        client = Client(stack.gateway_addresses)
+        print(f"bench-platform{' --quick' if args.quick else ''}: simple-engine replicas x2 at"
+              f" {args.token_delay_ms} ms/token, {args.gateways} gateway processes, {args.routing_workers}"
+              f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
+              f" coalesce_ms {config['kafka']['coalesce_ms']}, {TENANTS} tenants; logs in {log_dir}",
+              flush=True)
+        await bounded(8, 4, lambda: client.run(4))                     # warm channels, tails, pools
+        background = await kafka_background(meter)
+        print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
+              " shared with other users of it)", flush=True)
+        for line in await phase_ttft(client, stack.replica_addresses, plan):
+            print(line, flush=True)
+        outcomes, spent = await phase_runs(meter, client, plan.cost_runs, 16, 2)
+        print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent; {outcome_counts(outcomes)}):"
+              f" {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
+        for width, runs in ((64, plan.stream_runs_64), (256, plan.stream_runs_256)):
+            outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
+            label = f"{width} concurrent {plan.stream_tokens}-token streams"
+            for line in stream_lines(label, outcomes, spent, background):
+                print(line, flush=True)
+        outcomes, spent = await phase_runs(meter, client, plan.interrupt_runs, 256, plan.interrupt_tokens)
+        interrupted = sum(1 for o in outcomes if o.status == "INTERRUPTED")
+        print(f"INTERRUPTED: {interrupted} of {len(outcomes)} runs ({plan.interrupt_tokens} tokens each, 256"
+              f" concurrent, {spent.wall_s:.0f} s); outcomes: {outcome_counts(outcomes)}"
+              + (f"; e.g. {interrupted_details(outcomes)}" if len(outcomes) > completed(outcomes) else ""),
+              flush=True)
+        await asyncio.to_thread(stack.stop_workers)
+        lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
+        for line in lines:
+            print(line, flush=True)
+    finally:
+        if client is not None:
+            await client.close()
+        await meter.close()
+        await replica_client.close_channels()
+        await asyncio.to_thread(stack.stop)
+        with contextlib.suppress(Exception):
+            await delete_topic(bootstrap, topic)
+        await drop_database(database)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_platform", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small phases (a few minutes)")
+    parser.add_argument("--token-delay-ms", type=int, default=100)
+    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--routing-workers", type=int, default=1)
+    parser.add_argument("--submit-rate", type=float, default=500.0)
+    asyncio.run(bench(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
+
