@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit lint bench bench-platform sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz lint bench bench-platform sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -31,6 +31,9 @@ test: infra-up               ## the whole suite against real PostgreSQL, Kafka a
 
 test-unit: setup             ## pure tests only (no servers)
 	$(PYTEST) -q -m "not integration"
+
+fuzz: infra-up               ## every RPC's fields fuzzed (hypothesis), 400 requests per property (make test: 40)
+	SLUICE_FUZZ_EXAMPLES=400 $(PYTEST) -q tests/test_fuzz_rpcs.py
 
 lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .

@@ -92,6 +92,7 @@ from sluice.services.errors import (
     SluiceError,
     grpc_errors,
 )
+from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -170,7 +171,8 @@ class AdmissionService:
             model, backlog = await self._permitted_model(session, tenant, intent.model, pace.max_backlog)
             await _unless_a_retry(session, tenant, intent,
                                   lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
-            prepared = self._prepare(tenant, model, intent, text,
+            token_ids = await tokenization.encode_off_loop(model.tokenizer, text)
+            prepared = self._prepare(tenant, model, intent, token_ids,
                                      intent.deadline_ms or self._settings.default_deadline_ms)
             await _unless_a_retry(session, tenant, intent, lambda: check_deadline(
                 prepared.deadline_ms, backlog, len(prepared.prompt_token_ids), intent.max_output_tokens,
@@ -200,9 +202,8 @@ class AdmissionService:
         return model, backlog
 
     @staticmethod
-    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str,
+    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, token_ids: list[int],
                  deadline_ms: int) -> _Prepared:
-        token_ids = tokenization.encode(model.tokenizer, text)
         check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
         return _Prepared(
             tenant=tenant,
@@ -399,5 +400,6 @@ def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionm
                            config: Mapping[str, Any]) -> AdmissionService:
     """Register Admission on `server`; returns the service (handy for in-process callers)."""
     service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config))
-    admission_pb2_grpc.add_AdmissionServicer_to_server(AdmissionServicer(service), server)
+    add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],
+                        AdmissionServicer(service), FieldLimits.from_config(config))
     return service

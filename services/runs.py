@@ -37,6 +37,7 @@ from sluice.services.notify import ChannelListener, notify
 from sluice.services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
 from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing, tracer
+from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -250,7 +251,8 @@ def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[
     started and closed by the caller on the server's event loop)."""
     service = RunsService(sessionmaker, events, float(config["routing"].get("lease_seconds", 5)),
                           dsn=str(config["database"]["dsn"]))
-    runs_pb2_grpc.add_RunsServicer_to_server(RunsServicer(service), server)
+    add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
+                        FieldLimits.from_config(config))
     return service
 
 

@@ -19,6 +19,7 @@ from sluice.ledger.models import UsageEntry
 from sluice.ledger.repositories import BudgetRepository, InFlightTotals, RunRepository
 from sluice.services.auth import Metadata, authenticate
 from sluice.services.errors import BAD_DATE, DATE_RANGE_REVERSED, InvalidArgument, grpc_errors
+from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -185,8 +186,8 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
 
 def add_usage_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
                        config: Mapping[str, Any]) -> UsageQueryService:
-    """Register UsageService on `server`; `config` is accepted for symmetry with the other helpers."""
-    del config
+    """Register UsageService on `server`; `config` gives the edge's field limits."""
     service = UsageQueryService(sessionmaker)
-    usage_pb2_grpc.add_UsageServiceServicer_to_server(UsageServicer(service), server)
+    add_checked_service(server, usage_pb2.DESCRIPTOR.services_by_name["UsageService"], UsageServicer(service),
+                        FieldLimits.from_config(config))
     return service

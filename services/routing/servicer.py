@@ -14,6 +14,7 @@ from sluice.ledger.models import Model
 from sluice.services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
 from sluice.services.routing.claims import in_flight_by_replica
 from sluice.services.routing.worker import RoutingWorker
+from sluice.services.validation import FieldLimits, add_checked_service
 
 from sluice.router.policy import RouteRequest
 from sluice.router.registry import RegistryError, ReplicaSpec
@@ -98,5 +99,5 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
 def add_routing_servicer(server: grpc.aio.Server, worker: RoutingWorker) -> RoutingServicer:
     """Register the Routing API of `worker` on `server` (for services/main.py and __main__)."""
     servicer = RoutingServicer(worker)
-    routing_pb2_grpc.add_RoutingServicer_to_server(servicer, server)
+    add_checked_service(server, routing_pb2.DESCRIPTOR.services_by_name["Routing"], servicer, FieldLimits())
     return servicer
