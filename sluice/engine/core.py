@@ -4,14 +4,21 @@
     ────                          ────
     add_request / stop  ───────►  waiting queue / free blocks at once
     step()              ───────►  Scheduler.schedule()      (admit, pause, pick chunks)
-                                  CostModel.step_time…()    (the step's modelled duration)
-                                  postprocess               (advance KV, sample, finish)
+                                  Executor.execute(batch)   (timing: modelled duration, seed ids;
+                                                             model: a real forward + sampling)
+                                  postprocess               (advance KV, record ids, finish)
                         ◄───────  StepResult(duration_s, outputs)
 
 The core has no clock: a step's duration is a number the host turns into a
 sleep (Triton replica, scaled wall clock) or an event time (simulator, virtual
 clock). Outputs are queued and handed back with the step; `take_outputs`
 drains the ones produced between steps (a `stop`).
+
+How a request ends. With the timing executor the output length is drawn when
+the request is added (engine.sampling) and the "end_id step" is the sample
+after it. With a real model the length starts at the cap and the sampled ids
+decide: end_id (sampled, not streamed) or a stop sequence (streamed, then
+finished) cut it short.
 
 Fast path for the simulator. When every running request is in generation and
 nothing can be admitted, the next steps differ only in context length, so
@@ -26,8 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from sluice.engine.cost_model import CostModel
+from sluice.engine.executor import Executor, TimingExecutor
 from sluice.engine.kv_cache import BlockPool, block_hashes
-from sluice.engine.sampling import draw_output_length, token_at
+from sluice.engine.sampling import draw_output_length
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import SequenceState
 from sluice.engine.types import (
@@ -47,19 +55,32 @@ from sluice.engine.types import (
 )
 
 NO_KV_ROOM = "{model} on {tp} × {gpu} leaves no memory for the KV cache"
+NO_KV_BLOCKS = "the executor leaves no room for KV blocks; set num_blocks"
+ONE_EXECUTOR = "give EngineCore a cost model (timing executor) or an executor, not both"
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, cost_model: CostModel) -> None:
+    def __init__(self, config: EngineConfig, cost_model: CostModel | None = None, *,
+                 executor: Executor | None = None) -> None:
+        """`cost_model` alone: the timing executor over it (today's engine); `executor`: any other."""
+        if executor is None:
+            assert cost_model is not None, ONE_EXECUTOR
+            executor = TimingExecutor(cost_model, config.tokens, materialise=config.stream_tokens)
+        else:
+            assert cost_model is None, ONE_EXECUTOR
         num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = cost_model.kv_capacity_blocks(config.block_size)
+            num_blocks = executor.kv_capacity_blocks(config.block_size)
         if num_blocks <= 0:
-            raise ValueError(NO_KV_ROOM.format(model=cost_model.model.name, tp=cost_model.tp,
-                                               gpu=cost_model.hardware.name))
+            if cost_model is not None:
+                raise ValueError(NO_KV_ROOM.format(model=cost_model.model.name, tp=cost_model.tp,
+                                                   gpu=cost_model.hardware.name))
+            raise ValueError(NO_KV_BLOCKS)
         self.config = config
         self.cost_model = cost_model
+        self.executor = executor
         self.pool = BlockPool(num_blocks, config.block_size)
+        executor.allocate_kv(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.pool)
         self._live: dict[str, SequenceState] = {}
         self._outputs: list[RequestOutput] = []
@@ -128,8 +149,9 @@ class EngineCore:
     def step(self) -> StepResult:
         batch = self.scheduler.schedule()
         context_tokens = sum(chunk for _, chunk in batch.chunks)
-        duration = self._execute(batch, context_tokens)
-        self._postprocess(batch)
+        execution = self.executor.execute(batch)
+        duration = execution.duration_s
+        self._postprocess(batch, execution.sampled)
         self._last = (len(batch.decodes) + len(batch.chunks), len(batch.chunks), len(batch.decodes),
                       context_tokens)
         self._num_steps += 1
@@ -138,16 +160,12 @@ class EngineCore:
                           num_context_tokens=context_tokens, num_generation_requests=len(batch.decodes),
                           num_paused=batch.num_paused, outputs=tuple(self.take_outputs()))
 
-    def _execute(self, batch: ScheduledBatch, context_tokens: int) -> float:
-        decode_context = sum(seq.num_computed + 1 for seq in batch.decodes)
-        prefill_kv = sum(seq.num_computed + chunk for seq, chunk in batch.chunks)
-        return self.cost_model.step_time_totals_s(context_tokens, len(batch.decodes), decode_context,
-                                                  prefill_kv)
-
-    def _postprocess(self, batch: ScheduledBatch) -> None:
+    def _postprocess(self, batch: ScheduledBatch, sampled: Seq[int]) -> None:
+        assert not sampled or len(sampled) == len(batch.samplers()), "one sampled id per sampling sequence"
+        next_id = iter(sampled)
         for seq in batch.decodes:
             seq.num_computed += 1
-            self._sample(seq)
+            self._sample(seq, next(next_id, None))
         for seq, chunk in batch.chunks:
             seq.num_computed += chunk
             # Computed full context blocks become shareable at once, so a request arriving
@@ -155,18 +173,20 @@ class EngineCore:
             self.scheduler.register_computed(seq)
             if seq.num_computed == seq.context_len:
                 seq.in_context = False
-                self._sample(seq)
+                self._sample(seq, next(next_id, None))
 
-    def _sample(self, seq: SequenceState) -> None:
+    def _sample(self, seq: SequenceState, token: int | None) -> None:
         index = seq.num_sampled
         seq.num_sampled = index + 1
+        if token is not None and index < seq.output_len:
+            seq.accept(index, token)
         streamed = index < seq.output_len
         finished = seq.num_sampled == seq.total_samples
         if finished:
             self._finish(seq)
         first = index == 0
         if self.config.stream_tokens:
-            ids = (token_at(self.config.tokens, seq.request.seed, index),) if streamed else ()
+            ids = (seq.output_ids[index],) if streamed else ()
             if streamed or finished:
                 self._outputs.append(self._output(seq, ids, 1 if streamed else 0, first,
                                                   seq.finish_reason() if finished else None))
@@ -220,6 +240,7 @@ class EngineCore:
         running = self.scheduler.running
         batch = len(running)
         context = sum(seq.num_computed + 1 for seq in running)
+        assert self.cost_model is not None, "decode runs are the timing executor's fast path"
         step_time = self.cost_model.step_time_totals_s
         return tuple(step_time(0, batch, context + j * batch) for j in range(steps))
 

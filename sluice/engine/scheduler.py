@@ -46,6 +46,11 @@ class ScheduledBatch:
     chunks: list[tuple[SequenceState, int]]   # (context request, tokens to compute this step)
     num_paused: int
 
+    def samplers(self) -> list[SequenceState]:
+        """Sequences that sample an id this step: every decode, then each chunk that ends its context."""
+        return self.decodes + [seq for seq, chunk in self.chunks
+                               if seq.num_computed + chunk == seq.context_len]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:

@@ -14,7 +14,9 @@ step reads num_computed + 1 tokens of KV.
 
 `total_samples` is how many tokens the "model" samples in all: the drawn
 output length, plus one for the end_id step when the request stops short of
-its cap (end_id is sampled but not streamed, as TensorRT-LLM does).
+its cap (end_id is sampled but not streamed, as TensorRT-LLM does). A real
+model's sampled ids can shorten both (`accept`): end_id ends before the id,
+a stop sequence ends after it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SequenceState:
         "request", "request_id", "prompt_len", "cap", "output_len", "total_samples",
         "num_sampled", "num_computed", "context_len", "in_context", "block_ids", "hashes",
         "num_registered", "admitted", "reused_blocks", "num_cached_tokens", "times_paused",
+        "output_ids", "stop_reason",
     )
 
     def __init__(self, request: EngineRequest, output_len: int) -> None:
@@ -49,18 +52,52 @@ class SequenceState:
         self.reused_blocks = 0             # at first admission, reported per response
         self.num_cached_tokens = 0
         self.times_paused = 0
+        self.output_ids: list[int] = []    # streamed ids, when the executor materialises them
+        self.stop_reason: FinishReason | None = None   # set when a sampled id ended the request
+
+    def accept(self, index: int, token: int) -> None:
+        """Record sampled id `index` (< output_len); end_id or a completed stop sequence ends here."""
+        request = self.request
+        if token == request.end_id:
+            self._end_at(index, index + 1, "end_id")
+            return
+        self.output_ids.append(token)
+        for stop in request.stop_sequences:
+            if stop and self.output_ids[-len(stop):] == list(stop):
+                self._end_at(index + 1, index + 1, "stop_words")
+                return
+
+    def _end_at(self, output_len: int, total_samples: int, reason: FinishReason) -> None:
+        self.output_len = output_len
+        self.total_samples = total_samples
+        self.stop_reason = reason
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Known tokens [start, stop): prompt, then materialised outputs."""
+        prompt = self.request.prompt_token_ids
+        if stop <= self.prompt_len:
+            return list(prompt[start:stop])
+        known = list(prompt[start:]) if start < self.prompt_len else []
+        first_output = max(0, start - self.prompt_len)
+        return known + self.output_ids[first_output:stop - self.prompt_len]
 
     @property
     def num_streamed(self) -> int:
         return min(self.num_sampled, self.output_len)
 
     def finish_reason(self) -> FinishReason:
+        if self.stop_reason is not None:
+            return self.stop_reason
         return "length" if self.output_len == self.cap else "end_id"
 
     def known_tokens(self, space: TokenSpace) -> list[int]:
         prompt = list(self.request.prompt_token_ids)
-        if self.num_streamed:
-            prompt.extend(tokens_between(space, self.request.seed, 0, self.num_streamed))
+        streamed = self.num_streamed
+        if len(self.output_ids) >= streamed:
+            prompt.extend(self.output_ids[:streamed])
+        elif streamed:
+            # Counting mode: ids were never materialised; the seed's stream is what was "sampled".
+            prompt.extend(tokens_between(space, self.request.seed, 0, streamed))
         return prompt
 
     def hashes_upto(self, num_tokens: int, block_size: int, space: TokenSpace) -> list[int]:

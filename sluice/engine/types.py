@@ -10,7 +10,7 @@ from sluice.engine.sampling import LengthDistribution, TokenSpace
 
 SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
 SCHEDULER_POLICIES: tuple[SchedulerPolicy, ...] = ("guaranteed_no_evict", "max_utilization")
-FinishReason = Literal["length", "end_id", "stopped"]
+FinishReason = Literal["length", "end_id", "stop_words", "stopped"]
 
 UNKNOWN_POLICY = "unknown scheduler policy {name!r}; known: guaranteed_no_evict, max_utilization"
 DUPLICATE_REQUEST = "request id {request_id!r} is already live on this engine"
@@ -56,7 +56,11 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     max_output_tokens: int           # request_output_len: the cap on streamed tokens
     end_id: int | None = None        # None: the request runs to its cap
-    seed: int = 0                    # drives token ids and the output-length draw
+    seed: int = 0                    # drives token ids and the output-length draw (and a model's sampler)
+    # Sampling, used by a model executor (the timing executor's ids come from the seed alone).
+    temperature: float = 0.0         # 0: greedy
+    top_p: float = 1.0               # nucleus: sample among the smallest set of ids holding this mass
+    stop_sequences: tuple[tuple[int, ...], ...] = ()   # stop_words_list: end once the output ends with one
 
 
 @dataclass(frozen=True, slots=True)

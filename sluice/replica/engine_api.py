@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-FinishReason = Literal["length", "end_id", "aborted"]
+FinishReason = Literal["length", "end_id", "stop_words", "aborted"]
 
 
 class EngineRequestError(ValueError):
@@ -32,7 +32,11 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]          # tokenized prompt, at least one token
     max_new_tokens: int                  # output cap (request_output_len), at least 1
     end_id: int | None = None            # stop token; None means "run to the cap"
-    seed: int = 0                        # drives the (fake) sampling deterministically
+    seed: int = 0                        # drives sampling deterministically (fake or real)
+    # Sampling, honoured by a real model (the fake engines draw ids from the seed alone).
+    temperature: float = 0.0             # 0: greedy
+    top_p: float = 1.0                   # nucleus mass; 1 keeps every id
+    stop_sequences: tuple[tuple[int, ...], ...] = ()   # stop_words_list: the output ends after one
 
 
 @dataclass(frozen=True, slots=True)

