@@ -104,6 +104,10 @@ class Tenant(Base):
     # runs not yet terminal, and tokens (prompt + output cap) admitted in any sliding 60 s.
     max_concurrent_runs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Prefix-cache trust scope (DESIGN.md "Trust scopes"): NULL = this tenant alone (the default);
+    # a name = the shared scope this tenant opts into for public system prompts, whose KV blocks
+    # every tenant naming the same scope may reuse (services/trust_scope.py).
+    shared_cache_scope: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         CheckConstraint(
@@ -111,6 +115,8 @@ class Tenant(Base):
             " AND (tokens_per_minute IS NULL OR tokens_per_minute > 0)",
             name="limits_positive",
         ),
+        CheckConstraint("shared_cache_scope IS NULL OR length(shared_cache_scope) BETWEEN 1 AND 128",
+                        name="shared_cache_scope_named"),
     )
 
 
@@ -171,6 +177,9 @@ class Run(Base):
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     conversation_id: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The trust scope its prompt may reuse KV blocks in, fixed at admission (NULL: admitted before
+    # scopes existed, treated as the tenant's own).
+    cache_scope: Mapped[str | None] = mapped_column(Text, nullable=True)
     deadline_at: Mapped[dt.datetime] = _timestamp()
     # Set in the same transaction that moves ACCEPTED → QUEUED, before the replica is contacted.
     replica: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -59,6 +59,7 @@ class TenantInfo:
     allowed_tiers: tuple[str, ...]  # quality tiers of models this tenant may use
     max_concurrent_runs: int | None = None  # runs not yet terminal; None = unlimited
     tokens_per_minute: int | None = None    # prompt + cap admitted per sliding 60 s; None = unlimited
+    shared_cache_scope: str | None = None   # the shared prefix-cache scope opted into; None = own
 
     @property
     def has_rate_limits(self) -> bool:
@@ -141,7 +142,7 @@ class TenantRepository:
         row = (
             await self._session.execute(
                 select(Tenant.id, Tenant.name, Tenant.allowed_tiers, Tenant.max_concurrent_runs,
-                       Tenant.tokens_per_minute)
+                       Tenant.tokens_per_minute, Tenant.shared_cache_scope)
                 .join(ApiKey, ApiKey.tenant_id == Tenant.id)
                 .where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
             )
@@ -154,6 +155,7 @@ class TenantRepository:
             allowed_tiers=tuple(row.allowed_tiers),
             max_concurrent_runs=row.max_concurrent_runs,
             tokens_per_minute=row.tokens_per_minute,
+            shared_cache_scope=row.shared_cache_scope,
         )
 
     async def lock_for_admission(self, tenant_id: uuid.UUID) -> None:

@@ -92,6 +92,7 @@ from sluice.services.errors import (
     SluiceError,
     grpc_errors,
 )
+from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -264,6 +265,7 @@ class AdmissionService:
             "max_output_tokens": intent.max_output_tokens,
             "sampling": intent.sampling.as_json(),
             "conversation_id": intent.conversation_id,
+            "cache_scope": scope_of(prepared.tenant.id, prepared.tenant.shared_cache_scope),
             # On the database clock, like created_at, so routing compares like with like.
             "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
             "reserved_tokens": prepared.reserved_tokens,

@@ -123,7 +123,7 @@ def _tensor(request: service_pb2.ModelInferRequest, name: str, array: NDArray[An
 
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                   end_id: int | None = None, *, stop: bool = False, seed: int | None = None,
-                  streaming: bool = True) -> service_pb2.ModelInferRequest:
+                  streaming: bool = True, cache_salt: int = 0) -> service_pb2.ModelInferRequest:
     """One TensorRT-LLM style request (batch of one)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
@@ -135,6 +135,10 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
         _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
     if seed is not None:
         _tensor(request, "random_seed", np.asarray([[seed]], dtype=np.uint64), "UINT64")
+    if cache_salt:
+        # The trust scope (DESIGN.md "Trust scopes"): KV blocks are reused only between requests
+        # with the same salt. TensorRT-LLM's request field cache_salt_id; replica/README.md.
+        _tensor(request, "cache_salt_id", np.asarray([[cache_salt]], dtype=np.uint64), "UINT64")
     if stop:
         _tensor(request, "stop", np.asarray([[True]], dtype=np.bool_), "BOOL")
     request.parameters[REQUEST_ID_PARAM].string_param = request_id
@@ -189,6 +193,7 @@ async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_
 
 async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                           end_id: int | None = None, *, seed: int | None = None, streaming: bool = True,
+                          cache_salt: int = 0,
                           first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
                           inactivity_timeout_s: float = DEFAULT_INACTIVITY_TIMEOUT_S,
                           ) -> AsyncIterator[TokenChunk]:
@@ -197,7 +202,8 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     streaming=False asks for TensorRT-LLM's non-streaming mode: one chunk with every token at the end
     (first_token_timeout_s then bounds the whole generation).
     """
-    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming)
+    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming,
+                            cache_salt=cache_salt)
     num_input_tokens, reused = len(prompt_ids), 0
     stop_sent = _state().stop_sent
     key = (address, request_id)

@@ -166,9 +166,11 @@ class SilentAt:
         self._stops: dict[str, asyncio.Event] = {}
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *,
+                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
         if address != self.address:
-            return TRITON.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id)
+            return TRITON.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
+                                          cache_salt=cache_salt)
         return self._silent(request_id)
 
     async def _silent(self, request_id: str) -> AsyncIterator[TokenChunk]:

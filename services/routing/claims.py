@@ -50,6 +50,7 @@ class ClaimedRun:
     replica: str | None          # set once routed (changed by a retry before the first token)
     queued_at: dt.datetime | None
     created_at: dt.datetime | None = None   # the submit (TTFT runs from here)
+    cache_salt: int = 0          # the run's trust scope as the replica's cache_salt_id (trust_scope.py)
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:

@@ -62,7 +62,8 @@ DETAIL_FAILED_BEFORE_START = "replica {replica} failed before the first token: {
 
 class ReplicaClient(Protocol):
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *,
+                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
         ...
 
     async def stop(self, address: str, request_id: str) -> None:
@@ -73,8 +74,10 @@ class _ModuleReplicaClient:
     """The Triton client module as a ReplicaClient (the seam tests never need to replace)."""
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None) -> AsyncIterator[TokenChunk]:
-        return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id)
+                        max_new_tokens: int, end_id: int | None = None, *,
+                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
+        return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
+                                              cache_salt=cache_salt)
 
     async def stop(self, address: str, request_id: str) -> None:
         await replica_client.stop(address, request_id)
@@ -306,7 +309,8 @@ class RunDriver:
         claim = self.claim
         try:
             stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
-                                                   claim.max_output_tokens, claim.end_id)
+                                                   claim.max_output_tokens, claim.end_id,
+                                                   cache_salt=claim.cache_salt)
             async for chunk in stream:
                 pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
                 # Never more than the cap the budget reserved for, whatever the replica sends.

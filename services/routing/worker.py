@@ -59,6 +59,7 @@ from sluice.services.routing.finish import (
 )
 from sluice.services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
 from sluice.services.telemetry import tracer
+from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import tokens_in
@@ -273,9 +274,10 @@ class RoutingWorker:
         return len(routed) + len(expired) == free
 
     async def _route(self, session: AsyncSession, run: Run, model: Model, now: float) -> _Routed | None:
+        salt = cache_salt(run.cache_scope or scope_of(run.tenant_id, None))
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
                                token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
-                               conversation_id=run.conversation_id)
+                               conversation_id=run.conversation_id, cache_salt=salt)
         views = self.registry.views(model.worker_pool, now, self.health, self.loads)
         decision = self._choose(request, views, now)
         if decision is None:
@@ -288,7 +290,7 @@ class RoutingWorker:
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at)
+            created_at=run.created_at, cache_salt=salt)
         return _Routed(claim, request, decision)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:

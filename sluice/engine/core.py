@@ -34,7 +34,7 @@ from collections.abc import Sequence as Seq
 
 from sluice.engine.cost_model import CostModel
 from sluice.engine.executor import Executor, TimingExecutor
-from sluice.engine.kv_cache import BlockPool, block_hashes
+from sluice.engine.kv_cache import BlockPool, block_hashes, salted_root
 from sluice.engine.sampling import draw_output_length
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import SequenceState
@@ -277,13 +277,14 @@ class EngineCore:
 
     # --- observation ------------------------------------------------------------------------
 
-    def cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
-        """Prompt tokens a request with `token_ids` would find cached here right now (the same cap
-        as admission: at least one token is computed). The simulator's oracle router reads this."""
+    def cached_prefix_tokens(self, token_ids: Seq[int], cache_salt: int = 0) -> int:
+        """Prompt tokens a request with `token_ids` (in scope `cache_salt`) would find cached here
+        right now (the same cap as admission: at least one token is computed). The simulator's
+        oracle router reads this."""
         if not self.config.enable_prefix_reuse:
             return 0
         block_size = self.pool.block_size
-        hits = self.pool.lookup(block_hashes(token_ids, block_size))
+        hits = self.pool.lookup(block_hashes(token_ids, block_size, salted_root(cache_salt)))
         return max(0, min(len(hits), (len(token_ids) - 1) // block_size)) * block_size
 
     @property

@@ -7,7 +7,13 @@ Prefix reuse. A *full* block is identified by the hash of its tokens chained
 to the hash of the block before it, so equal hashes mean equal prefixes, not
 just equal blocks:
 
-    h0 = hash((ROOT, tokens[0:B]))   h1 = hash((h0, tokens[B:2B]))   ...
+    h0 = hash((root, tokens[0:B]))   h1 = hash((h0, tokens[B:2B]))   ...
+
+Trust scopes. `root` is ROOT_HASH salted with the request's cache salt (its trust scope, DESIGN.md
+"Trust scopes"; TensorRT-LLM's `cache_salt_id`): two requests with different salts start from
+different roots, so no block of one chain can ever equal a block of the other and one scope never
+finds (or times) another scope's prompts. Only the first block needs the salt: every later hash
+covers its parent. Salt 0 means none (the unsalted root, as TensorRT-LLM treats a missing salt).
 
 Once a full block's KV is computed it is registered under its hash; a later
 request whose prompt has the same chain takes the block (ref count + 1)
@@ -36,6 +42,11 @@ from dataclasses import dataclass
 # Chained-hash root. Python's hash of a tuple of ints is deterministic across runs
 # (PYTHONHASHSEED randomizes only str/bytes), which the exact tests rely on.
 ROOT_HASH = 0x5EED
+
+
+def salted_root(cache_salt: int) -> int:
+    """The parent of a request's first block: ROOT_HASH, salted unless `cache_salt` is 0."""
+    return ROOT_HASH if cache_salt == 0 else hash((ROOT_HASH, cache_salt))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH,

@@ -21,7 +21,7 @@ a stop sequence ends after it.
 
 from __future__ import annotations
 
-from sluice.engine.kv_cache import ROOT_HASH, block_hashes
+from sluice.engine.kv_cache import block_hashes, salted_root
 from sluice.engine.sampling import TokenSpace, tokens_between
 from sluice.engine.types import EngineRequest, FinishReason
 
@@ -107,7 +107,7 @@ class SequenceState:
         if wanted > have:
             prompt = self.request.prompt_token_ids
             tokens = prompt if num_tokens <= self.prompt_len else self.known_tokens(space)
-            parent = self.hashes[-1] if have else ROOT_HASH
+            parent = self.hashes[-1] if have else salted_root(self.request.cache_salt)
             self.hashes.extend(block_hashes(tokens[:wanted * block_size], block_size, parent,
                                             start=have * block_size))
         return self.hashes[:wanted]

@@ -61,6 +61,7 @@ class EngineRequest:
     temperature: float = 0.0         # 0: greedy
     top_p: float = 1.0               # nucleus: sample among the smallest set of ids holding this mass
     stop_sequences: tuple[tuple[int, ...], ...] = ()   # stop_words_list: end once the output ends with one
+    cache_salt: int = 0              # trust scope (kv_cache.salted_root); 0 = unsalted
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,8 @@ class GenerationRequest:
     temperature: float = 0.0             # 0: greedy
     top_p: float = 1.0                   # nucleus mass; 1 keeps every id
     stop_sequences: tuple[tuple[int, ...], ...] = ()   # stop_words_list: the output ends after one
+    cache_salt: int = 0                  # trust scope of the prompt's KV blocks (TensorRT-LLM's
+                                         #   cache_salt_id); 0 = none
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,8 @@ class CoreEngine:
             self.core.add_request(EngineRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_ids,
                 max_output_tokens=request.max_new_tokens, end_id=request.end_id, seed=request.seed,
-                temperature=request.temperature, top_p=request.top_p, stop_sequences=request.stop_sequences))
+                temperature=request.temperature, top_p=request.top_p, stop_sequences=request.stop_sequences,
+                cache_salt=request.cache_salt))
         except CoreRequestError as exc:
             raise EngineRequestError(str(exc)) from None
 

@@ -187,10 +187,11 @@ def parse_request(data: Mapping[str, NDArray[Any]], request_id: str) -> Generati
     if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
         raise EngineRequestError(ERR_BAD_TOP_P.format(top_p))
     stops = stop_words(data["stop_words_list"]) if "stop_words_list" in data else ()
+    salt = int(data["cache_salt_id"].reshape(-1)[0]) if "cache_salt_id" in data else 0
     return GenerationRequest(request_id=request_id, prompt_ids=prompt, max_new_tokens=cap,
                              end_id=end_id, seed=seed, temperature=temperature,
                              # TensorRT-LLM reads runtime_top_p 0 as "no nucleus"; so do we.
-                             top_p=top_p if top_p > 0 else 1.0, stop_sequences=stops)
+                             top_p=top_p if top_p > 0 else 1.0, stop_sequences=stops, cache_salt=salt)
 
 
 def stop_words(tensor: NDArray[Any]) -> tuple[tuple[int, ...], ...]:
@@ -288,6 +289,8 @@ def bind_model(triton: Any, model: TensorrtLlmModel) -> None:
             Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True),
             Tensor(name="runtime_top_p", dtype=np.float32, shape=(1,), optional=True),
             i32("stop_words_list", (2, -1), optional=True),
+            # The trust scope's salt (TensorRT-LLM's cache_salt_id; see replica/README.md).
+            Tensor(name="cache_salt_id", dtype=np.uint64, shape=(1,), optional=True),
         ],
         outputs=[
             i32("output_ids", (-1, -1)),

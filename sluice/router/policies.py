@@ -225,7 +225,9 @@ class PrefixAware:
         self._in_flight = InFlight()
         self._views: dict[str, ReplicaView] = {}
         self._epoch: dict[str, int] = {}
-        self._conversations: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # (trust scope, conversation id) -> (replica, its epoch): one tenant's conversation ids
+        # never steer another's runs.
+        self._conversations: OrderedDict[tuple[int, str], tuple[str, int]] = OrderedDict()
         # (request id, unit) -> (the prompt object hashed, its chain so far)
         self._hash_cache: OrderedDict[tuple[str, int], tuple[Sequence[int], list[int]]] = OrderedDict()
         self._last_expiry = float("-inf")
@@ -337,7 +339,7 @@ class PrefixAware:
         cached = self._cached_hashes(request, unit)
         if cached is not None and len(cached) * unit > len(request.token_ids) - unit:
             return self._index.overlap_blocks(cached, names)
-        units, hashes = self._index.match(request.token_ids, unit, names)
+        units, hashes = self._index.match(request.token_ids, unit, names, request.cache_salt)
         self._remember_hashes(request, unit, hashes)
         return units
 
@@ -358,7 +360,7 @@ class PrefixAware:
     def _conversation_replica(self, request: RouteRequest) -> str | None:
         if request.conversation_id is None:
             return None
-        entry = self._conversations.get(request.conversation_id)
+        entry = self._conversations.get((request.cache_salt, request.conversation_id))
         if entry is None:
             return None
         replica, epoch = entry
@@ -370,7 +372,7 @@ class PrefixAware:
         if hashes is None:
             hashes = []
             self._remember_hashes(request, unit, hashes)
-        return extend_hashes(request.token_ids, unit, hashes)
+        return extend_hashes(request.token_ids, unit, hashes, request.cache_salt)
 
     def _cached_hashes(self, request: RouteRequest, unit: int) -> list[int] | None:
         # choose() and on_routed() hash the same prompt object; a reused request id with another
@@ -394,8 +396,9 @@ class PrefixAware:
             self._index.record(decision.replica, self._hashes(request, unit), now)
         if request.conversation_id is not None:
             conversations = self._conversations
-            conversations[request.conversation_id] = (decision.replica, self._epoch.get(decision.replica, 0))
-            conversations.move_to_end(request.conversation_id)
+            key = (request.cache_salt, request.conversation_id)
+            conversations[key] = (decision.replica, self._epoch.get(decision.replica, 0))
+            conversations.move_to_end(key)
             while len(conversations) > self.options.max_conversations:
                 conversations.popitem(last=False)
         self._hash_cache.pop((request.request_id, unit), None)

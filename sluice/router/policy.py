@@ -34,6 +34,7 @@ class RouteRequest:
     token_ids: Sequence[int]            # the tokenized prompt
     max_output_tokens: int
     conversation_id: str | None = None  # session affinity key, when the client sends one
+    cache_salt: int = 0                 # trust scope: keys the prefix index (0 = unscoped: sim, tests)
 
 
 @dataclass(frozen=True, slots=True)

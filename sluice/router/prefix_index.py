@@ -3,9 +3,12 @@
 A prompt is cut into full blocks of the replica's KV block size and each block
 gets a chained hash, ``h[i] = hash((h[i-1], tokens of block i))`` seeded with
 the block size, the way paged-KV engines key their reusable blocks (vLLM,
-SGLang, TensorRT-LLM). Because a block's hash covers every token before it,
-two prompts share ``h[i]`` only when they share the whole prefix up to block
-``i``; the longest run of leading hashes a replica holds is the prefix it can
+SGLang, TensorRT-LLM). A request's trust scope (its cache salt, DESIGN.md
+"Trust scopes") is mixed into the seed, so the chains of two scopes never share
+an entry: the index neither predicts nor reveals another scope's prefixes.
+Because a block's hash covers every token before it, two prompts share ``h[i]``
+only when they share the whole prefix up to block ``i``; the longest run of
+leading hashes a replica holds is the prefix it can
 reuse. A trailing partial block is never hashed: engines reuse full blocks only.
 
 The caller picks the unit: a policy may hash every KV block, or (as
@@ -38,23 +41,30 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def chain_seed(block_size: int, cache_salt: int = 0) -> int:
+    """The parent of a chain's first block: the block size (chains of different block sizes never
+    collide), salted with the trust scope unless `cache_salt` is 0."""
+    return block_size if cache_salt == 0 else hash((block_size, cache_salt))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids``.
 
     Python's hash of a tuple of ints is deterministic across processes (only
     str/bytes hashing is salted), cheap, and 64-bit: about 45 us for a
     4,000-token prompt in blocks of 16 on these machines.
     """
-    return extend_hashes(token_ids, block_size, [])
+    return extend_hashes(token_ids, block_size, [], cache_salt)
 
 
-def extend_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int]) -> list[int]:
+def extend_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int],
+                  cache_salt: int = 0) -> list[int]:
     """Complete ``hashes`` (the chain of the first ``len(hashes)`` blocks) to every full block; in place."""
     assert block_size > 0, "block_size must be positive"
     tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
     end = len(tokens) - len(tokens) % block_size
     append = hashes.append
-    parent = hashes[-1] if hashes else block_size  # seed: chains of different block sizes never collide
+    parent = hashes[-1] if hashes else chain_seed(block_size, cache_salt)
     for start in range(len(hashes) * block_size, end, block_size):
         parent = hash((parent, tokens[start:start + block_size]))
         append(parent)
@@ -108,8 +118,8 @@ class PrefixIndex:
             drops.append((depth, alive))
         return self._resolve(names, unknown, drops)
 
-    def match(self, token_ids: Sequence[int], block_size: int,
-              replicas: Iterable[str]) -> tuple[dict[str, int], list[int]]:
+    def match(self, token_ids: Sequence[int], block_size: int, replicas: Iterable[str],
+              cache_salt: int = 0) -> tuple[dict[str, int], list[int]]:
         """``overlap_blocks`` that hashes the prompt as it walks and stops where no replica matches.
 
         Returns the overlaps and the hashes computed so far (every block up to and
@@ -125,7 +135,7 @@ class PrefixIndex:
         end = len(tokens) - len(tokens) % block_size
         holders = self._holders
         append = hashes.append
-        parent = block_size
+        parent = chain_seed(block_size, cache_salt)
         depth = 0
         for start in range(0, end, block_size):
             if not alive:

@@ -89,9 +89,11 @@ async def add_tenant(
     period_start: dt.date | None = None,
     max_concurrent_runs: int | None = None,
     tokens_per_minute: int | None = None,
+    shared_cache_scope: str | None = None,
 ) -> TenantHandle:
     tenant = Tenant(id=uuid.uuid4(), name=name, allowed_tiers=list(allowed_tiers),
-                    max_concurrent_runs=max_concurrent_runs, tokens_per_minute=tokens_per_minute)
+                    max_concurrent_runs=max_concurrent_runs, tokens_per_minute=tokens_per_minute,
+                    shared_cache_scope=shared_cache_scope)
     session.add(tenant)
     await session.flush()
     api_key = f"sk-test-{name}-{uuid.uuid4().hex}"
