@@ -60,6 +60,7 @@ from sluice.sim.metrics import (
     ItlRecorder,
     ReplicaSummary,
     RequestRecord,
+    hit_timeline,
     meets_slo,
 )
 from sluice.sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
@@ -95,9 +96,22 @@ class FleetConfig:
     decode_runs: bool = True                # False: every step is its own event (the reference the
                                             # fast path is tested against)
     restarts: tuple[ReplicaRestart, ...] = ()
+    # (replica index, speed): that replica's GPUs run at this fraction of their peak bandwidth and
+    # FLOP/s (a throttled or degraded GPU: seed 000's slow replica that least-loaded routing hides)
+    slow_replicas: tuple[tuple[int, float], ...] = ()
 
-    def cost_model(self) -> CostModel:
-        return CostModel(self.model, self.hardware, self.tp, self.efficiency)
+    def cost_model(self, replica: int | None = None) -> CostModel:
+        speed = dict(self.slow_replicas).get(replica, 1.0) if replica is not None else 1.0
+        hardware = self.hardware if speed == 1.0 else throttled(self.hardware, speed)
+        return CostModel(self.model, hardware, self.tp, self.efficiency)
+
+
+def throttled(hardware: HardwareProfile, speed: float) -> HardwareProfile:
+    """The GPU at `speed` times its peak memory bandwidth and tensor-core FLOP/s."""
+    assert 0.0 < speed <= 1.0, "a throttled GPU runs at a fraction (0, 1] of its peak"
+    return replace(hardware, name=f"{hardware.name}@{speed:.0%}",
+                   hbm_bandwidth_bytes_per_s=hardware.hbm_bandwidth_bytes_per_s * speed,
+                   dense_flops_per_s={dtype: flops * speed for dtype, flops in hardware.dense_flops_per_s.items()})
 
 
 class SimReplica:
@@ -142,17 +156,17 @@ class Fleet:
     def __init__(self, config: FleetConfig, workload: WorkloadConfig) -> None:
         self.config = config
         self.workload_config = workload
-        self._cost = config.cost_model()
+        self._costs = [config.cost_model(index) for index in range(config.replicas)]
         self._engine_config = replace(config.engine, output_length=workload.output_tokens,
                                       tokens=workload.tokens, stream_tokens=False)
         first_long = config.replicas - config.long_context_replicas
-        self.replicas = [SimReplica(f"{config.name_prefix}{index}", self.fresh_engine(),
+        self.replicas = [SimReplica(f"{config.name_prefix}{index}", self.fresh_engine(index),
                                     long_context=index >= first_long)
                          for index in range(config.replicas)]
         self._by_name = {replica.name: replica for replica in self.replicas}
 
-    def fresh_engine(self) -> EngineCore:
-        return EngineCore(self._engine_config, self._cost)
+    def fresh_engine(self, index: int) -> EngineCore:
+        return EngineCore(self._engine_config, self._costs[index])
 
     def replica(self, name: str) -> SimReplica | None:
         return self._by_name.get(name)
@@ -314,7 +328,7 @@ class _Run:
         replica.in_flight = 0
 
     def replica_up(self, replica: SimReplica, at: float) -> None:
-        replica.engine = self.fleet.fresh_engine()
+        replica.engine = self.fleet.fresh_engine(self.fleet.replicas.index(replica))
         replica.down = False
         replica.start_time = at
         self.policy.on_replica_restarted(replica.name)
@@ -455,6 +469,7 @@ class _Run:
             kv_utilization_peak=max((s.kv_utilization_peak for s in summaries), default=0.0),
             routing_outcomes=tuple(sorted(self.outcomes.items())), per_replica=summaries,
             sim_cpu_s=cpu_s, sim_wall_s=wall_s, events=self.events,
+            hit_timeline=hit_timeline(list(self.records.values())),
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+HIT_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,9 @@ class FleetReport:
     sim_wall_s: float
     events: int
     requests_interrupted: int = 0    # lost with a replica that restarted (their users resent them)
+    # (window start s, cached / prompt tokens of the requests whose first token came in that window),
+    # every HIT_WINDOW_S from the start of the run, warm-up included: how a restart dents the hit rate
+    hit_timeline: tuple[tuple[float, float], ...] = ()
 
     def format(self) -> str:
         slo = self.slo
@@ -191,6 +195,21 @@ class FleetReport:
         lines.append(f"simulated in {self.sim_cpu_s:.1f} s CPU "
                      f"({self.sim_wall_s:.1f} s wall, {self.events:,} events)")
         return "\n".join(lines)
+
+
+def hit_timeline(records: Sequence[RequestRecord], window_s: float = HIT_WINDOW_S
+                 ) -> tuple[tuple[float, float], ...]:
+    """Prompt-cache hit rate per window of first-token time (windows with no first token are left out)."""
+    cached: dict[int, int] = {}
+    prompt: dict[int, int] = {}
+    for record in records:
+        if math.isnan(record.first_token_s):
+            continue
+        window = int(record.first_token_s // window_s)
+        cached[window] = cached.get(window, 0) + record.cached_tokens
+        prompt[window] = prompt.get(window, 0) + record.input_tokens
+    return tuple((window * window_s, cached[window] / prompt[window])
+                 for window in sorted(prompt) if prompt[window] > 0)
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:

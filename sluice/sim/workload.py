@@ -24,6 +24,9 @@ Arrivals:
            `conversation_rate` per second; later turns follow their answers
            after a think, as above.
 - "trace"  new conversations start at the given `trace_arrivals` times.
+- "bursty" on/off arrivals: Poisson at `conversation_rate` for `burst_on_s`,
+           then nothing for `burst_off_s`, repeated (mean rate
+           conversation_rate * on / (on + off)); later turns as above.
 
 A conversation ends early when its next prompt plus the output cap would pass
 `max_context_tokens` (the engine's max_model_len).
@@ -45,9 +48,9 @@ from sluice.engine.sampling import (
     uniform,
 )
 
-ArrivalMode = Literal["users", "poisson", "trace"]
-ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("users", "poisson", "trace")
-UNKNOWN_ARRIVAL = "unknown arrival mode {mode!r}; known: users, poisson, trace"
+ArrivalMode = Literal["users", "poisson", "trace", "bursty"]
+ARRIVAL_MODES: tuple[ArrivalMode, ...] = ("users", "poisson", "trace", "bursty")
+UNKNOWN_ARRIVAL = "unknown arrival mode {mode!r}; known: users, poisson, trace, bursty"
 END_ID = 2            # the engine stops a request here when its drawn length is shorter than the cap
 
 
@@ -57,7 +60,9 @@ class WorkloadConfig:
     arrival: ArrivalMode = "users"
     users: int = 10_000                     # "users": concurrent people (closed loop)
     think_time_s: float = 166.0             # mean read-and-type time after an answer (exponential)
-    conversation_rate: float = 1.0          # "poisson": new conversations per second
+    conversation_rate: float = 1.0          # "poisson": new conversations per second ("bursty": while on)
+    burst_on_s: float = 20.0                # "bursty": length of each burst
+    burst_off_s: float = 20.0               # "bursty": silence between bursts
     trace_arrivals: tuple[float, ...] = ()  # "trace": start times of conversations
     turns: LengthDistribution = GeometricLength(2.5)
     system_prompt_tokens: int = 400
@@ -118,11 +123,20 @@ class Workload:
         if config.arrival == "trace":
             return [(at, self.new_conversation(-1)) for at in config.trace_arrivals if at < config.duration_s]
         starts: list[tuple[float, Conversation]] = []
-        at = rng.expovariate(config.conversation_rate)
-        while at < config.duration_s:
+        on_clock = rng.expovariate(config.conversation_rate)
+        while (at := self._wall_time(on_clock)) < config.duration_s:
             starts.append((at, self.new_conversation(-1)))
-            at += rng.expovariate(config.conversation_rate)
+            on_clock += rng.expovariate(config.conversation_rate)
         return starts
+
+    def _wall_time(self, on_clock: float) -> float:
+        """Poisson arrivals are drawn on a clock that runs only while arrivals are on; "bursty"
+        maps that clock onto bursts of `burst_on_s` separated by `burst_off_s` of silence."""
+        config = self.config
+        if config.arrival != "bursty":
+            return on_clock
+        burst, into = divmod(on_clock, config.burst_on_s)
+        return burst * (config.burst_on_s + config.burst_off_s) + into
 
     def new_conversation(self, user: int, in_progress: bool = False) -> Conversation:
         """A conversation about to send its first turn; `in_progress` gives it earlier exchanges.
