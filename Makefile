@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz lint bench bench-platform sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz lint bench bench-platform bench-routing sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -44,6 +44,9 @@ bench: infra-up              ## benchmarks print figures and ratios; they never 
 
 bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small
 	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,)
+
+bench-routing: setup         ## every routing policy (Sluice's and its peers') on every workload, simulated; tables + PNGs
+	$(PY) -m bench.bench_routing
 
 sim: setup                   ## seed 003's fleet on the simulator
 	$(PY) -m sluice.sim --preset seed003

@@ -14,14 +14,15 @@ cut to 30,000 blocks of 32 tokens (~1M tokens) so that caches compete (the full
 pool, ~3.2M tokens, never evicts in two simulated minutes).
 
 Workloads (fixed seeds, open-loop arrivals of new conversations):
-  chat     multi-turn chat, 1,000-token system prompt, ~5 turns, 20 s think
+  chat     multi-turn chat, 1,000-token system prompt, ~5 turns, 5 s think
   rag      8 shared 6,000-token documents, one short question each, short answers
   agent    2,000-token tool preamble, ~12 steps of tool output (~400 tokens) and short calls, 2 s think
   bursty   chat shape, arrivals on for 15 s at twice the rate, off for 15 s
   restart  chat, replica r3 dies at 1/2 of the run and comes back cold 10 s later
   slow     chat, replica r0's GPUs throttled to 60% (seed 000's slow replica)
 Load: 50% and 80% of the fleet's capacity for that workload, capacity being the
-oracle's completed request rate under a 2x overload (measured first, printed).
+oracle's highest completed request rate as the offered rate grows by 1.5x steps
+until completions fall 10% short of it (measured first, printed).
 
 Figures per row: prompt-cache hit rate, p95 TTFT, p95 ITL, goodput at seed
 000's SLOs (TTFT <= 500 ms and TPOT <= 50 ms), load CoV (across replicas, of
@@ -55,7 +56,8 @@ POLICIES = (*SLUICE_POLICIES, *PEER_POLICIES, "oracle")
 SEED000_SLO = SLO(ttft_s=0.5, tpot_s=0.05)
 KV_BLOCKS = 30_000
 LOADS = (0.5, 0.8)
-OVERLOAD = 2.0                       # capacity is measured under this multiple of a first guess
+CAPACITY_GUESS_RPS = 150.0           # the capacity sweep's first offered rate
+CAPACITY_STEP = 1.5
 RESTART_REPLICA, RESTART_DOWN_S = 3, 10.0
 SLOW_REPLICA, SLOW_SPEED = 0, 0.6
 RECOVERED_AT = 0.95                  # of the hit rate before the restart
@@ -74,18 +76,24 @@ def _fleet(**changes: object) -> FleetConfig:
     return replace(base, engine=replace(base.engine, num_blocks=KV_BLOCKS), **changes)  # type: ignore[arg-type]
 
 
-CHAT = WorkloadConfig(arrival="poisson", think_time_s=20.0, system_prompt_tokens=1000, turns=GeometricLength(5.0))
+# Think times are short so that a conversation's turns reach their steady rate within the warm-up third
+# of a run (5 turns x (5 s think + the answer) ~ 40 s): the offered rate is then the rate asked for.
+CHAT = WorkloadConfig(arrival="poisson", think_time_s=5.0, system_prompt_tokens=1000,
+                      turns=GeometricLength(5.0))
 WORKLOADS: dict[str, Workload] = {
     "chat": Workload("chat", CHAT, _fleet()),
     "rag": Workload("rag", WorkloadConfig(
         arrival="poisson", system_prompt_tokens=6000, num_system_prompts=8, turns=GeometricLength(1.0),
-        user_tokens=LogNormalLength.from_mean_p95(40, 120), output_tokens=LogNormalLength.from_mean_p95(150, 400)),
+        user_tokens=LogNormalLength.from_mean_p95(40, 120),
+        output_tokens=LogNormalLength.from_mean_p95(150, 400)),
         _fleet()),
     "agent": Workload("agent", WorkloadConfig(
         arrival="poisson", think_time_s=2.0, system_prompt_tokens=2000, turns=GeometricLength(12.0),
-        user_tokens=LogNormalLength.from_mean_p95(400, 1500), output_tokens=LogNormalLength.from_mean_p95(120, 400)),
+        user_tokens=LogNormalLength.from_mean_p95(400, 1500),
+        output_tokens=LogNormalLength.from_mean_p95(120, 400)),
         _fleet()),
-    "bursty": Workload("bursty", replace(CHAT, arrival="bursty", burst_on_s=15.0, burst_off_s=15.0), _fleet()),
+    "bursty": Workload("bursty", replace(CHAT, arrival="bursty", burst_on_s=15.0, burst_off_s=15.0),
+                       _fleet()),
     "restart": Workload("restart", CHAT, _fleet()),
     "slow": Workload("slow", CHAT, _fleet(slow_replicas=((SLOW_REPLICA, SLOW_SPEED),))),
 }
@@ -128,16 +136,16 @@ def run(workload: Workload, policy: str, request_rate: float, duration_s: float)
     return fleet.run(policy_for(policy, fleet), SEED000_SLO)
 
 
-def capacity(workload: Workload, duration_s: float, guess: float = 200.0) -> float:
-    """Completed requests / s of the oracle when offered OVERLOAD x `guess` (raised until the fleet
-    really is saturated: completions fall short of arrivals)."""
-    rate = guess * OVERLOAD
+def capacity(workload: Workload, duration_s: float) -> float:
+    """The oracle's highest completed request rate over offered rates growing by CAPACITY_STEP until
+    completions fall 10% short of the offered rate (the fleet is saturated)."""
+    rate, best = CAPACITY_GUESS_RPS, 0.0
     while True:
-        report = run(workload, "oracle", rate, duration_s)
-        offered = report.requests_arrived / duration_s
-        if report.request_throughput < 0.9 * offered or rate > 50_000:
-            return report.request_throughput
-        rate *= 2
+        throughput = run(workload, "oracle", rate, duration_s).request_throughput
+        best = max(best, throughput)
+        if throughput < 0.9 * rate:
+            return best
+        rate *= CAPACITY_STEP
 
 
 def coefficient_of_variation(values: Sequence[float]) -> float:
@@ -180,7 +188,8 @@ def make_row(workload: Workload, load: float, policy: str, rate: float, duration
 def format_row(row: Row, width: int) -> str:
     extra = ""
     if row.recovery_s is not None:
-        extra = f"  hit recovered in {row.recovery_s:.0f} s" if math.isfinite(row.recovery_s) else "  never recovered"
+        recovered = math.isfinite(row.recovery_s)
+        extra = f"  hit recovered in {row.recovery_s:.0f} s" if recovered else "  never recovered"
     if row.slow_share is not None and row.fair_share is not None:
         extra = f"  slow replica {row.slow_share:.1%} of requests (fair {row.fair_share:.1%})"
     return (f"{row.policy:<{width}}{row.offered:>8.1f}{row.hit_rate:>8.1%}{row.ttft_p95_s * 1e3:>10.0f}ms"
@@ -230,8 +239,8 @@ def print_verdicts(verdicts: Sequence[Verdict], rows: Sequence[Row]) -> None:
     print(f"\n{OURS} against the best peer (by goodput) on each workload and load:")
     for v in verdicts:
         state = "WINS" if v.wins else ("matches" if v.matches else "LOSES")
-        print(f"  {v.workload:<8}{v.load:>4.0%}  best peer {v.best_peer:<20} p95 TTFT peer/ours {v.ttft_ratio:6.2f}x"
-              f"  goodput ours/peer {v.goodput_ratio:5.2f}x  {state}")
+        print(f"  {v.workload:<8}{v.load:>4.0%}  best peer {v.best_peer:<20} "
+              f"p95 TTFT peer/ours {v.ttft_ratio:6.2f}x  goodput ours/peer {v.goodput_ratio:5.2f}x  {state}")
     won = sorted({v.workload for v in verdicts if v.wins})
     lost = sorted({f"{v.workload}@{v.load:.0%}" for v in verdicts if not v.matches})
     print(f"  workloads won by >= {TARGET_WIN:.0%}: {', '.join(won) or 'none'} (target: at least two)")
@@ -240,8 +249,8 @@ def print_verdicts(verdicts: Sequence[Verdict], rows: Sequence[Row]) -> None:
     for row in slow:
         fair = row.fair_share or 0.0
         mark = "within" if row.slow_share is not None and row.slow_share <= fair else "OVER"
-        print(f"  slow replica, {row.policy:<13} at {row.load:.0%}: {row.slow_share:.1%} of requests, fair share "
-              f"{fair:.1%} ({mark})")
+        print(f"  slow replica, {row.policy:<13} at {row.load:.0%}: {row.slow_share:.1%} of requests, "
+              f"fair share {fair:.1%} ({mark})")
 
 
 def plot(rows: Sequence[Row], workload: str, out_dir: Path) -> Path | None:
@@ -282,7 +291,8 @@ def plot(rows: Sequence[Row], workload: str, out_dir: Path) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS))
@@ -301,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         workload = WORKLOADS[name]
         capacity_rps = capacity(workload, args.duration / 2)
         for load in (float(value) for value in args.loads.split(",")):
-            at_load = [make_row(workload, load, policy, load * capacity_rps, args.duration) for policy in policies]
+            at_load = [make_row(workload, load, policy, load * capacity_rps, args.duration)
+                       for policy in policies]
             print_table(at_load, name, load, capacity_rps)
             rows += at_load
             if any(row.policy in PEER_POLICIES for row in at_load):

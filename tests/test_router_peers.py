@@ -29,7 +29,8 @@ def view(name: str, waiting: int = 0, kv_used: int = 0, capacity: int = 1000) ->
 
 
 def request(request_id: str, tokens: Sequence[int]) -> RouteRequest:
-    return RouteRequest(request_id=request_id, model_version="m", token_ids=tuple(tokens), max_output_tokens=8)
+    return RouteRequest(request_id=request_id, model_version="m", token_ids=tuple(tokens),
+                        max_output_tokens=8)
 
 
 def route(policy: RoutingPolicy, req: RouteRequest, views: Sequence[ReplicaView]) -> RouteDecision:
@@ -61,7 +62,7 @@ def test_sglang_follows_a_prefix_matching_more_than_the_threshold_of_the_prompt(
 def test_sglang_sends_a_weak_match_to_the_smallest_tree() -> None:
     policy = SglangCacheAware()
     views = [view("a"), view("b")]
-    route(policy, request("q1", tokens(0, 160)), views)               # 'a' (both empty: name order) grows 10 blocks
+    route(policy, request("q1", tokens(0, 160)), views)     # 'a' (both empty: name order) grows 10 blocks
     # 16 of 100 tokens match 'a' (0.16 <= 0.3): the smaller tree, 'b', gets it
     decision = route(policy, request("q2", tokens(0, 16) + tokens(5000, 84)), views)
     assert decision.replica == "b"

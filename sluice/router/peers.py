@@ -223,7 +223,8 @@ class Llmd:
             prefix = matched[view.name] / total if total else 0.0
             queue = 1.0 if high == low else (high - view.waiting) / (high - low)
             kv = 1.0 - kv_utilization(view)
-            scores.append((opts.prefix_weight * prefix + opts.queue_weight * queue + opts.kv_weight * kv, view))
+            score = opts.prefix_weight * prefix + opts.queue_weight * queue + opts.kv_weight * kv
+            scores.append((score, view))
         best_score = max(score for score, _ in scores)
         tied = [view for score, view in scores if score >= best_score - 1e-12]
         chosen = tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]

@@ -109,9 +109,10 @@ class FleetConfig:
 def throttled(hardware: HardwareProfile, speed: float) -> HardwareProfile:
     """The GPU at `speed` times its peak memory bandwidth and tensor-core FLOP/s."""
     assert 0.0 < speed <= 1.0, "a throttled GPU runs at a fraction (0, 1] of its peak"
+    flops = {dtype: peak * speed for dtype, peak in hardware.dense_flops_per_s.items()}
     return replace(hardware, name=f"{hardware.name}@{speed:.0%}",
                    hbm_bandwidth_bytes_per_s=hardware.hbm_bandwidth_bytes_per_s * speed,
-                   dense_flops_per_s={dtype: flops * speed for dtype, flops in hardware.dense_flops_per_s.items()})
+                   dense_flops_per_s=flops)
 
 
 class SimReplica:
