@@ -104,7 +104,7 @@ class Row:
     workload: str
     load: float
     policy: str
-    offered: float                   # arrived requests / s in the measured window
+    offered: float                   # requests / s arriving in the measured window
     hit_rate: float
     ttft_p95_s: float
     itl_p95_s: float
@@ -136,15 +136,27 @@ def run(workload: Workload, policy: str, request_rate: float, duration_s: float)
     return fleet.run(policy_for(policy, fleet), SEED000_SLO)
 
 
-def capacity(workload: Workload, duration_s: float) -> float:
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    requests_per_s: float            # the oracle's highest completed rate
+    arrival_ratio: float             # offered rate measured / conversation-derived rate asked for (< 1:
+                                     # conversations cut short by the context limit, turns still ramping)
+
+    def rate_for(self, load: float) -> float:
+        """The rate to ask for so that `load` x capacity is what arrives."""
+        return load * self.requests_per_s / self.arrival_ratio
+
+
+def capacity(workload: Workload, duration_s: float) -> Capacity:
     """The oracle's highest completed request rate over offered rates growing by CAPACITY_STEP until
-    completions fall 10% short of the offered rate (the fleet is saturated)."""
-    rate, best = CAPACITY_GUESS_RPS, 0.0
+    completions fall 10% short of what arrived (the fleet is saturated)."""
+    rate, best, ratio = CAPACITY_GUESS_RPS, 0.0, 0.0
     while True:
-        throughput = run(workload, "oracle", rate, duration_s).request_throughput
-        best = max(best, throughput)
-        if throughput < 0.9 * rate:
-            return best
+        report = run(workload, "oracle", rate, duration_s)
+        ratio = ratio or report.offered_rate / rate
+        best = max(best, report.request_throughput)
+        if report.request_throughput < 0.9 * report.offered_rate or rate > 100 * CAPACITY_GUESS_RPS:
+            return Capacity(best, ratio)
         rate *= CAPACITY_STEP
 
 
@@ -178,7 +190,7 @@ def make_row(workload: Workload, load: float, policy: str, rate: float, duration
         speeds = [dict(workload.fleet.slow_replicas).get(index, 1.0) for index in range(len(routed))]
         fair = speeds[SLOW_REPLICA] / sum(speeds)
     return Row(workload=workload.name, load=load, policy=policy,
-               offered=report.requests_arrived / duration_s, hit_rate=report.cache_hit_rate,
+               offered=report.offered_rate, hit_rate=report.cache_hit_rate,
                ttft_p95_s=report.ttft.p95, itl_p95_s=report.itl.p95, goodput=report.goodput,
                load_cov=coefficient_of_variation([replica.mean_batch for replica in report.per_replica]),
                recovery_s=recovery, slow_share=slow_share, fair_share=fair,
@@ -309,11 +321,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     verdicts: list[Verdict] = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
-        capacity_rps = capacity(workload, args.duration / 2)
+        measured = capacity(workload, args.duration / 2)
         for load in (float(value) for value in args.loads.split(",")):
-            at_load = [make_row(workload, load, policy, load * capacity_rps, args.duration)
+            at_load = [make_row(workload, load, policy, measured.rate_for(load), args.duration)
                        for policy in policies]
-            print_table(at_load, name, load, capacity_rps)
+            print_table(at_load, name, load, measured.requests_per_s)
             rows += at_load
             if any(row.policy in PEER_POLICIES for row in at_load):
                 verdicts.append(verdict(at_load))

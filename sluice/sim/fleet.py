@@ -210,6 +210,7 @@ class _Run:
         self.rejected = 0
         self.interrupted = 0
         self.arrived = 0
+        self.arrived_measured = 0
         self.outcomes: Counter[str] = Counter()
         self.events = 0
 
@@ -271,6 +272,8 @@ class _Run:
 
     def arrive(self, turn: Turn, at: float) -> None:
         self.arrived += 1
+        if at >= self.config.warmup_s:
+            self.arrived_measured += 1
         request = RouteRequest(request_id=turn.request_id, model_version=self.pool, token_ids=turn.prompt,
                                max_output_tokens=turn.max_output_tokens,
                                conversation_id=turn.conversation.conversation_id)
@@ -471,6 +474,7 @@ class _Run:
             routing_outcomes=tuple(sorted(self.outcomes.items())), per_replica=summaries,
             sim_cpu_s=cpu_s, sim_wall_s=wall_s, events=self.events,
             hit_timeline=hit_timeline(list(self.records.values())),
+            offered_rate=self.arrived_measured / window,
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

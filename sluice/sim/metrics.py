@@ -157,6 +157,7 @@ class FleetReport:
     # (window start s, cached / prompt tokens of the requests whose first token came in that window),
     # every HIT_WINDOW_S from the start of the run, warm-up included: how a restart dents the hit rate
     hit_timeline: tuple[tuple[float, float], ...] = ()
+    offered_rate: float = 0.0        # requests arriving in the measured window / s (resends included)
 
     def format(self) -> str:
         slo = self.slo
