@@ -147,7 +147,7 @@ class SglangCacheAware:
         if high - low > opts.balance_abs_threshold and high > opts.balance_rel_threshold * low:
             chosen = min(replicas, key=lambda view: (loads[view.name], view.name)).name
             return RouteDecision(replica=chosen, outcome=OUTCOME_SHORTEST_QUEUE)
-        hashes = block_hashes(request.token_ids, opts.tree_block_tokens)
+        hashes = block_hashes(request.token_ids, opts.tree_block_tokens, request.cache_salt)
         self._pending[request.request_id] = hashes
         matches = {view.name: self._trees.overlap(hashes, view.name) for view in replicas}
         best = max(replicas, key=lambda view: (matches[view.name], -loads[view.name], view.name))
@@ -169,7 +169,7 @@ class SglangCacheAware:
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         hashes = self._pending.pop(request.request_id, None)
         if hashes is None:
-            hashes = block_hashes(request.token_ids, self.options.tree_block_tokens)
+            hashes = block_hashes(request.token_ids, self.options.tree_block_tokens, request.cache_salt)
         self._trees.insert(decision.replica, hashes)
         self._in_flight.add(request.request_id, decision.replica, 0)
 
@@ -237,17 +237,18 @@ class Llmd:
             probe = self._probe
             return {view.name: min(probe(view.name, request.token_ids) // opts.block_tokens,
                                    opts.max_prefix_blocks) for view in replicas}
-        hashes = block_hashes(request.token_ids, opts.block_tokens)[:opts.max_prefix_blocks]
+        hashes = self._hashes(request)
         self._pending[request.request_id] = hashes
         return {view.name: self._trees.overlap(hashes, view.name) for view in replicas}
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         hashes = self._pending.pop(request.request_id, None)
         if self._probe is None:
-            if hashes is None:
-                opts = self.options
-                hashes = block_hashes(request.token_ids, opts.block_tokens)[:opts.max_prefix_blocks]
-            self._trees.insert(decision.replica, hashes)
+            self._trees.insert(decision.replica, hashes if hashes is not None else self._hashes(request))
+
+    def _hashes(self, request: RouteRequest) -> list[int]:
+        opts = self.options
+        return block_hashes(request.token_ids, opts.block_tokens, request.cache_salt)[:opts.max_prefix_blocks]
 
     def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
         return None
