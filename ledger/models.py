@@ -150,6 +150,9 @@ class Model(Base):
     price_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
     price_cached_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
     price_output_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    # Jinja chat template (`messages`, `add_generation_prompt`) the HTTP edge renders chat requests
+    # with; NULL: plain completions only. Deferred: the Submit hot path never loads it.
+    chat_template: Mapped[str | None] = mapped_column(Text, nullable=True, deferred=True)
 
     __table_args__ = (
         CheckConstraint("context_limit > 0", name="context_limit_positive"),

@@ -169,9 +169,35 @@ class TenantRepository:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """A model as the HTTP edge lists it and renders chat requests for it."""
+
+    version: str
+    alias: str | None
+    context_limit: int
+    quality_tier: str
+    chat_template: str | None        # Jinja text; None: plain completions only
+
+
+_CARD_COLUMNS = (Model.version, Model.alias, Model.context_limit, Model.quality_tier, Model.chat_template)
+
+
 class ModelRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
+
+    async def cards(self) -> list[ModelCard]:
+        rows = (await self._session.execute(select(*_CARD_COLUMNS).order_by(Model.version))).all()
+        return [ModelCard(*row) for row in rows]
+
+    async def card(self, name: str) -> ModelCard | None:
+        """The model named by version or alias (an exact version wins, as in admission)."""
+        rows = (await self._session.execute(
+            select(*_CARD_COLUMNS).where(or_(Model.version == name, Model.alias == name)))).all()
+        if not rows:
+            return None
+        return ModelCard(*next((row for row in rows if row[0] == name), rows[0]))
 
     async def by_alias_or_version_with_backlog(self, name: str,
                                                backlog_limit: int) -> tuple[ModelInfo, int] | None:

@@ -10,7 +10,7 @@ tokenizer) and the tenants' tiers and limits, and adding a key given with --key.
   runs, 200,000 tokens per minute);
 - model version "tiny-chat-v1" (alias "chat"): the CPU model's tokenizer, context 4,096 tokens,
   pool "tiny-chat-v1", tier "standard", $0.50 / $0.05 cached / $1.50 per million tokens, end_id
-  read from the tokenizer's <|endoftext|>.
+  read from the tokenizer's <|endoftext|>, and its chat template (tiny-chat/chat_template.jinja).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.ledger.models import ApiKey, Budget, Model, Tenant
 from sluice.ledger.repositories import hash_api_key
-from sluice.services.tokenization import load_tokenizer
+from sluice.services.tokenization import load_tokenizer, resolve_tokenizer_path
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -58,6 +58,7 @@ class ModelSeed:
     price_input_per_m_micros: int
     price_cached_input_per_m_micros: int
     price_output_per_m_micros: int
+    chat_template: str | None = None  # Jinja file beside the tokenizer (package-relative); None: none
 
 
 TINY_CHAT = ModelSeed(
@@ -70,6 +71,7 @@ TINY_CHAT = ModelSeed(
     price_input_per_m_micros=USD // 2,          # $0.50 per million input tokens
     price_cached_input_per_m_micros=USD // 20,  # $0.05 per million cached input tokens
     price_output_per_m_micros=3 * USD // 2,     # $1.50 per million output tokens
+    chat_template="tiny-chat/chat_template.jinja",
 )
 
 
@@ -89,6 +91,11 @@ def end_id_of(tokenizer_path: str) -> int:
     return int(end_id)
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """The template text the registry stores (the file is only where it ships)."""
+    return resolve_tokenizer_path(path).read_text(encoding="utf-8") if path else None
+
+
 def first_of_month(today: dt.date) -> dt.date:
     return today.replace(day=1)
 
@@ -105,6 +112,7 @@ async def upsert_model(session: AsyncSession, model: ModelSeed) -> None:
         "price_input_per_m_micros": model.price_input_per_m_micros,
         "price_cached_input_per_m_micros": model.price_cached_input_per_m_micros,
         "price_output_per_m_micros": model.price_output_per_m_micros,
+        "chat_template": read_chat_template(model.chat_template),
     }
     statement = pg_insert(Model).values(**values)
     await session.execute(

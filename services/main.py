@@ -3,7 +3,9 @@
 Roles (each process may take several):
 
     gateway   Admission, Runs and UsageService on every address in --listen
-              (default: [admission].listen, [runs].listen, [usage].listen);
+              (default: [admission].listen, [runs].listen, [usage].listen), and the
+              HTTP edge (seed 002's REST + SSE API and the OpenAI-compatible API over
+              the same services) on [http].listen unless [http].enabled is false;
               stateless, so run as many instances as you like on other ports.
     routing   a routing worker (claims accepted runs, drives replicas, reaps
               expired leases) and, with --routing-api, the Routing API on
@@ -28,6 +30,10 @@ import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.services import replica_client
 from sluice.services.admission import add_admission_servicer
+from sluice.services.edge.server import EdgeServer
+from sluice.services.edge.settings import HttpSettings
+from sluice.services.edge.templates import ModelCards
+from sluice.services.edge.web import EdgeServices
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.runs import add_runs_servicer
@@ -61,17 +67,24 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
     await events.start()
     servers: list[grpc.aio.Server] = []
     runs_service = None
+    edge: EdgeServer | None = None
     worker = build_worker(config, events, sessions) if "routing" in roles else None
     try:
         if "gateway" in roles:
             gateway = grpc.aio.server()
-            add_admission_servicer(gateway, sessions, config)
+            admission = add_admission_servicer(gateway, sessions, config)
             runs_service = add_runs_servicer(gateway, sessions, config, events)
-            add_usage_servicer(gateway, sessions, config)
+            usage = add_usage_servicer(gateway, sessions, config)
             _bind(gateway, listen)
             await gateway.start()
             servers.append(gateway)
             print(f"gateway (admission, runs, usage) listening on {', '.join(listen)}", flush=True)
+            http = HttpSettings.from_config(config)
+            if http.enabled:
+                edge = EdgeServer(EdgeServices(admission, runs_service, usage, sessions,
+                                               ModelCards(sessions, http.model_card_ttl_s), http))
+                await edge.start()
+                print(f"HTTP edge (seed 002 + OpenAI API) listening on {edge.address}", flush=True)
         if worker is not None and routing_api:
             api = grpc.aio.server()
             add_routing_servicer(api, worker)
@@ -93,6 +106,8 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
         else:
             await stopping.wait()
     finally:
+        if edge is not None:
+            await edge.stop()
         for server in servers:
             await server.stop(grace=1.0)
         if runs_service is not None:

@@ -44,6 +44,7 @@ class ModelSpec:
     price_input_per_m_micros: int = MICROS // 2        # $0.50 / M
     price_cached_input_per_m_micros: int = MICROS // 20  # $0.05 / M
     price_output_per_m_micros: int = 3 * MICROS // 2   # $1.50 / M
+    chat_template: str | None = None                  # Jinja text (the registry's column)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ async def add_model(session: AsyncSession, tokenizer: str, spec: ModelSpec = DEF
         price_input_per_m_micros=spec.price_input_per_m_micros,
         price_cached_input_per_m_micros=spec.price_cached_input_per_m_micros,
         price_output_per_m_micros=spec.price_output_per_m_micros,
+        chat_template=spec.chat_template,
     )
     session.add(model)
     await session.flush()
