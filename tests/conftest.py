@@ -3,10 +3,12 @@
 - tests.support.db: a fresh migrated PostgreSQL database per test (template migrated once)
 - tests.support.ledger_services: Admission + Usage served in-process on a free port
 - tests.support.routing_stack: real Triton replicas, the Kafka event log and routing workers
+- tests.support.edge_stack: the HTTP edge served over the routing stack
 """
 
 pytest_plugins = [
     "tests.support.db",
     "tests.support.ledger_services",
     "tests.support.routing_stack",
+    "tests.support.edge_stack",
 ]

@@ -27,6 +27,7 @@ from typing import Any
 import grpc.aio
 import pytest
 from sluice.ledger.models import Run
+from sluice.ledger.seed import TINY_CHAT, read_chat_template
 from sluice.services import replica_client
 from sluice.services.admission import add_admission_servicer
 from sluice.services.routing.app import registry_from_config
@@ -43,8 +44,9 @@ from tests.support import REPO_ROOT
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
 from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
 
-MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096)
 TOKENIZER = "tiny-chat/tokenizer.json"
+MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096,
+                  chat_template=read_chat_template(TINY_CHAT.chat_template))
 TOKEN_DELAY_MS = 20
 # The simple engine at a fixed 20 ms per token: the routing tests reason about time
 # (a cancel lands mid-stream, a run outlives a lease), so they pin a predictable replica.
