@@ -9,7 +9,6 @@ event stream. Nothing here cancels a run when a client goes away.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import uuid
@@ -52,6 +51,7 @@ from sluice.services.edge.web import (
     EdgeServices,
     caller,
     edge_of,
+    events_until_closed,
     framed_errors,
     http_errors,
     json_reply,
@@ -203,7 +203,7 @@ def state_of(run: runs_pb2.Run, text: str | None, background: bool | None) -> Re
 async def answer_text(edge: EdgeServices, metadata: Metadata, run_id: str, upto: int | None) -> str:
     """The run's text from its retained events (through `upto`, or to the terminal event)."""
     parts: list[str] = []
-    async with contextlib.aclosing(edge.runs.stream(metadata, run_id, 0)) as events:
+    async with events_until_closed(edge, metadata, run_id, 0) as events:
         async for event in events:
             if upto is not None and event.sequence > upto:
                 break

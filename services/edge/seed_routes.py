@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import math
@@ -28,6 +27,7 @@ from sluice.services.edge.web import (
     EdgeServices,
     caller,
     edge_of,
+    events_until_closed,
     framed_errors,
     http_errors,
     json_reply,
@@ -144,7 +144,7 @@ async def retained_page(edge: EdgeServices, metadata: Metadata, run: runs_pb2.Ru
     page: list[runs_pb2.RunEvent] = []
     if upto <= after:
         return page
-    async with contextlib.aclosing(edge.runs.stream(metadata, run.run_id, after)) as events:
+    async with events_until_closed(edge, metadata, run.run_id, after) as events:
         async for event in events:
             page.append(event)
             if event.sequence >= upto:

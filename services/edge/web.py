@@ -3,13 +3,15 @@ JSON replies, and the one wrapper that turns domain errors into HTTP error repli
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from sluice.services.admission import AdmissionService
-from sluice.services.auth import API_KEY_HEADER, AUTHORIZATION_HEADER
+from sluice.services.auth import API_KEY_HEADER, AUTHORIZATION_HEADER, Metadata
 from sluice.services.edge.errors import BodyTooLarge, ErrorReply, error_reply, unexpected_reply
 from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.sse import SSE_HEADERS, SSE_MEDIA_TYPE
@@ -20,6 +22,8 @@ from sluice.services.usage import UsageQueryService
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+
+from sluice.v1 import runs_pb2
 
 RUN_ID_HEADER = "x-sluice-run-id"
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
@@ -41,6 +45,14 @@ class EdgeServices:
 def edge_of(request: Request) -> EdgeServices:
     edge: EdgeServices = request.app.state.edge
     return edge
+
+
+def events_until_closed(edge: EdgeServices, metadata: Metadata, run_id: str,
+                        after: int) -> contextlib.aclosing[AsyncGenerator[runs_pb2.RunEvent, None]]:
+    """RunsService.stream for a reader that may stop early: leaving the block closes the stream
+    (and its event-log reader) at once rather than whenever the generator is collected."""
+    stream = cast(AsyncGenerator[runs_pb2.RunEvent, None], edge.runs.stream(metadata, run_id, after))
+    return contextlib.aclosing(stream)
 
 
 def caller(request: Request) -> list[tuple[str, str]]:
