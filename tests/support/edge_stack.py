@@ -17,6 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
+from openai._models import construct_type
+from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 from sluice.services.admission import AdmissionService, AdmissionSettings
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
@@ -25,7 +28,23 @@ from sluice.services.edge.web import EdgeServices
 from sluice.services.runs import RunsService
 from sluice.services.usage import UsageQueryService
 
-from tests.support.routing_stack import TEST_LEASE_SECONDS, Stack
+from tests.support.routing_stack import Stack
+
+
+def _import_openai_resources() -> None:
+    """The client imports its resource modules and builds its event-union parsers on first use
+    (over a second of CPU on this box). Done here, at collection, rather than inside a test, where
+    it would stall the event loop the test's routing worker shares long enough to cost a run its
+    lease."""
+    client = AsyncOpenAI(api_key="sk-import-only", base_url="http://127.0.0.1:9/v1")
+    assert client.chat.completions and client.completions and client.responses and client.models
+    for kind, sample in ((ResponseStreamEvent, {"type": "response.queued", "sequence_number": 0}),
+                         (Response, {"id": "resp_0", "status": "queued", "output": []}),
+                         (ChatCompletionChunk, {"id": "c", "choices": []})):
+        construct_type(type_=kind, value=sample)
+
+
+_import_openai_resources()
 
 
 @dataclass(slots=True)
@@ -74,12 +93,19 @@ async def iter_sse(response: aiohttp.ClientResponse) -> AsyncIterator[SseEvent]:
         fields = {}
 
 
+# These tests never let a lease run out, and their client (the openai package parses every chunk
+# with pydantic) shares the event loop with the in-process routing worker: on a loaded 2-core box
+# a 3 s lease can lapse under them and end a healthy run INTERRUPTED. Lease expiry has its own tests.
+EDGE_LEASE_SECONDS = 15
+
+
 @pytest.fixture
 async def edge(stack: Stack) -> AsyncIterator[Edge]:
+    stack.config["routing"] = {**stack.config["routing"], "lease_seconds": EDGE_LEASE_SECONDS}
     config = stack.config
     http_section = {**config.get("http", {}), "listen": "127.0.0.1:0"}
     settings = HttpSettings.from_config({**config, "http": http_section})
-    runs = RunsService(stack.sessionmaker, stack.events, TEST_LEASE_SECONDS,
+    runs = RunsService(stack.sessionmaker, stack.events, EDGE_LEASE_SECONDS,
                        dsn=str(config["database"]["dsn"]))
     services = EdgeServices(AdmissionService(stack.sessionmaker, AdmissionSettings.from_config(config)), runs,
                             UsageQueryService(stack.sessionmaker), stack.sessionmaker,
