@@ -172,7 +172,7 @@ class AdmissionService:
             model, backlog = await self._permitted_model(session, tenant, intent.model, pace.max_backlog)
             await _unless_a_retry(session, tenant, intent,
                                   lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
-            token_ids = await tokenization.encode_off_loop(model.tokenizer, text)
+            token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
             prepared = self._prepare(tenant, model, intent, token_ids,
                                      intent.deadline_ms or self._settings.default_deadline_ms)
             await _unless_a_retry(session, tenant, intent, lambda: check_deadline(
@@ -211,7 +211,8 @@ class AdmissionService:
             model=model,
             intent=intent,
             prompt_token_ids=token_ids,
-            payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling),
+            payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling,
+                                      intent.rendered),
             deadline_ms=deadline_ms,
             reserved_tokens=len(token_ids) + intent.max_output_tokens,
             reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),

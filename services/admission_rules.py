@@ -65,6 +65,9 @@ class SubmitIntent:
     deadline_ms: int                 # 0 → the configured default
     sampling: Sampling
     conversation_id: str | None      # routing affinity hint
+    # The input is already the model's whole prompt (the HTTP edge rendered chat messages with the
+    # registry's template, or got a raw completions prompt): admission does not wrap it in a turn.
+    rendered: bool = False
 
 
 def normalize_float(value: float) -> float:
@@ -119,7 +122,8 @@ def check_context(model_version: str, context_limit: int, prompt_tokens: int, ca
     )
 
 
-def payload_hash(model: str, text: bytes, max_output_tokens: int, sampling: Sampling) -> str:
+def payload_hash(model: str, text: bytes, max_output_tokens: int, sampling: Sampling,
+                 rendered: bool = False) -> str:
     """sha256 over a canonical encoding of what the run will compute.
 
     `model` is the name the caller sent (alias or version), not the version it resolved to: a
@@ -128,9 +132,14 @@ def payload_hash(model: str, text: bytes, max_output_tokens: int, sampling: Samp
 
     Layout: version tag, NUL, sorted compact JSON of the scalar fields, NUL, the raw input bytes.
     The input goes last and unescaped so hashing a long prompt costs one pass over its bytes.
+    `rendered` enters the JSON only when set, so every hash made before it existed still matches.
     """
+    fields: dict[str, object] = {"model": model, "max_output_tokens": max_output_tokens,
+                                 "sampling": sampling.as_json()}
+    if rendered:
+        fields["rendered"] = True
     header = json.dumps(
-        {"model": model, "max_output_tokens": max_output_tokens, "sampling": sampling.as_json()},
+        fields,
         sort_keys=True,
         separators=(",", ":"),
     ).encode("utf-8")

@@ -68,21 +68,24 @@ def model_input(path: str, text: str) -> str:
     return template.render(text) if template is not None else text
 
 
-def encode(path: str, text: str) -> list[int]:
-    """Token ids of `text` as the model sees it (model_input; no other special tokens added)."""
-    return list(load_tokenizer(path).encode(model_input(path, text), add_special_tokens=False).ids)
+def encode(path: str, text: str, wrap: bool = True) -> list[int]:
+    """Token ids of `text` as the model sees it (model_input; no other special tokens added).
+    `wrap=False`: `text` is already the whole prompt (a chat request rendered at the HTTP edge)."""
+    prompt = model_input(path, text) if wrap else text
+    return list(load_tokenizer(path).encode(prompt, add_special_tokens=False).ids)
 
 
 # Below this many characters encoding takes well under 5 ms inline: cheaper than a thread hop.
 OFF_LOOP_MIN_CHARS = 8_192
 
 
-def _encode_releasing_gil(path: str, text: str) -> list[int]:
-    return list(load_tokenizer(path).encode_batch([model_input(path, text)], add_special_tokens=False)[0].ids)
+def _encode_releasing_gil(path: str, text: str, wrap: bool) -> list[int]:
+    prompt = model_input(path, text) if wrap else text
+    return list(load_tokenizer(path).encode_batch([prompt], add_special_tokens=False)[0].ids)
 
 
-async def encode_off_loop(path: str, text: str) -> list[int]:
+async def encode_off_loop(path: str, text: str, wrap: bool = True) -> list[int]:
     """`encode`, in a worker thread for long texts so the event loop keeps serving."""
     if len(text) < OFF_LOOP_MIN_CHARS:
-        return encode(path, text)
-    return await asyncio.to_thread(_encode_releasing_gil, path, text)
+        return encode(path, text, wrap)
+    return await asyncio.to_thread(_encode_releasing_gil, path, text, wrap)

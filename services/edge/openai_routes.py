@@ -93,11 +93,14 @@ async def chat_prompt(edge: EdgeServices, metadata: Metadata, model: str, messag
 
 async def submit(edge: EdgeServices, request: Request, model: str, prompt: str, cap: int,
                  temperature: float | None, top_p: float | None, seed: int | None) -> Admitted:
+    """Submit `prompt` as the model's whole prompt: chat messages were rendered here with the
+    registry's template, and a completions prompt is taken as it is (as OpenAI does), so
+    admission must not wrap either in a chat turn again (`rendered`)."""
     key = request.headers.get(IDEMPOTENCY_KEY_HEADER) or f"openai-{uuid.uuid4().hex}"
     sampling = Sampling(temperature=normalize_float(temperature or 0.0), top_p=normalize_float(top_p or 0.0),
                         seed=seed or 0)
     intent = SubmitIntent(model=model, input=prompt.encode(), max_output_tokens=cap, request_key=key,
-                          deadline_ms=0, sampling=sampling, conversation_id=None)
+                          deadline_ms=0, sampling=sampling, conversation_id=None, rendered=True)
     return await edge.admission.submit(caller(request), intent)
 
 
