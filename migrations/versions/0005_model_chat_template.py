@@ -5,8 +5,8 @@ the template of the model version the request names (Jinja, the format Hugging F
 ship theirs in). NULL = the model takes plain completions only (chat requests get a 400 naming
 the model). Nullable, so existing rows keep working unchanged; `make seed` fills tiny-chat's.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-11-30 06:20:00
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0004'
-down_revision: str | None = '0003'
+revision: str = '0005'
+down_revision: str | None = '0004'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
