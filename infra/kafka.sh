@@ -64,24 +64,7 @@ log.retention.ms=$RETENTION_MS
 # A single local consumer group should not wait 3 s for members that never come.
 group.initial.rebalance.delay.ms=0
 PROPS
-  cat >"$LOG4J_CONF" <<XML
-<?xml version="1.0" encoding="UTF-8"?>
-<Configuration status="WARN">
-  <Appenders>
-    <RollingFile name="file" fileName="$KAFKA_LOG" filePattern="$KAFKA_LOG.%i">
-      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
-      <SizeBasedTriggeringPolicy size="50 MB"/>
-      <DefaultRolloverStrategy max="3"/>
-    </RollingFile>
-  </Appenders>
-  <Loggers>
-    <Logger name="kafka.request.logger" level="warn"/>
-    <Logger name="state.change.logger" level="warn"/>
-    <Logger name="org.apache.kafka.controller" level="info"/>
-    <Root level="info"><AppenderRef ref="file"/></Root>
-  </Loggers>
-</Configuration>
-XML
+  write_kafka_log4j "$LOG4J_CONF" "$KAFKA_LOG"
 }
 
 java_run() {

@@ -1,4 +1,5 @@
-"""Readiness check and idempotent topic creation for the local Kafka broker (used by infra/kafka.sh).
+"""Readiness check and idempotent topic creation for the local Kafka broker or cluster
+(used by infra/kafka.sh and infra/kafka_cluster.sh; [kafka].brokers says which).
 
 Usage: python infra/kafka_admin.py ready [timeout_s]
        python infra/kafka_admin.py ensure-topic
@@ -15,6 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 from sluice.config import load_config
+from sluice.eventlog.kafka import configured_bootstrap, replication
 
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
 
@@ -47,15 +49,17 @@ async def ready(bootstrap: str, timeout_s: float) -> int:
     return 1
 
 
-async def ensure_topic(bootstrap: str, topic: str, partitions: int, retention_ms: int) -> int:
+async def ensure_topic(bootstrap: str, topic: str, partitions: int, retention_ms: int,
+                       replicas: tuple[int, int] = (1, 1)) -> int:
+    factor, min_insync = replicas
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15000)
     await admin.start()
     try:
         new_topic = NewTopic(
             name=topic,
             num_partitions=partitions,
-            replication_factor=1,
-            topic_configs={"retention.ms": str(retention_ms), "min.insync.replicas": "1"},
+            replication_factor=factor,
+            topic_configs={"retention.ms": str(retention_ms), "min.insync.replicas": str(min_insync)},
         )
         response = await admin.create_topics([new_topic])
         for name, code, *rest in response.topic_errors:
@@ -66,7 +70,8 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int, retention_ms
                 print(f"[kafka] ERROR: creating topic {name} failed: error {code} {message}", file=sys.stderr)
                 return 1
             else:
-                print(f"[kafka] created topic {name} ({partitions} partitions, retention.ms={retention_ms})")
+                print(f"[kafka] created topic {name} ({partitions} partitions, replication {factor},"
+                      f" min.insync.replicas {min_insync}, retention.ms={retention_ms})")
         described = await admin.describe_topics([topic])
         actual = len(described[0]["partitions"]) if described else 0
         if actual != partitions:
@@ -79,12 +84,13 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int, retention_ms
 
 def main(argv: list[str]) -> int:
     config = load_config()["kafka"]
-    bootstrap = str(config["bootstrap"])
+    bootstrap = configured_bootstrap(config)
     if len(argv) >= 2 and argv[1] == "ready":
         return asyncio.run(ready(bootstrap, float(argv[2]) if len(argv) > 2 else 60.0))
     if len(argv) == 2 and argv[1] == "ensure-topic":
         return asyncio.run(ensure_topic(bootstrap, str(config["events_topic"]),
-                                        int(config["partitions"]), int(config["retention_ms"])))
+                                        int(config["partitions"]), int(config["retention_ms"]),
+                                        replication(config)))
     print(__doc__, file=sys.stderr)
     return 2
 

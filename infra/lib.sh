@@ -66,3 +66,26 @@ wait_gone() {
   while [[ -e "/proc/$1" ]] && (( SECONDS < deadline )); do sleep 0.2; done
   [[ ! -e "/proc/$1" ]]
 }
+
+# write_kafka_log4j CONF LOGFILE -> a log4j2 config for a Kafka node logging to LOGFILE (rolled at
+# 50 MB, 3 kept; request and state-change chatter at warn). Shared by kafka.sh and kafka_cluster.sh.
+write_kafka_log4j() {
+  cat >"$1" <<XML
+<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <RollingFile name="file" fileName="$2" filePattern="$2.%i">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+      <SizeBasedTriggeringPolicy size="50 MB"/>
+      <DefaultRolloverStrategy max="3"/>
+    </RollingFile>
+  </Appenders>
+  <Loggers>
+    <Logger name="kafka.request.logger" level="warn"/>
+    <Logger name="state.change.logger" level="warn"/>
+    <Logger name="org.apache.kafka.controller" level="info"/>
+    <Root level="info"><AppenderRef ref="file"/></Root>
+  </Loggers>
+</Configuration>
+XML
+}

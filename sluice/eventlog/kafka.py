@@ -32,6 +32,22 @@ from sluice.v1 import runs_pb2
 POLL_TIMEOUT_MS = 200
 
 
+CLUSTER_BROKERS = 3   # [kafka].brokers of the local cluster (infra/kafka_cluster.sh)
+
+
+def configured_bootstrap(kafka: Mapping[str, Any]) -> str:
+    """The brokers [kafka].brokers selects: the single broker's address, or the cluster's list."""
+    if int(kafka.get("brokers", 1)) == CLUSTER_BROKERS:
+        return str(kafka["cluster_bootstrap"])
+    return str(kafka["bootstrap"])
+
+
+def replication(kafka: Mapping[str, Any]) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of the events topic: (3, 2) on the cluster, so an
+    acks=all write survives one node; (1, 1) on the single broker."""
+    return (3, 2) if int(kafka.get("brokers", 1)) == CLUSTER_BROKERS else (1, 1)
+
+
 class KafkaEventLog:
     """EventLog over one Kafka topic. Create and close it on the event loop that uses it."""
 
@@ -45,7 +61,7 @@ class KafkaEventLog:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> KafkaEventLog:
         kafka = config["kafka"]
-        return cls(bootstrap=str(kafka["bootstrap"]), topic=str(kafka["events_topic"]))
+        return cls(bootstrap=configured_bootstrap(kafka), topic=str(kafka["events_topic"]))
 
     async def _ready_producer(self) -> AIOKafkaProducer:
         async with self._producer_lock:
