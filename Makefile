@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz lint bench bench-platform bench-routing sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-routing sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -34,6 +34,9 @@ test-unit: setup             ## pure tests only (no servers)
 
 fuzz: infra-up               ## every RPC's fields fuzzed (hypothesis), 400 requests per property (make test: 40)
 	SLUICE_FUZZ_EXAMPLES=400 $(PYTEST) -q tests/test_fuzz_rpcs.py
+
+chaos: infra-up              ## the fault suite (burst, PostgreSQL restart, Kafka kills, replica/worker SIGKILL+SIGSTOP, ...), a table
+	SLUICE_CHAOS=1 $(PYTEST) -q -rfEs tests/test_chaos.py tests/test_chaos_infra.py tests/test_chaos_postgres.py
 
 lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .

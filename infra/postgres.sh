@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Local PostgreSQL 15 cluster for Sluice: loopback TCP on [database].port, socket inside .sluice.
-# Usage: infra/postgres.sh {start|wait|stop|status|reset}
+# Usage: infra/postgres.sh {start|wait|stop|status|restart|reset}
+#   restart: a fast restart of a running server (pg_ctl -m fast restart), for the fault suite
 #
 # We run as root and postgres refuses to run as root, so initdb/pg_ctl run as the `postgres`
 # OS user on a data dir chowned to it.
@@ -143,6 +144,14 @@ cmd_stop() {
   fi
 }
 
+cmd_restart() {
+  require_binaries
+  is_running || die "not running on 127.0.0.1:$PG_PORT"
+  as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -m fast -w -t 30 restart >"$LOG_DIR/pg_ctl.out" 2>&1 \
+    || { cat "$LOG_DIR/pg_ctl.out" >&2; die "restart failed (log: $PG_LOG)"; }
+  say "restarted on 127.0.0.1:$PG_PORT"
+}
+
 cmd_status() {
   if is_running; then
     say "running on 127.0.0.1:$PG_PORT (pid $(postmaster_pid))"
@@ -162,6 +171,7 @@ case "${1:-}" in
   wait) cmd_wait ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
+  restart) cmd_restart ;;
   reset) cmd_reset ;;
-  *) echo "usage: $0 {start|wait|stop|status|reset}" >&2; exit 2 ;;
+  *) echo "usage: $0 {start|wait|stop|status|restart|reset}" >&2; exit 2 ;;
 esac

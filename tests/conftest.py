@@ -4,6 +4,7 @@
 - tests.support.ledger_services: Admission + Usage served in-process on a free port
 - tests.support.routing_stack: real Triton replicas, the Kafka event log and routing workers
 - tests.support.edge_stack: the HTTP edge served over the routing stack
+- tests.support.chaos: the fault suite's invariants and the table `make chaos` prints
 """
 
 pytest_plugins = [
@@ -11,4 +12,5 @@ pytest_plugins = [
     "tests.support.ledger_services",
     "tests.support.routing_stack",
     "tests.support.edge_stack",
+    "tests.support.chaos",
 ]

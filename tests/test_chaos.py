@@ -1,0 +1,182 @@
+"""The fault suite on the shared stack (PostgreSQL :54329, Kafka :19092, Triton replicas): load,
+a fault of the processes Sluice runs, then the ledger invariants (tests/support/chaos.py).
+
+Quick scenarios run in `make test`; those marked `full_only` run in `make chaos` (SLUICE_CHAOS=1),
+with the infrastructure faults of tests/test_chaos_infra.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus
+from sluice_client.sdk import SluiceClient
+from sqlalchemy import select
+
+from tests.support.chaos import (
+    FULL,
+    ChaosResult,
+    Load,
+    conclude,
+    during,
+    expect_no_healthy_run_interrupted,
+    full_only,
+    lease_violations,
+)
+from tests.support.replica_proc import kill_replica, start_replica, stop_replica
+from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, replica_tables
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Explain how a canal lock raises a boat"
+BURST = 100 if FULL else 20
+
+
+def assert_clean(result: ChaosResult) -> None:
+    assert result.passed, "\n".join(result.violations[:10])
+
+
+async def test_a_burst_of_concurrent_runs_completes_every_run_and_keeps_the_ledger_exact(stack: Stack):
+    await stack.start_worker()
+    started = time.monotonic()
+    load = Load(stack)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        await load.submit(sdk, BURST, 16, PROMPT)
+        result = await conclude(ChaosResult(f"burst of {BURST} concurrent runs"), load, started,
+                                stream_timeout_s=120)
+    result.note = f"INTERRUPTED {result.statuses[RunStatus.INTERRUPTED]} of {result.runs} healthy runs"
+    assert_clean(result)
+    expect_no_healthy_run_interrupted(result)
+    assert result.statuses == {RunStatus.COMPLETED: BURST}
+
+
+async def test_cancel_racing_completion_ends_each_run_once_either_way(stack: Stack):
+    await stack.start_worker()
+    started = time.monotonic()
+    load = Load(stack)
+    rng = random.Random(7)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run_ids = await load.submit(sdk, 16, 8, PROMPT)
+
+        async def cancel_near_the_end(run_id: str) -> None:
+            # 8 tokens at ~20 ms each: cancel somewhere around the last tokens and the terminal.
+            await asyncio.sleep(rng.uniform(0.05, 0.5))
+            await sdk.cancel(run_id)
+
+        await asyncio.gather(*(cancel_near_the_end(run_id) for run_id in run_ids))
+        result = await conclude(ChaosResult("cancel racing completion"), load, started)
+    assert_clean(result)
+    expect_no_healthy_run_interrupted(result)
+    assert set(result.statuses) <= {RunStatus.COMPLETED, RunStatus.CANCELLED}
+    assert sum(result.statuses.values()) == 16
+
+
+async def test_clients_that_disconnect_mid_stream_resume_exactly(stack: Stack):
+    await stack.start_worker()
+    started = time.monotonic()
+    load = Load(stack)
+    dropped: list[str] = []
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=40)
+        load.run_ids.append(run.run_id)
+        for _ in range(4):   # drop the connection four times, each after a few events
+            call = sdk.stream_once(run.run_id, after=len(load.streams.get(run.run_id, [])))
+            events = load.streams.setdefault(run.run_id, [])
+            async for event in call:
+                events.append(event)
+                if len(events) % 3 == 0:
+                    call.cancel()
+                    dropped.append(run.run_id)
+                    break
+        async for event in sdk.stream(run.run_id, after=len(load.streams[run.run_id])):
+            load.streams[run.run_id].append(event)
+        result = await conclude(ChaosResult("client disconnects and resumes"), load, started)
+    result.note = f"{len(dropped)} disconnects"
+    assert_clean(result)
+    expect_no_healthy_run_interrupted(result)
+    assert result.statuses == {RunStatus.COMPLETED: 1}
+
+
+async def test_a_replica_killed_under_load_interrupts_only_its_runs(stack: Stack, replica_logs):
+    doomed = await asyncio.to_thread(start_replica, "chaos-k", replica_logs, REPLICA_SETTINGS)
+    try:
+        stack.config["replicas"] = replica_tables([doomed])
+        await stack.start_worker()
+        started = time.monotonic()
+        load = Load(stack)
+        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+            await load.submit(sdk, 8, 400, PROMPT)
+            await asyncio.sleep(1.5)
+            await asyncio.to_thread(kill_replica, doomed)
+            result = await conclude(ChaosResult("replica SIGKILL"), load, started)
+    finally:
+        await asyncio.to_thread(stop_replica, doomed)
+    assert_clean(result)
+    assert result.statuses == {RunStatus.INTERRUPTED: 8}
+
+
+@full_only
+async def test_a_stopped_replica_has_its_runs_interrupted_within_five_seconds(stack: Stack, replica_logs):
+    hung = await asyncio.to_thread(start_replica, "chaos-s", replica_logs, REPLICA_SETTINGS)
+    try:
+        stack.config["replicas"] = replica_tables([hung])
+        await stack.start_worker()
+        started = time.monotonic()
+        load = Load(stack)
+        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+            await load.submit(sdk, 4, 400, PROMPT)
+            await asyncio.sleep(1.5)
+            os.killpg(hung.process.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            ended = await _wait_for(stack, load.run_ids, lambda status: status in TERMINAL_STATUSES, 30.0)
+            os.killpg(hung.process.pid, signal.SIGCONT)
+            result = await conclude(ChaosResult("replica SIGSTOP"), load, started)
+    finally:
+        await asyncio.to_thread(stop_replica, hung)
+    result.note = f"INTERRUPTED {ended - stopped:.1f} s after SIGSTOP (promise: <= 5 s)"
+    assert_clean(result)
+    assert result.statuses == {RunStatus.INTERRUPTED: 4}
+    assert ended - stopped <= 5.0, result.note
+
+
+async def _wait_for(stack: Stack, run_ids: list[str], wanted: Callable[[str], bool],
+                    timeout_s: float) -> float:
+    """When (time.monotonic()) every run's status satisfies `wanted`; raises after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    ids = [uuid.UUID(run_id) for run_id in run_ids]
+    while time.monotonic() < deadline:
+        async with stack.sessionmaker() as session:
+            statuses = (await session.scalars(select(Run.status).where(Run.id.in_(ids)))).all()
+        if len(statuses) == len(ids) and all(wanted(status) for status in statuses):
+            return time.monotonic()
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"runs not all as wanted after {timeout_s} s")
+
+
+@full_only
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+async def test_a_routing_worker_lost_under_load_has_its_runs_reaped_and_fenced(stack: Stack, fault: str):
+    victim = stack.start_worker_process("chaos-victim")
+    started = time.monotonic()
+    load = Load(stack)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        await load.submit(sdk, 6, 300, PROMPT)
+        await _wait_for(stack, load.run_ids, lambda status: status == RunStatus.RUNNING, 20.0)
+        stack.start_worker_process("chaos-survivor")
+        os.kill(victim.process.pid, getattr(signal, fault))
+        lapsed: list[str] = []
+        await during(TEST_LEASE_SECONDS + 4.0, lambda: lease_violations(stack.sessionmaker), lapsed)
+        if fault == "SIGSTOP":
+            os.kill(victim.process.pid, signal.SIGCONT)   # the zombie wakes: its late writes must be refused
+            await asyncio.sleep(2.0)
+        result = await conclude(ChaosResult(f"routing worker {fault}"), load, started)
+    result.violations.extend(lapsed)
+    assert_clean(result)
+    assert set(result.statuses) <= {RunStatus.INTERRUPTED, RunStatus.COMPLETED}
