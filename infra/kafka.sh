@@ -53,13 +53,7 @@ log.dirs=$KAFKA_DATA
 # Topics are created on purpose (infra/kafka.sh wait), never by a typo in a producer.
 auto.create.topics.enable=false
 num.partitions=$PARTITIONS
-default.replication.factor=1
-min.insync.replicas=1
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+$(kafka_replication_properties 1 1)
 log.retention.ms=$RETENTION_MS
 # A single local consumer group should not wait 3 s for members that never come.
 group.initial.rebalance.delay.ms=0

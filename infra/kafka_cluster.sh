@@ -72,14 +72,8 @@ auto.create.topics.enable=false
 num.partitions=$PARTITIONS
 # Durability: every partition on all three nodes, an acks=all write on at least two of them, and
 # never a leader elected from a replica that may lack acknowledged writes.
-default.replication.factor=3
-min.insync.replicas=2
+$(kafka_replication_properties 3 2)
 unclean.leader.election.enable=false
-offsets.topic.replication.factor=3
-transaction.state.log.replication.factor=3
-transaction.state.log.min.isr=2
-share.coordinator.state.topic.replication.factor=3
-share.coordinator.state.topic.min.isr=2
 log.retention.ms=$RETENTION_MS
 group.initial.rebalance.delay.ms=0
 # A dead node's partitions move to the others as soon as its controller session lapses (~2 s),

@@ -89,3 +89,17 @@ write_kafka_log4j() {
 </Configuration>
 XML
 }
+
+# kafka_replication_properties RF MIN_ISR -> the server.properties lines that set how every topic,
+# the internal ones included, is replicated (1 1 for the single broker, 3 2 for the cluster).
+kafka_replication_properties() {
+  cat <<PROPS
+default.replication.factor=$1
+min.insync.replicas=$2
+offsets.topic.replication.factor=$1
+transaction.state.log.replication.factor=$1
+transaction.state.log.min.isr=$2
+share.coordinator.state.topic.replication.factor=$1
+share.coordinator.state.topic.min.isr=$2
+PROPS
+}

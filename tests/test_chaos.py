@@ -13,7 +13,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus
@@ -30,7 +30,7 @@ from tests.support.chaos import (
     full_only,
     lease_violations,
 )
-from tests.support.replica_proc import kill_replica, start_replica, stop_replica
+from tests.support.replica_proc import ReplicaProcess, kill_replica, start_replica, stop_replica
 from tests.support.routing_stack import REPLICA_SETTINGS, TEST_LEASE_SECONDS, Stack, replica_tables
 
 pytestmark = pytest.mark.integration
@@ -104,46 +104,55 @@ async def test_clients_that_disconnect_mid_stream_resume_exactly(stack: Stack):
     assert result.statuses == {RunStatus.COMPLETED: 1}
 
 
-async def test_a_replica_killed_under_load_interrupts_only_its_runs(stack: Stack, replica_logs):
-    doomed = await asyncio.to_thread(start_replica, "chaos-k", replica_logs, REPLICA_SETTINGS)
+async def _replica_fault(stack: Stack, replica_logs, name: str, runs: int,
+                        fault: Callable[[ReplicaProcess, Load], Awaitable[str]]) -> ChaosResult:
+    """`runs` long runs on a replica of their own; 1.5 s in, `fault` (which returns the note)."""
+    replica = await asyncio.to_thread(start_replica, f"chaos-{name.split()[-1].lower()}", replica_logs,
+                                      REPLICA_SETTINGS)
     try:
-        stack.config["replicas"] = replica_tables([doomed])
+        stack.config["replicas"] = replica_tables([replica])
         await stack.start_worker()
         started = time.monotonic()
         load = Load(stack)
         async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-            await load.submit(sdk, 8, 400, PROMPT)
+            await load.submit(sdk, runs, 400, PROMPT)
             await asyncio.sleep(1.5)
-            await asyncio.to_thread(kill_replica, doomed)
-            result = await conclude(ChaosResult("replica SIGKILL"), load, started)
+            note = await fault(replica, load)
+            result = await conclude(ChaosResult(name), load, started)
     finally:
-        await asyncio.to_thread(stop_replica, doomed)
+        await asyncio.to_thread(stop_replica, replica)
+    result.note = note
+    return result
+
+
+async def test_a_replica_killed_under_load_interrupts_only_its_runs(stack: Stack, replica_logs):
+    async def kill(replica: ReplicaProcess, load: Load) -> str:
+        await asyncio.to_thread(kill_replica, replica)
+        return ""
+
+    result = await _replica_fault(stack, replica_logs, "replica SIGKILL", 8, kill)
     assert_clean(result)
     assert result.statuses == {RunStatus.INTERRUPTED: 8}
 
 
 @full_only
 async def test_a_stopped_replica_has_its_runs_interrupted_within_five_seconds(stack: Stack, replica_logs):
-    hung = await asyncio.to_thread(start_replica, "chaos-s", replica_logs, REPLICA_SETTINGS)
-    try:
-        stack.config["replicas"] = replica_tables([hung])
-        await stack.start_worker()
-        started = time.monotonic()
-        load = Load(stack)
-        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-            await load.submit(sdk, 4, 400, PROMPT)
-            await asyncio.sleep(1.5)
-            os.killpg(hung.process.pid, signal.SIGSTOP)
-            stopped = time.monotonic()
+    waited: list[float] = []
+
+    async def stop(replica: ReplicaProcess, load: Load) -> str:
+        os.killpg(replica.process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
             ended = await _wait_for(stack, load.run_ids, lambda status: status in TERMINAL_STATUSES, 30.0)
-            os.killpg(hung.process.pid, signal.SIGCONT)
-            result = await conclude(ChaosResult("replica SIGSTOP"), load, started)
-    finally:
-        await asyncio.to_thread(stop_replica, hung)
-    result.note = f"INTERRUPTED {ended - stopped:.1f} s after SIGSTOP (promise: <= 5 s)"
+        finally:
+            os.killpg(replica.process.pid, signal.SIGCONT)
+        waited.append(ended - stopped)
+        return f"INTERRUPTED {waited[0]:.1f} s after SIGSTOP (promise: <= 5 s)"
+
+    result = await _replica_fault(stack, replica_logs, "replica SIGSTOP", 4, stop)
     assert_clean(result)
     assert result.statuses == {RunStatus.INTERRUPTED: 4}
-    assert ended - stopped <= 5.0, result.note
+    assert waited[0] <= 5.0, result.note
 
 
 async def _wait_for(stack: Stack, run_ids: list[str], wanted: Callable[[str], bool],
