@@ -61,7 +61,7 @@ from bench.platform_stack import (
     drop_database,
     tenant_key,
 )
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
 
 T = TypeVar("T")
@@ -306,10 +306,10 @@ def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, backgroun
 
 async def bench(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else FULL
-    config = load_config()
-    bootstrap = str(config["kafka"]["bootstrap"])
+    config = load_settings()
+    bootstrap = config.kafka.bootstrap
     database, dsn = await create_database(TENANTS)
-    topic = await create_topic(bootstrap, int(config["kafka"]["partitions"]))
+    topic = await create_topic(bootstrap, config.kafka.partitions)
     settings = StackSettings(token_delay_ms=args.token_delay_ms, gateways=args.gateways,
                              routing_workers=args.routing_workers,
                              max_runs_per_worker=max(64, -(-256 // args.routing_workers)),
@@ -325,7 +325,7 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"bench-platform{' --quick' if args.quick else ''}: simple-engine replicas x2 at"
               f" {args.token_delay_ms} ms/token, {args.gateways} gateway processes, {args.routing_workers}"
               f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
-              f" coalesce_ms {config['kafka']['coalesce_ms']}, {TENANTS} tenants; logs in {log_dir}",
+              f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
               flush=True)
         await bounded(8, 4, lambda: client.run(4))                     # warm channels, tails, pools
         background = await kafka_background(meter)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import sluice.services.replica_client as rc
 
+from sluice.config.settings import env_overrides
 from sluice.replica.engine_api import GenerationRequest
 from sluice.replica.engine_core_adapter import CoreEngine, CoreSettings
 
@@ -102,8 +103,7 @@ def start_replica(settings: dict[str, object], log_path: Path, *, name: str = "b
     entry = {"name": name, "pool": pool, "grpc_address": f"127.0.0.1:{grpc_port}",
              "http_port": http_port, "metrics_port": metrics_port}
     env["SLUICE_REPLICAS"] = json.dumps([entry])
-    for key, value in settings.items():
-        env[f"SLUICE_REPLICA__{key.upper()}"] = json.dumps(value)
+    env.update(env_overrides("replica", settings))
     with log_path.open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from sluice.ledger.seed import DEMO_API_KEY
 from sluice_client.sdk import Addresses, SluiceClient
 
-from sluice.config import load_config
 from sluice.v1 import common_pb2, runs_pb2
 
 PROMPT = "Summarise how a sluice gate controls the flow of water, in plain words."
@@ -91,7 +90,7 @@ async def measure(client: SluiceClient, runs: int, concurrency: int, max_tokens:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    addresses = Addresses.single(args.address) if args.address else Addresses.from_config(load_config())
+    addresses = Addresses.single(args.address) if args.address else Addresses.from_env()
     async with SluiceClient(addresses, args.api_key) as client:
         await measure(client, 2, 1, 4)  # warm channels and consumers
         figures = await measure(client, args.runs, args.concurrency, args.tokens)

@@ -39,7 +39,7 @@ from sluice.services.admission import add_admission_servicer
 from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc
 
 BENCH_KEY = "sk-bench-000000000000000000000000000000"
@@ -167,11 +167,11 @@ async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
     database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE DATABASE "{database}"')
     dsn = _url(configured_dsn(), database)
-    config = load_config()
+    config = load_settings()
     if claim_interval_ms <= 0:
         phases = 2 + (tenants > 1)
-        bound = max(int(config["admission"].get("max_backlog_per_pool", 1)), warmup + phases * count + 1)
-        config["admission"] = {**config["admission"], "max_backlog_per_pool": bound}
+        bound = max(config.admission.max_backlog_per_pool, warmup + phases * count + 1)
+        config = config.updated(admission={"max_backlog_per_pool": bound})
     stop_claiming = asyncio.Event()
     claimer: asyncio.Task[None] | None = None
     try:

@@ -7,9 +7,10 @@
     sluice usage [--from 2026-11-01] [--to 2026-11-30]
     sluice plan BRIEF.yaml ...            (the capacity planner: planner.cli)
 
-The API key comes from --api-key or SLUICE_API_KEY. Addresses come from the
-config file ([admission|runs|usage].listen), or --address for one process
-serving every service.
+The API key comes from --api-key or SLUICE_API_KEY. Addresses come from
+--address (one process serving every service), else SLUICE_ADDRESS, else
+SLUICE_ADMISSION_ADDRESS / SLUICE_RUNS_ADDRESS / SLUICE_USAGE_ADDRESS (default: the
+platform's packaged 127.0.0.1:50051/50052/50053). The CLI reads no platform config.
 
 A refusal prints the server's message, then a one-line hint from the hints it
 attached (e.g. "hint: retry after 300 ms", "hint: lower --max-tokens to 1000");
@@ -33,7 +34,6 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from sluice_client.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken, status_name
 
-from sluice.config import load_config
 from sluice.v1 import admission_pb2, common_pb2, runs_pb2
 
 EXIT_OK = 0
@@ -48,7 +48,8 @@ def _common(defaults: bool) -> argparse.ArgumentParser:
     default = None if defaults else argparse.SUPPRESS
     common.add_argument("--api-key", default=default, help=f"API key (default: ${API_KEY_ENV})")
     common.add_argument("--address", default=default,
-                        help="one host:port serving every service (default: the configured addresses)")
+                        help="one host:port serving every service (default: $SLUICE_ADDRESS, else "
+                             "the per-service variables)")
     return common
 
 
@@ -160,7 +161,7 @@ async def _follow(client: SluiceClient, run_id: str, after: int, out: TextIO, as
 
 
 async def _run(args: argparse.Namespace, out: TextIO) -> int:
-    addresses = Addresses.single(args.address) if args.address else Addresses.from_config(load_config())
+    addresses = Addresses.single(args.address) if args.address else Addresses.from_env()
     async with SluiceClient(addresses, args.api_key) as client:
         if args.command == "chat":
             run = await submit_chat(client, args, sys.stderr)

@@ -7,7 +7,9 @@
 
 One address serves every service when they run in one process
 (services/main.py); separate processes take per-service addresses (or the
-configured ones: `SluiceClient.from_config(api_key=...)`).
+ones from the environment: `SluiceClient(Addresses.from_env())`: SLUICE_ADDRESS for one process
+serving every service, else SLUICE_ADMISSION_ADDRESS / SLUICE_RUNS_ADDRESS / SLUICE_USAGE_ADDRESS,
+each defaulting to the platform's packaged address).
 
 `stream` survives disconnects by itself: it remembers the last sequence it
 handed out and, when the connection drops (UNAVAILABLE, a reset, a stream that
@@ -45,6 +47,11 @@ from sluice.v1 import (
 )
 
 API_KEY_ENV = "SLUICE_API_KEY"
+ADDRESS_ENV = "SLUICE_ADDRESS"
+# Per-service address variables and the platform's packaged defaults ([admission|runs|usage].listen).
+SERVICE_ADDRESS_ENV = (("SLUICE_ADMISSION_ADDRESS", "127.0.0.1:50051"),
+                       ("SLUICE_RUNS_ADDRESS", "127.0.0.1:50052"),
+                       ("SLUICE_USAGE_ADDRESS", "127.0.0.1:50053"))
 NO_API_KEY = f"no API key: pass api_key or set {API_KEY_ENV}"
 RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                              grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
@@ -135,9 +142,14 @@ class Addresses:
         return cls(address, address, address)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Addresses:
-        return cls(str(config["admission"]["listen"]), str(config["runs"]["listen"]),
-                   str(config["usage"]["listen"]))
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Addresses:
+        """SLUICE_ADDRESS (one process serving every service), else the per-service variables,
+        else the platform's default addresses. The SDK reads no platform config file."""
+        env = os.environ if environ is None else environ
+        if env.get(ADDRESS_ENV):
+            return cls.single(env[ADDRESS_ENV])
+        admission, runs, usage = (env.get(name) or default for name, default in SERVICE_ADDRESS_ENV)
+        return cls(admission, runs, usage)
 
 
 class SluiceClient:
@@ -154,11 +166,6 @@ class SluiceClient:
         self._admission = admission_pb2_grpc.AdmissionStub(self._channel(self.addresses.admission))
         self._runs = runs_pb2_grpc.RunsStub(self._channel(self.addresses.runs))
         self._usage = usage_pb2_grpc.UsageServiceStub(self._channel(self.addresses.usage))
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], api_key: str | None = None,
-                    **kwargs: Any) -> SluiceClient:
-        return cls(Addresses.from_config(config), api_key, **kwargs)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -15,7 +15,7 @@ import time
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.eventlog.kafka import configured_bootstrap, replication
 
 TOPIC_ALREADY_EXISTS = 36  # Kafka protocol error code
@@ -83,14 +83,13 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int, retention_ms
 
 
 def main(argv: list[str]) -> int:
-    config = load_config()["kafka"]
+    config = load_settings().kafka
     bootstrap = configured_bootstrap(config)
     if len(argv) >= 2 and argv[1] == "ready":
         return asyncio.run(ready(bootstrap, float(argv[2]) if len(argv) > 2 else 60.0))
     if len(argv) == 2 and argv[1] == "ensure-topic":
-        return asyncio.run(ensure_topic(bootstrap, str(config["events_topic"]),
-                                        int(config["partitions"]), int(config["retention_ms"]),
-                                        replication(config)))
+        return asyncio.run(ensure_topic(bootstrap, config.events_topic, config.partitions,
+                                        config.retention_ms, replication(config)))
     print(__doc__, file=sys.stderr)
     return 2
 

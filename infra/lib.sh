@@ -5,8 +5,8 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The config loader needs only the standard library, so any python3.11 reads it; the venv
-# python is preferred because it is the one the services use.
+# The settings need pydantic-settings: the venv python (infra/setup.sh makes it first) reads them;
+# a bare python3.11 only works where those packages are installed.
 if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
   PY="$REPO_ROOT/.venv/bin/python"
 else
@@ -20,14 +20,17 @@ die() { printf '[%s] ERROR: %s\n' "${SCRIPT_TAG:-infra}" "$*" >&2; exit 1; }
 config_get() {
   (cd "$REPO_ROOT" && "$PY" - "$1" "${2-}" <<'PYEOF'
 import sys
-from sluice.config import load_config, data_dir
+from sluice.config import ConfigError, load_settings
 dotted, default = sys.argv[1], sys.argv[2]
-cfg = load_config()
+try:
+    settings = load_settings()
+except ConfigError as exc:
+    raise SystemExit(str(exc)) from None
 if dotted == "paths.data_dir":
-    print(data_dir(cfg)); raise SystemExit
+    print(settings.data_dir()); raise SystemExit
 section, key = dotted.split(".", 1)
-value = cfg.get(section, {}).get(key, default)
-if value == "":
+value = getattr(getattr(settings, section, None), key, default)
+if value in ("", None):
     raise SystemExit(f"config key {dotted} is missing and has no default")
 print(value)
 PYEOF

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-from sluice.config import load_config
+from sluice.config import load_settings
 
 
 def configured_dsn() -> str:
-    """The DSN from config/sluice.toml, after SLUICE_DATABASE__DSN overrides."""
-    return str(load_config()["database"]["dsn"])
+    """The configured DSN (sluice.toml, SLUICE_CONFIG, SLUICE_DATABASE__DSN and __PASSWORD)."""
+    return load_settings().database.url
 
 
 def make_engine(dsn: str | None = None, *, pool_size: int = 10, max_overflow: int = 10) -> AsyncEngine:

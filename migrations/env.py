@@ -3,7 +3,7 @@
 Which database, first match wins:
   1. `-x dsn=...` on the alembic command line;
   2. `sqlalchemy.url` set on the Config by a caller (tests: `cfg.set_main_option(...)`);
-  3. sluice.config.load_config()["database"]["dsn"] (sluice/config/sluice.toml + SLUICE_DATABASE__DSN).
+  3. the configured DSN (sluice.config.load_settings(): sluice.toml, SLUICE_CONFIG, SLUICE_DATABASE__*).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from sluice.config import load_config
+from sluice.config import load_settings
 
 config = context.config
 if config.config_file_name is not None:
@@ -32,7 +32,7 @@ def database_dsn() -> str:
     configured = config.get_main_option("sqlalchemy.url")
     if configured:
         return configured
-    return str(load_config()["database"]["dsn"])
+    return load_settings().database.url
 
 
 def run_migrations_offline() -> None:

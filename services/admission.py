@@ -41,7 +41,7 @@ import datetime as dt
 import logging
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -97,18 +97,12 @@ from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import Settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 
 RATE_WINDOW = dt.timedelta(seconds=60)  # the tokens-per-minute window, sliding
-
-
-# Defaults for [admission] keys a config file leaves out (config/sluice.toml documents each).
-DEFAULT_MAX_BACKLOG_PER_POOL = 1_000
-DEFAULT_POOL_DRAIN_RUNS_PER_S = 50.0
-DEFAULT_MS_PER_OUTPUT_TOKEN = 7.0    # Llama-3-8B bf16, one H100, batch-1 decode step (engine/cost_model)
-DEFAULT_MS_PER_PROMPT_TOKEN = 0.03   # the same engine: a 1k-token prefill takes ~32 ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,18 +112,16 @@ class AdmissionSettings:
     pace: PoolPace                   # backlog bound and the speeds the deadline floor assumes
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> AdmissionSettings:
-        section = config.get("admission", {})
+    def from_config(cls, config: Settings) -> AdmissionSettings:
+        section = config.admission
         return cls(
-            default_deadline_ms=int(section.get("default_deadline_ms", 600_000)),
-            max_request_key_chars=int(section.get("max_request_key_chars", 128)),
+            default_deadline_ms=section.default_deadline_ms,
+            max_request_key_chars=section.max_request_key_chars,
             pace=PoolPace(
-                max_backlog=int(section.get("max_backlog_per_pool", DEFAULT_MAX_BACKLOG_PER_POOL)),
-                drain_runs_per_s=float(section.get("pool_drain_runs_per_s", DEFAULT_POOL_DRAIN_RUNS_PER_S)),
-                ms_per_prompt_token=float(
-                    section.get("expected_ms_per_prompt_token", DEFAULT_MS_PER_PROMPT_TOKEN)),
-                ms_per_output_token=float(
-                    section.get("expected_ms_per_output_token", DEFAULT_MS_PER_OUTPUT_TOKEN)),
+                max_backlog=section.max_backlog_per_pool,
+                drain_runs_per_s=section.pool_drain_runs_per_s,
+                ms_per_prompt_token=section.expected_ms_per_prompt_token,
+                ms_per_output_token=section.expected_ms_per_output_token,
             ),
         )
 
@@ -400,7 +392,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 
 def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                           config: Mapping[str, Any]) -> AdmissionService:
+                           config: Settings) -> AdmissionService:
     """Register Admission on `server`; returns the service (handy for in-process callers)."""
     service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config))
     add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],

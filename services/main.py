@@ -13,7 +13,8 @@ Roles (each process may take several):
 
 `--role all` (the default) is the all-in-one development process: gateway +
 routing worker + Routing API. Replicas are separate processes
-(`python -m sluice.replica.serve --name r0`).
+(`python -m sluice.replica.serve --name r0`). Every role starts through
+sluice.config.bootstrap.start_process: a bad configuration stops it before it binds anything.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
@@ -36,10 +36,13 @@ from sluice.services.edge.templates import ModelCards
 from sluice.services.edge.web import EdgeServices
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from sluice.services.routing.servicer import add_routing_servicer
+from sluice.services.routing.worker import new_owner_id
 from sluice.services.runs import add_runs_servicer
+from sluice.services.telemetry import shutdown_tracing
 from sluice.services.usage import add_usage_servicer
 
-from sluice.config import load_config
+from sluice.config import Settings
+from sluice.config.bootstrap import start_process
 from sluice.eventlog.kafka import KafkaEventLog
 
 log = logging.getLogger("sluice")
@@ -47,9 +50,9 @@ log = logging.getLogger("sluice")
 ROLES = ("all", "gateway", "routing")
 
 
-def gateway_addresses(config: Mapping[str, Any]) -> list[str]:
+def gateway_addresses(config: Settings) -> list[str]:
     """The configured per-service addresses, deduplicated in order."""
-    addresses = [str(config[section]["listen"]) for section in ("admission", "runs", "usage")]
+    addresses = [config.admission.listen, config.runs.listen, config.usage.listen]
     return list(dict.fromkeys(addresses))
 
 
@@ -59,16 +62,18 @@ def _bind(server: grpc.aio.Server, addresses: Sequence[str]) -> None:
             raise SystemExit(f"cannot listen on {address}: the port is taken or the address is invalid")
 
 
-async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str],
-                routing_api: bool) -> None:
-    engine = make_engine(str(config["database"]["dsn"]))
+async def serve(config: Settings, roles: set[str], listen: Sequence[str],
+                routing_listen: str | None = None, label: str | None = None) -> None:
+    """Serve `roles` until SIGTERM/SIGINT: the gateway on `listen`; a routing worker (owner id
+    labelled `label`) with the Routing API on `routing_listen` when one is given."""
+    engine = make_engine(config.database.url)
     sessions = make_sessionmaker(engine)
     events = KafkaEventLog.from_config(config)
     await events.start()
     servers: list[grpc.aio.Server] = []
     runs_service = None
     edge: EdgeServer | None = None
-    worker = build_worker(config, events, sessions) if "routing" in roles else None
+    worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
     try:
         if "gateway" in roles:
             gateway = grpc.aio.server()
@@ -85,10 +90,10 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
                                                ModelCards(sessions, http.model_card_ttl_s), http))
                 await edge.start()
                 print(f"HTTP edge (seed 002 + OpenAI API) listening on {edge.address}", flush=True)
-        if worker is not None and routing_api:
+        if worker is not None and routing_listen:
             api = grpc.aio.server()
             add_routing_servicer(api, worker)
-            _bind(api, [str(config["routing"]["listen"])])
+            _bind(api, [routing_listen])
             await api.start()
             servers.append(api)
         stopping = asyncio.Event()
@@ -98,6 +103,9 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
                 loop.add_signal_handler(sig, stopping.set)
         if worker is not None:
             observe_routing_process(config, worker)   # tracing, /metrics, gc.freeze()
+            log.info("routing worker %s up (policy %s, replicas %s, api %s)", worker.settings.owner,
+                     worker.policy.name, [spec.name for spec in worker.registry.specs()],
+                     routing_listen or "off")
             print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
             serving = asyncio.create_task(worker.serve(drain_s=DRAIN_S))
             await stopping.wait()
@@ -115,6 +123,7 @@ async def serve(config: Mapping[str, Any], roles: set[str], listen: Sequence[str
         await events.close()
         await replica_client.close_channels()
         await engine.dispose()
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,16 +135,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="gateway address (repeatable; default the configured ones)")
     parser.add_argument("--routing-api", action="store_true",
                         help="with role routing: also serve the Routing API on [routing].listen")
+    parser.add_argument("--name", default=None, help="label in the routing worker's lease owner id")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)   # it logs every consumer assignment
-    config = load_config()
     chosen = set(args.role or ["all"])
+    config = start_process("+".join(sorted(chosen)))
     routing_api = args.routing_api
     if "all" in chosen:
         chosen = {"gateway", "routing"}
         routing_api = True
-    asyncio.run(serve(config, chosen, args.listen or gateway_addresses(config), routing_api))
+    asyncio.run(serve(config, chosen, args.listen or gateway_addresses(config),
+                      config.routing.listen if routing_api else None, args.name))
 
 
 if __name__ == "__main__":

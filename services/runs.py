@@ -14,19 +14,15 @@ on a timeout in case a notification was lost.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import logging
 import os
-import signal
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc.aio
-from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import RunRepository
@@ -36,15 +32,14 @@ from sluice.services.errors import InvalidArgument, NotFound, OutOfRange, grpc_e
 from sluice.services.notify import ChannelListener, notify
 from sluice.services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
 from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from sluice.services.telemetry import TelemetrySettings, setup_tracing, shutdown_tracing, tracer
+from sluice.services.telemetry import tracer
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import Settings
 from sluice.eventlog.events import status_value
 from sluice.eventlog.interface import CursorPastRetention, EventLog, LogPosition
-from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 
 RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to their own tenant only)"
@@ -246,51 +241,10 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
 
 
 def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                      config: Mapping[str, Any], events: EventLog) -> RunsService:
+                      config: Settings, events: EventLog) -> RunsService:
     """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
     started and closed by the caller on the server's event loop)."""
-    service = RunsService(sessionmaker, events, float(config["routing"].get("lease_seconds", 5)),
-                          dsn=str(config["database"]["dsn"]))
+    service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url)
     add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
                         FieldLimits.from_config(config))
     return service
-
-
-async def serve(config: Mapping[str, Any], listen: str) -> None:
-    """A standalone Runs server (`python -m sluice.services.runs`) until SIGTERM/SIGINT."""
-    setup_tracing(TelemetrySettings.from_config(config), "sluice-runs")
-    engine = make_engine(str(config["database"]["dsn"]))
-    events = KafkaEventLog.from_config(config)
-    await events.start()
-    server = grpc.aio.server()
-    service = add_runs_servicer(server, make_sessionmaker(engine), config, events)
-    server.add_insecure_port(listen)
-    await server.start()
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stopping.set)
-    print(f"runs service listening on {listen}", flush=True)
-    try:
-        await stopping.wait()
-    finally:
-        await server.stop(grace=1.0)
-        await service.close()
-        await events.close()
-        await engine.dispose()
-        shutdown_tracing()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sluice.services.runs")
-    parser.add_argument("--listen", default=None, help="address to serve on (default [runs].listen)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # it logs every consumer's assignment at INFO
-    config = load_config()
-    asyncio.run(serve(config, args.listen or str(config["runs"]["listen"])))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,9 +18,8 @@ starts a span, so it always uses the provider set up last.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -28,6 +27,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, start_http_server
+
+from sluice.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ class TelemetrySettings:
             raise ValueError(UNKNOWN_EXPORTER.format(value=self.exporter))
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TelemetrySettings:
-        return cls(exporter=str(config.get("telemetry", {}).get("exporter", "none")))
+    def from_config(cls, config: Settings) -> TelemetrySettings:
+        return cls(exporter=config.telemetry.exporter)
 
 
 @dataclass(slots=True)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc.aio
 from sluice.ledger.models import UsageEntry
@@ -23,6 +22,7 @@ from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import Settings
 from sluice.v1 import common_pb2, usage_pb2, usage_pb2_grpc
 
 
@@ -185,7 +185,7 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
 
 
 def add_usage_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                       config: Mapping[str, Any]) -> UsageQueryService:
+                       config: Settings) -> UsageQueryService:
     """Register UsageService on `server`; `config` gives the edge's field limits."""
     service = UsageQueryService(sessionmaker)
     add_checked_service(server, usage_pb2.DESCRIPTOR.services_by_name["UsageService"], UsageServicer(service),

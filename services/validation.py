@@ -33,6 +33,9 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 
+from sluice.config import Settings
+from sluice.config.settings import AdmissionSection
+
 log = logging.getLogger(__name__)
 
 # Message templates (shared by code and tests).
@@ -43,8 +46,9 @@ FIELD_TOO_LONG = "{field} has {length:,} {unit}: send at most {limit:,}"
 FIELD_ABOVE_RANGE = "{field} must be at most {high:,} (got {value:,})"
 
 # Defaults for the [admission] keys this module reads (config/sluice.toml documents each).
-DEFAULT_MAX_INPUT_BYTES = 1_048_576          # Submit.input; a 128k-token context is ~512 KiB of text
-DEFAULT_MAX_DEADLINE_MS = 86_400_000         # one day
+# [admission].max_input_bytes and max_deadline_ms when a config leaves them out (sluice.toml says why).
+DEFAULT_MAX_INPUT_BYTES: int = AdmissionSection.model_fields["max_input_bytes"].default
+DEFAULT_MAX_DEADLINE_MS: int = AdmissionSection.model_fields["max_deadline_ms"].default
 
 DEFAULT_MAX_CHARS = 4_096                    # any string field without a limit of its own
 DEFAULT_MAX_BYTES = 65_536                   # any bytes field without a limit of its own
@@ -92,14 +96,9 @@ class FieldLimits:
     max_items: int = DEFAULT_MAX_ITEMS
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> FieldLimits:
-        section = config.get("admission", {})
-        return cls(
-            max_bytes={"sluice.v1.SubmitRequest.input":
-                       int(section.get("max_input_bytes", DEFAULT_MAX_INPUT_BYTES))},
-            max_values={"sluice.v1.SubmitRequest.deadline_ms":
-                        int(section.get("max_deadline_ms", DEFAULT_MAX_DEADLINE_MS))},
-        )
+    def from_config(cls, config: Settings) -> FieldLimits:
+        return cls(max_bytes={"sluice.v1.SubmitRequest.input": config.admission.max_input_bytes},
+                   max_values={"sluice.v1.SubmitRequest.deadline_ms": config.admission.max_deadline_ms})
 
     def problem(self, request: Message) -> str | None:
         """Why `request` is refused, naming the field; None if every field is within bounds."""

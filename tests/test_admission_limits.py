@@ -23,7 +23,7 @@ from sluice.services import errors
 from sluice.services.admission import add_admission_servicer
 from sqlalchemy import update
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.v1 import admission_pb2_grpc
 from tests.support.ledger_factories import add_model, add_tenant, count_runs, prompt_of
 
@@ -46,7 +46,7 @@ async def second_instance(api: Services, database_dsn: str) -> AsyncIterator[Ser
     """Another Admission server with its own engine and pool on the same database."""
     engine = make_engine(database_dsn, pool_size=20, max_overflow=0)
     server = grpc.aio.server()
-    add_admission_servicer(server, make_sessionmaker(engine), load_config())
+    add_admission_servicer(server, make_sessionmaker(engine), load_settings())
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -23,7 +23,7 @@ from sluice.services import errors
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import Settings, load_settings
 from sluice.v1 import common_pb2
 from tests.support.db import asyncpg_dsn
 from tests.support.ledger_factories import (
@@ -52,10 +52,8 @@ TIGHT_PACE = {
 }
 
 
-def tight_config() -> dict[str, Any]:
-    config = load_config()
-    config["admission"] = {**config["admission"], **TIGHT_PACE}
-    return config
+def tight_config() -> Settings:
+    return load_settings().updated(admission=TIGHT_PACE)
 
 
 @pytest.fixture

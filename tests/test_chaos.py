@@ -110,7 +110,7 @@ async def _replica_fault(stack: Stack, replica_logs, name: str, runs: int,
     replica = await asyncio.to_thread(start_replica, f"chaos-{name.split()[-1].lower()}", replica_logs,
                                       REPLICA_SETTINGS)
     try:
-        stack.config["replicas"] = replica_tables([replica])
+        stack.config = stack.config.updated(replicas=replica_tables([replica]))
         await stack.start_worker()
         started = time.monotonic()
         load = Load(stack)

@@ -239,9 +239,9 @@ async def test_the_default_replica_runs_the_core_and_its_metrics_follow_the_core
         default_replica: object) -> None:
     from sluice.services import replica_client as rc
 
-    from sluice.config import load_config
+    from sluice.config import load_settings
 
-    settings = CoreSettings.from_section(load_config()["replica"])
+    settings = CoreSettings.from_section(load_settings().replica.model_dump())
     space = TokenSpace(settings.vocab_size, settings.first_normal_id)
     address = default_replica.grpc_address  # type: ignore[attr-defined]
     before = parse_metrics(await asyncio.to_thread(scrape_text, default_replica))

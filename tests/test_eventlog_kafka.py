@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.eventlog.events import RunEventSequencer
 from sluice.eventlog.interface import LogPosition
 from sluice.eventlog.kafka import KafkaEventLog
@@ -24,7 +24,7 @@ DONE = common_pb2.TokenUsage(output_tokens=1)
 
 @pytest.fixture
 async def log() -> AsyncIterator[KafkaEventLog]:
-    events = KafkaEventLog.from_config(load_config())
+    events = KafkaEventLog.from_config(load_settings())
     await events.start()
     try:
         yield events

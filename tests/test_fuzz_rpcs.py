@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sluice.services import validation
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.v1 import admission_pb2, routing_pb2, runs_pb2, usage_pb2
 from tests.support.fuzz_target import DOCUMENTED, STREAMING, UNARY, FuzzTarget, serve_everything
 from tests.support.ledger_factories import add_model, add_tenant
@@ -49,9 +49,7 @@ METADATA_VALUE = st.text(alphabet=string.ascii_letters + string.digits + "-_ ", 
 
 @pytest.fixture
 async def target(sessionmaker, database_dsn, word_tokenizer):
-    config = load_config()
-    config["database"] = {**config["database"], "dsn": database_dsn}
-    config["replicas"] = []
+    config = load_settings().updated(database={"dsn": database_dsn}, replicas=[])
     async with sessionmaker() as session, session.begin():
         await add_model(session, word_tokenizer)
         tenant = await add_tenant(session, "acme")

@@ -3,20 +3,21 @@ topic is replicated (infra/kafka_admin.py ensure-topic)."""
 
 from __future__ import annotations
 
-from sluice.config import load_config
+from sluice.config import Settings, load_settings
 from sluice.eventlog.kafka import KafkaEventLog, configured_bootstrap, replication
 
 
 def test_the_single_broker_is_the_default_with_replication_one():
-    kafka = load_config()["kafka"]
-    assert int(kafka["brokers"]) == 1
-    assert configured_bootstrap(kafka) == kafka["bootstrap"]
+    kafka = load_settings(environ={}).kafka
+    assert kafka.brokers == 1
+    assert configured_bootstrap(kafka) == kafka.bootstrap
     assert replication(kafka) == (1, 1)
 
 
 def test_three_brokers_select_the_cluster_with_replication_three_and_two_in_sync():
-    kafka = {"brokers": 3, "bootstrap": "127.0.0.1:19092", "events_topic": "t",
-             "cluster_bootstrap": "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"}
-    assert configured_bootstrap(kafka) == "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"
-    assert replication(kafka) == (3, 2)
-    assert KafkaEventLog.from_config({"kafka": kafka}).bootstrap == kafka["cluster_bootstrap"]
+    cluster = "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"
+    config = Settings().updated(kafka={"brokers": 3, "bootstrap": "127.0.0.1:19092", "events_topic": "t",
+                                       "cluster_bootstrap": cluster})
+    assert configured_bootstrap(config.kafka) == "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"
+    assert replication(config.kafka) == (3, 2)
+    assert KafkaEventLog.from_config(config).bootstrap == config.kafka.cluster_bootstrap

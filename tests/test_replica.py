@@ -19,6 +19,7 @@ import pytest
 from sluice.services import replica_client as rc
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 
+from sluice.config.bootstrap import EXIT_BAD_CONFIG
 from sluice.replica import lifecycle
 from sluice.replica.engine_api import GenerationRequest
 from sluice.replica.generator import GeneratorConfig, expected_tokens, prompt_seed
@@ -28,7 +29,6 @@ from sluice.replica.serve import (
     ERR_STOP_TIMEOUT,
     ERR_TRITON_EXITED,
     ERR_TRITON_START,
-    ERR_UNKNOWN_ENGINE,
     EXIT_STARTUP_FAILED,
     STOP_TIMEOUT_S,
 )
@@ -276,13 +276,13 @@ def test_a_taken_port_fails_startup_with_a_clear_error(log_dir: Path):
     assert ERR_PORT_IN_USE.format(name="busy", kind="grpc", port=grpc_port, host="127.0.0.1") in result.stderr
 
 
-def test_an_unknown_engine_fails_startup_with_a_clear_error():
+def test_an_unknown_engine_fails_startup_naming_the_key():
     ports = free_ports(3)
     result = subprocess.run([sys.executable, "-m", "sluice.replica.serve", "--name", "odd"],
                             env=replica_env("odd", *ports, {**SETTINGS, "engine": "magic"}),
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == EXIT_STARTUP_FAILED
-    assert ERR_UNKNOWN_ENGINE.format("magic") in result.stderr
+    assert result.returncode == EXIT_BAD_CONFIG
+    assert "replica.engine: Input should be 'core' or 'simple' (from SLUICE_REPLICA__ENGINE)" in result.stderr
 
 
 def test_a_tritonserver_that_dies_during_startup_fails_fast_with_a_clear_error(tmp_path: Path):

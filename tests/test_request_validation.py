@@ -5,6 +5,7 @@ from __future__ import annotations
 from sluice.services import tokenization, validation
 from sluice.services.validation import FieldLimits, Undecodable, decoder
 
+from sluice.config import Settings
 from sluice.v1 import admission_pb2, routing_pb2
 
 TINY_CHAT = "tiny-chat/tokenizer.json"
@@ -32,7 +33,8 @@ def test_nul_in_any_string_is_refused_naming_the_field_and_position():
 
 
 def test_limits_come_from_config_and_name_the_field():
-    limits = FieldLimits.from_config({"admission": {"max_input_bytes": 10, "max_deadline_ms": 1_000}})
+    config = Settings().updated(admission={"max_input_bytes": 10, "max_deadline_ms": 1_000})
+    limits = FieldLimits.from_config(config)
     assert limits.problem(admission_pb2.SubmitRequest(input=b"a" * 10, deadline_ms=1_000)) is None
     assert limits.problem(admission_pb2.SubmitRequest(input=b"a" * 11)) == \
         validation.FIELD_TOO_LONG.format(field="input", length=11, unit="bytes", limit=10)

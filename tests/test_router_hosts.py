@@ -6,7 +6,7 @@ import pytest
 from sluice.services.routing.app import build_worker
 from sluice.services.routing.worker import RoutingWorker
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.router.policies import LeastLoaded, PrefixAware
 from sluice.router.policy import RoundRobin, RouteRequest, make_policy
 from sluice.sim.fleet import Fleet, FleetConfig
@@ -17,7 +17,7 @@ POLICY_CLASSES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefi
 
 def live_worker(policy: str) -> RoutingWorker:
     """The routing service's worker as its process assembles it (building it opens no connection)."""
-    config = load_config(environ={"SLUICE_ROUTING__POLICY": policy})
+    config = load_settings(environ={"SLUICE_ROUTING__POLICY": policy})
     return build_worker(config, events=None, sessions=None, owner="test")
 
 

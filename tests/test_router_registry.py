@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.router.health import HealthBook
 from sluice.router.load import LoadSnapshot, LoadTracker
 from sluice.router.policy import ReplicaView
@@ -19,7 +19,7 @@ from sluice.router.registry import (
 
 
 def test_the_shipped_config_yields_the_development_replicas():
-    registry = ReplicaRegistry.from_config(load_config(environ={}))
+    registry = ReplicaRegistry.from_config({"replicas": load_settings(environ={}).replica_tables()})
     assert [spec.name for spec in registry.specs()] == ["r0", "r1"]
     assert registry.get("r0") == ReplicaSpec(name="r0", pool="tiny-chat-v1", grpc_address="127.0.0.1:18001",
                                              metrics_url="http://127.0.0.1:18002/metrics")

@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 from sluice.ledger.models import Run, RunStatus
 from sluice.services.routing import worker as routing_worker
-from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.claims import mark_queued
 from sluice.services.routing.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
@@ -26,7 +26,6 @@ from sluice_client import cli
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
-from sluice.router.policy import make_policy_from_config
 from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
 from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens
 
@@ -90,7 +89,7 @@ async def test_a_settled_run_whose_terminal_event_was_never_published_gets_it_fr
 async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_replica_loaded(
         stack: Stack, monkeypatch: pytest.MonkeyPatch):
     worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("test")), stack.sessionmaker,
-                           stack.events, make_policy_from_config(stack.config["routing"]),
+                           stack.events, policy_from_config(stack.config),
                            registry_from_config(stack.config))
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         runs = [await sdk.submit(PROMPT, max_output_tokens=4) for _ in range(2)]

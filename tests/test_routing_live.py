@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice.ledger.models import RunStatus, UsageEntry
 from sluice.services import telemetry
 from sluice.services.replica_client import TokenChunk
-from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.driver import TRITON
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.telemetry import TelemetrySettings
@@ -24,7 +24,6 @@ from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
 from sluice.router.policies import PrefixAware
-from sluice.router.policy import make_policy_from_config
 from sluice.router.retry import NO_REPLICA_STARTED
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.ledger_factories import budget_row
@@ -108,7 +107,7 @@ async def test_a_killed_replica_gets_no_runs_while_its_breaker_is_open_and_runs_
     ports = (int(doomed.grpc_address.rpartition(":")[2]), doomed.http_port, doomed.metrics_port)
     back: ReplicaProcess | None = None
     try:
-        stack.config["replicas"] = replica_tables([doomed, replicas[0]])
+        stack.config = stack.config.updated(replicas=replica_tables([doomed, replicas[0]]))
         worker = await stack.start_worker()
         await wait_until(lambda: worker.loads.snapshot("a-doomed") is not None, "scraped")
         await asyncio.to_thread(kill_replica, doomed)
@@ -139,7 +138,8 @@ async def test_a_run_whose_replica_refuses_before_the_first_token_completes_on_t
         stack: Stack, replicas: list[ReplicaProcess]):
     # round_robin takes names in order, so the first run goes to the refusing "a-refuses"; its breaker
     # needs two failed readiness checks a second apart, so the claim gets there first.
-    stack.config["replicas"] = [refusing_replica("a-refuses"), *replica_tables(replicas[:1])]
+    stack.config = stack.config.updated(
+        replicas=[refusing_replica("a-refuses"), *replica_tables(replicas[:1])])
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         run = await sdk.submit(PROMPT, max_output_tokens=30)
         worker = await stack.start_worker()
@@ -190,11 +190,11 @@ async def test_a_run_without_a_first_token_in_time_is_stopped_and_retried_elsewh
         stack: Stack, replicas: list[ReplicaProcess]):
     # "a-slow" is a live replica (its readiness checks pass) whose answers never come.
     slow = {**replica_tables(replicas[1:2])[0], "name": "a-slow"}
-    stack.config["replicas"] = [slow, *replica_tables(replicas[:1])]
-    stack.config["routing"] = {**stack.config["routing"], "first_token_timeout_s": 0.5}
+    stack.config = stack.config.updated(replicas=[slow, *replica_tables(replicas[:1])])
+    stack.config = stack.config.updated(routing={"first_token_timeout_s": 0.5})
     replica_client = SilentAt(str(slow["grpc_address"]))
     worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("test")), stack.sessionmaker,
-                           stack.events, make_policy_from_config(stack.config["routing"]),
+                           stack.events, policy_from_config(stack.config),
                            registry_from_config(stack.config), replicas=replica_client)
     serving = asyncio.create_task(worker.serve(drain_s=0.5))
     try:
@@ -213,7 +213,8 @@ async def test_a_run_without_a_first_token_in_time_is_stopped_and_retried_elsewh
 
 
 async def test_a_run_no_replica_takes_ends_failed_with_nothing_charged(stack: Stack):
-    stack.config["replicas"] = [refusing_replica("a-refuses"), refusing_replica("b-refuses")]
+    stack.config = stack.config.updated(
+        replicas=[refusing_replica("a-refuses"), refusing_replica("b-refuses")])
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         run = await sdk.submit(PROMPT, max_output_tokens=30)
         await stack.start_worker()
@@ -235,8 +236,8 @@ async def test_a_run_no_replica_takes_ends_failed_with_nothing_charged(stack: St
 
 async def test_prefix_aware_sends_a_follow_up_turn_to_the_replica_holding_its_history_which_reuses_it(
         stack: Stack, core_replicas: list[ReplicaProcess], memory_spans: None):
-    stack.config["replicas"] = replica_tables(core_replicas)
-    stack.config["routing"] = {**stack.config["routing"], "policy": "prefix_aware"}
+    stack.config = stack.config.updated(replicas=replica_tables(core_replicas))
+    stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
     worker = await stack.start_worker()
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         first_id, first = await run_to_end(sdk, HISTORY, 16, conversation_id="conv-1")
@@ -274,8 +275,8 @@ async def test_a_replica_restart_seen_by_scraping_makes_the_policy_forget_its_pr
     ports = (int(replica.grpc_address.rpartition(":")[2]), replica.http_port, replica.metrics_port)
     again: ReplicaProcess | None = None
     try:
-        stack.config["replicas"] = replica_tables([replica])
-        stack.config["routing"] = {**stack.config["routing"], "policy": "prefix_aware"}
+        stack.config = stack.config.updated(replicas=replica_tables([replica]))
+        stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
         worker = await stack.start_worker()
         policy = worker.policy
         assert isinstance(policy, PrefixAware)

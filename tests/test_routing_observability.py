@@ -12,6 +12,7 @@ from sluice.services import telemetry
 from sluice.services.routing.observability import RoutingMetrics, RunOutcome, ServiceObjectives
 from sluice.services.telemetry import UNKNOWN_EXPORTER, TelemetrySettings
 
+from sluice.config import Settings
 from sluice.router.load import LoadSnapshot
 from sluice.router.policy import RouteDecision
 
@@ -33,12 +34,12 @@ def reset_tracing() -> Iterator[None]:
 
 def test_an_unknown_exporter_is_refused_with_the_ones_known():
     with pytest.raises(ValueError) as caught:
-        TelemetrySettings.from_config({"telemetry": {"exporter": "jaeger"}})
+        TelemetrySettings(exporter="jaeger")
     assert str(caught.value) == UNKNOWN_EXPORTER.format(value="jaeger")
 
 
 def test_without_a_telemetry_section_tracing_is_off_and_costs_a_no_op_tracer(reset_tracing: None):
-    telemetry.setup_tracing(TelemetrySettings.from_config({}), "test")
+    telemetry.setup_tracing(TelemetrySettings.from_config(Settings()), "test")
     assert isinstance(telemetry.tracer(), trace.NoOpTracer)
     with telemetry.tracer().start_as_current_span("run.drive"):
         pass
@@ -97,9 +98,9 @@ def test_decisions_are_counted_by_policy_and_outcome_and_timed():
 
 
 def test_objectives_come_from_the_telemetry_section_in_milliseconds():
-    assert ServiceObjectives.from_config({"telemetry": {"ttft_slo_ms": 200, "tpot_slo_ms": 40}}) == \
-        ServiceObjectives(ttft_s=0.2, tpot_s=0.04)
-    assert ServiceObjectives.from_config({}) == ServiceObjectives(ttft_s=0.5, tpot_s=0.05)
+    tighter = Settings().updated(telemetry={"ttft_slo_ms": 200, "tpot_slo_ms": 40})
+    assert ServiceObjectives.from_config(tighter) == ServiceObjectives(ttft_s=0.2, tpot_s=0.04)
+    assert ServiceObjectives.from_config(Settings()) == ServiceObjectives(ttft_s=0.5, tpot_s=0.05)
 
 
 def test_a_scrape_sets_each_load_gauge_of_its_replica_and_forgetting_the_replica_removes_them():

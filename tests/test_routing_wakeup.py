@@ -24,7 +24,7 @@ SETTLE_S = 0.5              # the worker's first poll done and its LISTEN connec
 
 async def slow_polling_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
     """A worker polling every 10 s, and a list that grows by one with each claim pass it makes."""
-    stack.config["routing"] = {**stack.config["routing"], "poll_interval_ms": SLOW_POLL_MS}
+    stack.config = stack.config.updated(routing={"poll_interval_ms": SLOW_POLL_MS})
     worker = await stack.start_worker()   # its serve() task has not run yet: the wrapper is in time
     passes: list[int] = []
     claim_once = worker.claim_once

@@ -22,7 +22,7 @@ from sluice_client.sdk import SluiceClient, SluiceError
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from tests.support.ledger_factories import DEFAULT_MODEL, MICROS, add_model, add_tenant, count_runs, prompt_of
 
 MODEL = DEFAULT_MODEL.alias or DEFAULT_MODEL.version
@@ -77,8 +77,7 @@ def test_the_cli_turns_the_hints_into_one_line_of_what_to_change(hints, line):
 async def admission(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str,
                     **admission_keys: Any) -> AsyncIterator[str]:
     """Admission on a free loopback port with the test model; yields its address."""
-    config = load_config()
-    config["admission"] = {**config["admission"], **admission_keys}
+    config = load_settings().updated(admission=admission_keys)
     async with sessionmaker() as session, session.begin():
         await add_model(session, word_tokenizer)
     server = grpc.aio.server()

@@ -128,8 +128,8 @@ async def _cached_tokens(stack: Stack, tenant: TenantHandle) -> int:
 @pytest.mark.integration
 async def test_through_the_stack_another_tenant_gets_no_cached_token_of_a_prompt_its_own_tenant_reuses(
         stack: Stack, core_replica: ReplicaProcess):
-    stack.config["replicas"] = replica_tables([core_replica])
-    stack.config["routing"] = {**stack.config["routing"], "policy": "prefix_aware"}
+    stack.config = stack.config.updated(replicas=replica_tables([core_replica]))
+    stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
     async with stack.sessionmaker() as session, session.begin():
         shared_1 = await add_tenant(session, "public-1", shared_cache_scope="public-prompts")
         shared_2 = await add_tenant(session, "public-2", shared_cache_scope="public-prompts")

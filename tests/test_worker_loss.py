@@ -54,7 +54,7 @@ async def test_seed_002_a_replica_killed_mid_stream_ends_the_run_interrupted_wit
         stack: Stack, replica_logs):
     doomed = await asyncio.to_thread(start_replica, "r9", replica_logs, REPLICA_SETTINGS)
     try:
-        stack.config["replicas"] = replica_tables([doomed])
+        stack.config = stack.config.updated(replicas=replica_tables([doomed]))
         await stack.start_worker()
         async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
             run = await sdk.submit(PROMPT, max_output_tokens=500)
@@ -136,7 +136,7 @@ async def test_three_routing_processes_take_each_of_40_runs_exactly_once(stack: 
 
 async def test_a_cursor_whose_events_retention_deleted_gets_out_of_range(stack: Stack):
     topic = f"sluice.test-retention-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=str(stack.config["kafka"]["bootstrap"]))
+    admin = AIOKafkaAdminClient(bootstrap_servers=stack.config.kafka.bootstrap)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])

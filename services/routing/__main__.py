@@ -2,16 +2,18 @@
 
 Start several: they share the ledger and claim runs with SKIP LOCKED, each run
 exactly once. `--listen` also serves the Routing API ([routing].listen is the
-configured address; only one process can bind it).
+configured address; only one process can bind it). The same process as
+`python -m sluice.services.main --role routing` (one bootstrap for every role).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
-from sluice.config import load_config
+from sluice.services.main import serve
+
+from sluice.config.bootstrap import start_process
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,13 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-api", action="store_true", help="serve the Routing API on [routing].listen")
     parser.add_argument("--name", default=None, help="label in this worker's lease owner id")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # it logs every consumer's assignment at INFO
-    config = load_config()
-    listen = args.listen or (str(config["routing"]["listen"]) if args.serve_api else None)
-    from sluice.services.routing.app import run_routing_process
-
-    asyncio.run(run_routing_process(config, listen, args.name))
+    config = start_process("routing")
+    listen = args.listen or (config.routing.listen if args.serve_api else None)
+    asyncio.run(serve(config, {"routing"}, [], listen, args.name))
 
 
 if __name__ == "__main__":

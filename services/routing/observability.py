@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sluice.ledger.models import RunStatus
 
+from sluice.config import Settings
 from sluice.router.load import LoadSnapshot
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policy import RouteDecision
@@ -43,10 +43,8 @@ class ServiceObjectives:
     tpot_s: float = 0.05         # per output token after the first
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ServiceObjectives:
-        table = config.get("telemetry", {})
-        return cls(ttft_s=float(table.get("ttft_slo_ms", 500)) / 1000,
-                   tpot_s=float(table.get("tpot_slo_ms", 50)) / 1000)
+    def from_config(cls, config: Settings) -> ServiceObjectives:
+        return cls(ttft_s=config.telemetry.ttft_slo_ms / 1000, tpot_s=config.telemetry.tpot_slo_ms / 1000)
 
     def met(self, outcome: RunOutcome) -> bool:
         if outcome.status is not RunStatus.COMPLETED or outcome.ttft_s is None:

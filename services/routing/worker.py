@@ -28,7 +28,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +61,7 @@ from sluice.services.telemetry import tracer
 from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import Settings
 from sluice.eventlog.events import tokens_in
 from sluice.eventlog.interface import EventLog, LogPosition
 from sluice.router.health import HealthBook, HealthOptions
@@ -103,17 +103,17 @@ class WorkerSettings:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], owner: str) -> WorkerSettings:
-        routing = config["routing"]
+    def from_config(cls, config: Settings, owner: str) -> WorkerSettings:
+        routing = config.routing
         return cls(
             owner=owner,
-            lease_seconds=float(routing.get("lease_seconds", 5)),
-            poll_interval_s=float(routing.get("poll_interval_ms", 50)) / 1000,
-            max_runs=int(routing.get("max_runs_per_worker", 64)),
-            coalesce_ms=float(config["kafka"].get("coalesce_ms", 5)),
-            first_token_timeout_s=float(routing.get("first_token_timeout_s", 30)),
-            scrape_interval_s=float(routing.get("scrape_interval_ms", 250)) / 1000,
-            max_attempts=int(routing.get("max_attempts", DEFAULT_MAX_ATTEMPTS)),
+            lease_seconds=routing.lease_seconds,
+            poll_interval_s=routing.poll_interval_ms / 1000,
+            max_runs=routing.max_runs_per_worker,
+            coalesce_ms=config.kafka.coalesce_ms,
+            first_token_timeout_s=routing.first_token_timeout_s,
+            scrape_interval_s=routing.scrape_interval_ms / 1000,
+            max_attempts=routing.max_attempts,
         )
 
     @property

@@ -8,15 +8,15 @@ PostgreSQL, Kafka, Triton and gRPC processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
-from sluice_client.sdk import SluiceClient, status_name
+from sluice_client.sdk import Addresses, SluiceClient, status_name
 
-from sluice.config import data_dir, load_config
+from sluice.config import Settings
+from sluice.config.bootstrap import start_process
 from sluice.demo.processes import Child, gateway, replica, routing
 from sluice.ledger.seed import DEMO_API_KEY
 from sluice.v1 import runs_pb2
@@ -143,8 +143,9 @@ async def usage_report(client: SluiceClient) -> None:
         f"(${f.reserved_cost_micros / 1e6:.6f}); budget {report.budget_tokens} tokens")
 
 
-async def scenario(config: Mapping[str, Any], replicas: dict[str, Child]) -> None:
-    async with SluiceClient.from_config(config, api_key=DEMO_API_KEY) as client:
+async def scenario(config: Settings, replicas: dict[str, Child]) -> None:
+    addresses = Addresses(config.admission.listen, config.runs.listen, config.usage.listen)
+    async with SluiceClient(addresses, api_key=DEMO_API_KEY) as client:
         await streamed_answer(client)
         say()
         await disconnect_and_resume(client)
@@ -159,9 +160,9 @@ async def scenario(config: Mapping[str, Any], replicas: dict[str, Child]) -> Non
 
 
 def main() -> int:
-    config = load_config()
-    log_dir = data_dir(config) / "logs" / "demo"
-    replicas = {spec["name"]: replica(spec["name"], log_dir) for spec in config["replicas"]}
+    config = start_process("demo", level=logging.WARNING)
+    log_dir = config.data_dir() / "logs" / "demo"
+    replicas = {spec.name: replica(spec.name, log_dir) for spec in config.replicas}
     children = [*replicas.values(), gateway(log_dir), routing(log_dir)]
     say(f"Sluice demo — logs in {log_dir}")
     started = time.monotonic()

@@ -17,13 +17,14 @@ what lets Stream promise that no client sees an event the log could still lose.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
 from aiokafka.partitioner import DefaultPartitioner
 
+from sluice.config import Settings
+from sluice.config.settings import KafkaSection
 from sluice.eventlog.events import EventDeduper
 from sluice.eventlog.interface import CursorPastRetention, LogPosition
 from sluice.eventlog.tail import LiveTail
@@ -35,17 +36,15 @@ POLL_TIMEOUT_MS = 200
 CLUSTER_BROKERS = 3   # [kafka].brokers of the local cluster (infra/kafka_cluster.sh)
 
 
-def configured_bootstrap(kafka: Mapping[str, Any]) -> str:
+def configured_bootstrap(kafka: KafkaSection) -> str:
     """The brokers [kafka].brokers selects: the single broker's address, or the cluster's list."""
-    if int(kafka.get("brokers", 1)) == CLUSTER_BROKERS:
-        return str(kafka["cluster_bootstrap"])
-    return str(kafka["bootstrap"])
+    return kafka.cluster_bootstrap if kafka.brokers == CLUSTER_BROKERS else kafka.bootstrap
 
 
-def replication(kafka: Mapping[str, Any]) -> tuple[int, int]:
+def replication(kafka: KafkaSection) -> tuple[int, int]:
     """(replication factor, min.insync.replicas) of the events topic: (3, 2) on the cluster, so an
     acks=all write survives one node; (1, 1) on the single broker."""
-    return (3, 2) if int(kafka.get("brokers", 1)) == CLUSTER_BROKERS else (1, 1)
+    return (3, 2) if kafka.brokers == CLUSTER_BROKERS else (1, 1)
 
 
 class KafkaEventLog:
@@ -59,9 +58,8 @@ class KafkaEventLog:
         self._tail: LiveTail | None = None   # started by the first follow()
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> KafkaEventLog:
-        kafka = config["kafka"]
-        return cls(bootstrap=configured_bootstrap(kafka), topic=str(kafka["events_topic"]))
+    def from_config(cls, config: Settings) -> KafkaEventLog:
+        return cls(bootstrap=configured_bootstrap(config.kafka), topic=config.kafka.events_topic)
 
     async def _ready_producer(self) -> AIOKafkaProducer:
         async with self._producer_lock:

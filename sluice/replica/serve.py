@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from sluice.config import data_dir, load_config
+from sluice.config import Settings
+from sluice.config.bootstrap import start_process
 from sluice.replica import lifecycle
 from sluice.replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from sluice.replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
@@ -59,6 +60,7 @@ ERR_UNKNOWN_ENGINE = "[replica].engine must be \"simple\" or \"core\", got {!r}"
 ERR_ENGINE_CONFIG = "[replica] settings for engine {engine!r} are invalid: {error}"
 DEFAULT_ENGINE = "core"                  # as config/sluice.toml; used when [replica].engine is absent
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
+ERR_NO_PORTS = "[[replicas]] entry {name!r} needs http_port and metrics_port to be served here"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
 EXIT_STARTUP_FAILED = 2
 STOP_TIMEOUT_S = 5.0                     # SIGTERM: wait this long for Triton to stop, then kill it
@@ -83,20 +85,21 @@ class ReplicaSettings:
     model_cache: Path | None = None      # where a model executor caches dequantized weights
 
 
-def settings_from_config(config: Mapping[str, Any], name: str) -> ReplicaSettings:
+def settings_from_config(config: Settings, name: str) -> ReplicaSettings:
     """The entry's own `replica = {…}` table (e.g. `executor = "model"`) overrides `[replica]` for it,
     so one config serves replicas of different models."""
-    entries = config.get("replicas", [])
-    entry = next((e for e in entries if e.get("name") == name), None)
+    entry = next((e for e in config.replicas if e.name == name), None)
     if entry is None:
-        raise StartupError(ERR_UNKNOWN_REPLICA.format(name, ", ".join(e.get("name", "?") for e in entries)))
-    host, _, grpc_port = str(entry["grpc_address"]).rpartition(":")
-    section = {**config.get("replica", {}), **entry.get("replica", {})}
-    return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=int(entry["http_port"]),
-                           grpc_port=int(grpc_port), metrics_port=int(entry["metrics_port"]),
+        raise StartupError(ERR_UNKNOWN_REPLICA.format(name, ", ".join(e.name for e in config.replicas)))
+    if entry.http_port is None or entry.metrics_port is None:
+        raise StartupError(ERR_NO_PORTS.format(name=name))
+    host, _, grpc_port = entry.grpc_address.rpartition(":")
+    section = config.replica_section_for(entry).model_dump()
+    return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=entry.http_port,
+                           grpc_port=int(grpc_port), metrics_port=entry.metrics_port,
                            generator=generator_config(section),
-                           workspace=data_dir(config) / "replicas" / f"{name}-{grpc_port}",
-                           section=section, model_cache=data_dir(config) / "models")
+                           workspace=config.data_dir() / "replicas" / f"{name}-{grpc_port}",
+                           section=section, model_cache=config.data_dir() / "models")
 
 
 def generator_config(section: Mapping[str, Any]) -> GeneratorConfig | None:
@@ -438,11 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve one Triton replica (tensorrt_llm interface).")
     parser.add_argument("--name", required=True, help="the [[replicas]] entry to serve, e.g. r0")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
+    config = start_process("replica", level=logging.WARNING, stream=sys.stdout)
     try:
-        settings = settings_from_config(load_config(), args.name)
+        settings = settings_from_config(config, args.name)
         return serve(settings, started_at)
     except StartupError as exc:
         print(f"ERROR: {exc}", file=sys.stderr, flush=True)

@@ -101,12 +101,10 @@ EDGE_LEASE_SECONDS = 15
 
 @pytest.fixture
 async def edge(stack: Stack) -> AsyncIterator[Edge]:
-    stack.config["routing"] = {**stack.config["routing"], "lease_seconds": EDGE_LEASE_SECONDS}
+    stack.config = stack.config.updated(routing={"lease_seconds": EDGE_LEASE_SECONDS})
     config = stack.config
-    http_section = {**config.get("http", {}), "listen": "127.0.0.1:0"}
-    settings = HttpSettings.from_config({**config, "http": http_section})
-    runs = RunsService(stack.sessionmaker, stack.events, EDGE_LEASE_SECONDS,
-                       dsn=str(config["database"]["dsn"]))
+    settings = HttpSettings.from_config(config.updated(http={"listen": "127.0.0.1:0"}))
+    runs = RunsService(stack.sessionmaker, stack.events, EDGE_LEASE_SECONDS, dsn=config.database.url)
     services = EdgeServices(AdmissionService(stack.sessionmaker, AdmissionSettings.from_config(config)), runs,
                             UsageQueryService(stack.sessionmaker), stack.sessionmaker,
                             ModelCards(stack.sessionmaker, settings.model_card_ttl_s), settings)

@@ -14,13 +14,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import grpc.aio
 from sluice.ledger.models import Budget, Run, UsageEntry
 from sluice.services.admission import add_admission_servicer
-from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.runs import add_runs_servicer
@@ -28,8 +27,8 @@ from sluice.services.usage import add_usage_servicer
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import Settings
 from sluice.eventlog.kafka import KafkaEventLog
-from sluice.router.policy import make_policy_from_config
 
 # The statuses DESIGN.md "Errors" documents (and FAILED_PRECONDITION: cancelling a finished run).
 # UNKNOWN and INTERNAL mean an unmapped failure; CANCELLED, ABORTED and the rest are never ours.
@@ -112,14 +111,14 @@ class FuzzTarget:
 
 @contextlib.asynccontextmanager
 async def serve_everything(sessionmaker: async_sessionmaker[AsyncSession],
-                           config: dict[str, Any]) -> AsyncIterator[FuzzTarget]:
+                           config: Settings) -> AsyncIterator[FuzzTarget]:
     """Admission, Runs, UsageService and Routing on one free port, as the gateway and the routing
     API serve them (the routing worker is built, not started: Routing answers from its registry)."""
     events = KafkaEventLog.from_config(config)
     await events.start()
     worker = RoutingWorker(WorkerSettings.from_config(config, new_owner_id("fuzz")), sessionmaker, events,
-                           make_policy_from_config(config["routing"]), registry_from_config(config),
-                           dsn=str(config["database"]["dsn"]))
+                           policy_from_config(config), registry_from_config(config),
+                           dsn=config.database.url)
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
     runs = add_runs_servicer(server, sessionmaker, config, events)

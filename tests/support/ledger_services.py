@@ -12,7 +12,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -21,7 +20,7 @@ from sluice.services.admission import add_admission_servicer
 from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import Settings, load_settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc, usage_pb2, usage_pb2_grpc
 from tests.support.ledger_factories import TenantHandle, build_word_tokenizer
 
@@ -74,13 +73,13 @@ def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 async def api(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str) -> AsyncIterator[Services]:
-    async with serve_ledger(sessionmaker, word_tokenizer, load_config()) as services:
+    async with serve_ledger(sessionmaker, word_tokenizer, load_settings()) as services:
         yield services
 
 
 @contextlib.asynccontextmanager
 async def serve_ledger(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str,
-                       config: dict[str, Any]) -> AsyncIterator[Services]:
+                       config: Settings) -> AsyncIterator[Services]:
     """Admission + Usage on a free loopback port with `config` (e.g. tighter [admission] keys)."""
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)

@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.config import data_dir, load_config
+from sluice.config import load_settings
+from sluice.config.settings import env_overrides
 from tests.support import REPO_ROOT
 
 READY_MARKER = "ready model=tensorrt_llm"
@@ -51,7 +52,7 @@ class ReplicaProcess:
     def workspace(self) -> Path:
         """Where replica.serve keeps its pytriton workspace (a killed replica leaves it behind)."""
         port = self.grpc_address.rpartition(":")[2]
-        return data_dir(load_config()) / "replicas" / f"{self.name}-{port}"
+        return load_settings().data_dir() / "replicas" / f"{self.name}-{port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -64,8 +65,7 @@ def replica_env(name: str, grpc_port: int, http_port: int, metrics_port: int,
         "name": name, "pool": "tiny-chat-v1", "grpc_address": f"127.0.0.1:{grpc_port}",
         "http_port": http_port, "metrics_port": metrics_port,
     }])
-    for key, value in replica_settings.items():
-        env[f"SLUICE_REPLICA__{key.upper()}"] = json.dumps(value)
+    env.update(env_overrides("replica", replica_settings))
     return env
 
 

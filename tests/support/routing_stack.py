@@ -30,15 +30,15 @@ from sluice.ledger.models import Run
 from sluice.ledger.seed import TINY_CHAT, read_chat_template
 from sluice.services import replica_client
 from sluice.services.admission import add_admission_servicer
-from sluice.services.routing.app import registry_from_config
+from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.runs import RunsService, add_runs_servicer
 from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import Settings, load_settings
+from sluice.config.settings import env_overrides
 from sluice.eventlog.kafka import KafkaEventLog
-from sluice.router.policy import make_policy_from_config
 from sluice.v1 import runs_pb2
 from tests.support import REPO_ROOT
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
@@ -85,22 +85,20 @@ def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
              "metrics_port": r.metrics_port} for r in replicas]
 
 
-def test_config(database_dsn: str, replicas: list[ReplicaProcess]) -> dict[str, Any]:
-    config = load_config()
-    config["database"] = {**config["database"], "dsn": database_dsn}
+def test_config(database_dsn: str, replicas: list[ReplicaProcess]) -> Settings:
     # The run-path tests predict which replica takes a run, so they pin round_robin whatever
     # the shipped default is; prefix_aware is tested live in test_routing_live.py.
-    config["routing"] = {**config["routing"], "lease_seconds": TEST_LEASE_SECONDS, "policy": "round_robin"}
-    config["replicas"] = replica_tables(replicas)
-    return config
+    return load_settings().updated(database={"dsn": database_dsn},
+                                   routing={"lease_seconds": TEST_LEASE_SECONDS, "policy": "round_robin"},
+                                   replicas=replica_tables(replicas))
 
 
-def worker_env(config: dict[str, Any]) -> dict[str, str]:
+def worker_env(config: Settings) -> dict[str, str]:
     env = dict(os.environ)
-    env["SLUICE_DATABASE__DSN"] = str(config["database"]["dsn"])
-    env["SLUICE_ROUTING__LEASE_SECONDS"] = json.dumps(config["routing"]["lease_seconds"])
-    env["SLUICE_ROUTING__POLICY"] = str(config["routing"]["policy"])
-    env["SLUICE_REPLICAS"] = json.dumps(config["replicas"])
+    env.update(env_overrides("database", {"dsn": config.database.dsn}))
+    env.update(env_overrides("routing", {"lease_seconds": config.routing.lease_seconds,
+                                         "policy": config.routing.policy}))
+    env["SLUICE_REPLICAS"] = json.dumps(config.replica_tables())
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
 
@@ -129,7 +127,7 @@ class WorkerProcess:
                 self.kill()
 
 
-def launch_worker_process(config: dict[str, Any], log_dir: Path, name: str,
+def launch_worker_process(config: Settings, log_dir: Path, name: str,
                           timeout_s: float = 30.0) -> WorkerProcess:
     log_path = log_dir / f"routing-{name}-{uuid.uuid4().hex[:6]}.log"
     with log_path.open("wb") as log:
@@ -183,7 +181,7 @@ class RunsServer:
 
 @dataclass(slots=True)
 class Stack:
-    config: dict[str, Any]
+    config: Settings
     sessionmaker: async_sessionmaker[AsyncSession]
     channel: grpc.aio.Channel
     address: str                      # Admission, Runs and Usage all served here
@@ -201,9 +199,8 @@ class Stack:
     async def start_worker(self) -> RoutingWorker:
         """An in-process routing worker sharing this test's event loop."""
         settings = WorkerSettings.from_config(self.config, new_owner_id("test"))
-        worker = RoutingWorker(settings, self.sessionmaker, self.events,
-                               make_policy_from_config(self.config["routing"]),
-                               registry_from_config(self.config), dsn=str(self.config["database"]["dsn"]))
+        worker = RoutingWorker(settings, self.sessionmaker, self.events, policy_from_config(self.config),
+                               registry_from_config(self.config), dsn=self.config.database.url)
         self.workers.append(worker)
         self._tasks.append(asyncio.create_task(worker.serve(drain_s=0.5)))
         return worker
@@ -215,7 +212,7 @@ class Stack:
 
     async def start_runs_server(self, port: int = 0) -> RunsServer:
         """Another Runs instance (own server, own event-log client) on `port` (0 = a free one)."""
-        events = KafkaEventLog(str(self.config["kafka"]["bootstrap"]), self.events.topic)
+        events = KafkaEventLog(self.config.kafka.bootstrap, self.events.topic)
         await events.start()
         server = grpc.aio.server()
         service = add_runs_servicer(server, self.sessionmaker, self.config, events)
@@ -227,11 +224,11 @@ class Stack:
 
     async def use_topic(self, topic: str) -> None:
         """Publish and read this test's events on another topic (workers started afterwards)."""
-        events = KafkaEventLog(str(self.config["kafka"]["bootstrap"]), topic)
+        events = KafkaEventLog(self.config.kafka.bootstrap, topic)
         await events.start()
         self._closers.append(events.close)
         self.events = events
-        self.config["kafka"] = {**self.config["kafka"], "events_topic": topic}
+        self.config = self.config.updated(kafka={"events_topic": topic})
 
     async def run_row(self, run_id: str) -> Run:
         async with self.sessionmaker() as session:
