@@ -9,6 +9,7 @@ pinned within 1%, its shares within half a point, and the failure rows — which
 multiply those shares by up to 2 — within one or two points of the seed.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ from sluice.planner.fleet import FITS, OVERLOADED
 
 SEED003 = Path(__file__).resolve().parents[1] / "examples" / "briefs" / "seed003.yaml"
 KIB = 1024
+
+# First principles, from the brief's inputs (the brief prices matmuls at bf16, as the seed does):
+INPUT_TOK_S = 10_000 / 180 * 1200
+OUTPUT_TOK_S = 10_000 / 180 * 350
+# 8 × 989 TFLOP/s × 0.5 ÷ (2 × 70.6e9), and every TP8 step (prefill too) pays the 20% all-reduce.
+PREFILL_PER_NODE = 8 * 989e12 * 0.5 / (2 * 70.6e9) * (1 - 0.2)
+STEP_AT_100 = (70.6e9 / 8 + 100 * 4000 * 20 * KIB) / (3.35e12 * 0.7) / (1 - 0.2)
+PREFILL_SHARE = INPUT_TOK_S / (8 * PREFILL_PER_NODE)
+DECODE_SHARE = OUTPUT_TOK_S / (8 * 100 / STEP_AT_100)
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +97,30 @@ def test_88888_decode_tokens_per_second_across_8_nodes(seed003: Plan) -> None:
     assert value(seed003, "decode.tok_per_s") == pytest.approx(88_888, rel=0.01)
 
 
-def test_about_226000_prefill_tokens_per_second_across_8_nodes(seed003: Plan) -> None:
-    assert value(seed003, "prefill.tok_per_s") == pytest.approx(226_000, rel=0.01)
+def test_prefill_is_the_seeds_226000_less_the_allreduce_share_it_leaves_out(seed003: Plan) -> None:
+    assert value(seed003, "prefill.tok_per_s") == pytest.approx(8 * PREFILL_PER_NODE)
+    assert value(seed003, "prefill.tok_per_s") == pytest.approx(226_000 * 0.8, rel=0.01)
     assert "bf16" in seed003.figure("prefill.replica_flops").note   # 990 TFLOP/s is the bf16 peak
+    assert "all-reduce" in seed003.figure("prefill.tok_per_s_per_replica").formula
 
 
-def test_prefill_29_5_plus_decode_21_9_is_51_4_percent(seed003: Plan) -> None:
+def test_prefill_37_2_plus_decode_22_0_is_59_2_percent(seed003: Plan) -> None:
+    # The seed's 29.5% + 21.9% = 51.4% leaves prefill's all-reduce out (and rounds).
     prefill, decode = value(seed003, "utilization.prefill"), value(seed003, "utilization.decode")
-    assert prefill == pytest.approx(0.295, abs=0.005)
-    assert decode == pytest.approx(0.219, abs=0.005)
-    assert value(seed003, "utilization.total") == pytest.approx(0.514, abs=0.005)
+    assert prefill == pytest.approx(PREFILL_SHARE)
+    assert decode == pytest.approx(DECODE_SHARE)
+    assert (round(prefill, 3), round(decode, 3)) == (0.372, 0.220)
     assert value(seed003, "utilization.total") == pytest.approx(prefill + decode)
+
+
+def test_ttft_queues_behind_prefill_work_only(seed003: Plan) -> None:
+    # The prefill server runs at what decode leaves: C × (1 − d); its load is p ÷ (1 − d).
+    rate = PREFILL_PER_NODE * (1 - DECODE_SHARE)
+    rho, service = PREFILL_SHARE / (1 - DECODE_SHARE), 1200 / rate
+    p95_wait = service / (1 - rho) * math.log(rho / 0.05)
+    assert value(seed003, "latency.queue_wait_p95_s") == pytest.approx(p95_wait)
+    fixed = (25 + 12 + 4 + 2 + 6) / 1e3
+    assert value(seed003, "latency.ttft_p95_s") == pytest.approx(fixed + p95_wait + 880 / rate)
 
 
 def test_failure_rows_scale_the_base_shares(seed003: Plan) -> None:
@@ -108,28 +131,29 @@ def test_failure_rows_scale_the_base_shares(seed003: Plan) -> None:
     assert scenario(seed003, "two_nodes_lost") == pytest.approx((prefill + decode) * 8 / 6)
 
 
-def test_about_102_percent_when_traffic_doubles(seed003: Plan) -> None:
-    assert scenario(seed003, "traffic_doubles") == pytest.approx(1.02, abs=0.02)
+def test_traffic_doubling_overloads_the_fleet(seed003: Plan) -> None:
+    assert scenario(seed003, "traffic_doubles") == pytest.approx(2 * (PREFILL_SHARE + DECODE_SHARE))
     row = next(row for row in seed003.scenarios if row.key == "traffic_doubles")
     assert row.verdict == OVERLOADED
     # Re-priced at batch 200 the weights are shared by twice the tokens: lower than the scaled figure.
     assert row.rebatched_utilization < row.utilization
 
 
-def test_about_81_percent_when_inputs_double(seed003: Plan) -> None:
-    assert scenario(seed003, "inputs_double") == pytest.approx(0.81, abs=0.01)
+def test_inputs_doubling_doubles_prefills_share(seed003: Plan) -> None:
+    assert scenario(seed003, "inputs_double") == pytest.approx(2 * PREFILL_SHARE + DECODE_SHARE)
 
 
-def test_59_and_68_percent_with_one_and_two_nodes_lost(seed003: Plan) -> None:
-    assert scenario(seed003, "one_node_lost") == pytest.approx(0.59, abs=0.01)
-    assert scenario(seed003, "two_nodes_lost") == pytest.approx(0.514 * 8 / 6, abs=0.01)  # the seed prints 68
+def test_one_and_two_nodes_lost(seed003: Plan) -> None:
+    assert scenario(seed003, "one_node_lost") == pytest.approx((PREFILL_SHARE + DECODE_SHARE) * 8 / 7)
+    assert scenario(seed003, "two_nodes_lost") == pytest.approx((PREFILL_SHARE + DECODE_SHARE) * 8 / 6)
 
 
 def test_reverting_fp8_to_bf16_doubles_decode_but_not_the_seeds_95_percent(seed003: Plan) -> None:
     row = next(row for row in seed003.scenarios if row.key == "precision_reverted")
     assert row.decode_fraction == pytest.approx(2 * value(seed003, "utilization.decode"))
     assert row.prefill_fraction == pytest.approx(value(seed003, "utilization.prefill"))
-    assert row.utilization == pytest.approx(0.738, abs=0.005)
+    bf16_step = (141.2e9 / 8 + 100 * 4000 * 40 * KIB) / (3.35e12 * 0.7) / (1 - 0.2)
+    assert row.utilization == pytest.approx(PREFILL_SHARE + DECODE_SHARE * bf16_step / STEP_AT_100)
     assert row.verdict == FITS
     assert "counting decode three times" in row.note
 
@@ -166,7 +190,7 @@ def test_the_plan_meets_the_slo_and_survives_two_nodes_lost(seed003: Plan) -> No
     assert seed003.meets_slo
     assert seed003.gpus == 64 and seed003.replicas == 8
     assert "Within the ceiling with 2 nodes lost" in seed003.verdict
-    assert seed003.dependencies[0].startswith("traffic × 2: utilization 103.6% (overloaded)")
+    assert seed003.dependencies[0].startswith("traffic × 2: utilization 118.5% (overloaded)")
 
 
 def test_every_printed_figure_is_either_matched_or_explained(seed003: Plan) -> None:

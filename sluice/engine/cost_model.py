@@ -6,27 +6,43 @@ processes. Whichever of the two takes longer sets the step:
 
     memory  = (weights/tp + KV/tp of every sequence in the step) / (HBM B/s × achieved_bandwidth_fraction)
     compute = tokens × 2 × params / (tp × dense FLOP/s × achieved_flops_fraction)
-    step    = max(memory, compute) / (1 − allreduce_fraction) + fixed_overhead_s
+    step    = max(memory, compute) / (1 − allreduce share at tp) + fixed_overhead_s
 
-`allreduce_fraction` is the share of a step spent in the tensor-parallel
-all-reduce (seed 003: "+ TP AllReduce (~20%)"), so dividing by (1 − share)
-stretches the step to include it. At tp = 1 there is no all-reduce and the share
-is ignored. The KV cache is split across GPUs by KV head; when tp exceeds the
-number of KV heads, heads are replicated (as TensorRT-LLM does), so the per-GPU
-share stops shrinking at tp = num_kv_heads.
+All-reduce. `allreduce_fraction` is the share of a step spent in the tensor-parallel
+all-reduce on a full 8-GPU NVSwitch node (seed 003: "+ TP AllReduce (~20%)"). A ring
+all-reduce moves 2(tp − 1)/tp of the activations per GPU, so the share at another
+degree scales by that traffic: 0.2 at TP 8, 0.2 × 1.0/1.75 = 0.114 at TP 2, none at
+TP 1. Prefill pays it like every step (`prefill_tokens_per_s` includes it).
 
-Compute dtype. Seed 003 prices FP8 prefill at 990 TFLOP/s per H100, which is
-the *bf16* dense peak: FP8 storage with 16-bit matmuls (W8A16-style). The
-default `compute_dtype = "bf16"` reproduces that; set "fp8" for W8A8 kernels
-(1,979 TFLOP/s on H100) and "int8" for A100's fast path.
+Compute dtype. `compute_dtype = "auto"` (the default) follows the hardware: W8A8
+matmuls in the weights' dtype when the GPU has tensor cores for it (FP8 weights on
+Hopper run FP8 GEMMs at 1,979 TFLOP/s; int8 on A100 at 624), 16-bit otherwise (bf16
+weights, int4 weight-only). A brief may still name one: seed 003 prices its FP8
+prefill at 990 TFLOP/s, H100's bf16 peak, and says so.
 
-Seed 003's own arithmetic, which the tests pin (70B, FP8 weights and KV, H100, TP8):
+Memory. The KV pool is HBM × memory_fraction − weights − activation reserve per GPU:
+`memory_fraction` is the engine's share of HBM (vLLM gpu-memory-utilization, 0.90 by
+default, what the planner's engine configuration emits), the reserve the activations
+of the largest step. One rule for the planner, the simulator and the replica engine.
+
+Calibration (tests/test_engine_calibration.py prints each ratio). With these defaults,
+and nothing else tuned, the engine core run as trtllm-bench's max-throughput scenario
+reproduces TensorRT-LLM's published perf overview (FP8, H100 SXM) within ±10%:
+    achieved_bandwidth_fraction 0.7   achieved_flops_fraction 0.5   allreduce 0.2 at TP 8
+    memory_fraction 0.9   activation reserve 5 GB   compute dtype auto   no fixed overhead
+Those are seed 003's efficiency figures; the two rules above (FP8 GEMMs where the
+hardware has them, the all-reduce share by ring traffic) are what moved the
+prefill-heavy rows from 0.43× to within 10%.
+
+Seed 003's own arithmetic (70B, FP8 weights and KV, H100, TP8; its figures use the
+whole 80 GB and bf16 matmuls, `CostFactors(memory_fraction=1.0, compute_dtype="bf16")`):
     weights per GPU        70.6 GB / 8                      = 8.8 GB
     KV per token per GPU   320 KiB / 8 / 2                  = 20 KiB
     sequences @ 4,000 ctx  (80 − 8.8 − 5) GB / (20 KiB × 4,000) ≈ 806 per node
     decode, batch 100      8.8 GB + 100 × 4,000 × 20 KiB     ≈ 16.8 GB per GPU per step
                            / 3.35 TB/s = 5.0 ms; / 0.7 / 0.8 ≈ 9 ms
-    prefill                8 × 990e12 × 0.5 / (2 × 70e9)    = 28,286 tokens/s per node
+    prefill                8 × 990e12 × 0.5 / (2 × 70e9)    = 28,286 tokens/s per node, before the
+                                                              all-reduce share the seed leaves out
 """
 
 from __future__ import annotations
@@ -37,19 +53,41 @@ from dataclasses import dataclass
 from sluice.engine.profiles import HardwareProfile, ModelProfile
 
 BAD_TP = "tensor-parallel degree must be at least 1, got {tp}"
+AUTO = "auto"
+# Ring all-reduce traffic per GPU, 2(tp − 1)/tp, at the node size the all-reduce share is quoted for.
+_REFERENCE_TP = 8
+
+
+def allreduce_share(fraction_at_tp8: float, tp: int) -> float:
+    """Share of a step in all-reduce at `tp`, from the share on a full 8-GPU node (see module doc)."""
+    if tp <= 1:
+        return 0.0
+    traffic = 2.0 * (tp - 1) / tp
+    reference = 2.0 * (_REFERENCE_TP - 1) / _REFERENCE_TP
+    return min(0.95, fraction_at_tp8 * traffic / reference)
+
+
+def resolve_compute_dtype(requested: str, model: ModelProfile, hardware: HardwareProfile) -> str:
+    """The matmul dtype: `requested`, or under "auto" the weights' own dtype where the GPU has tensor
+    cores for it (FP8 on Hopper, int8 on Ampere), else bf16."""
+    if requested != AUTO:
+        return requested
+    return model.weight_precision if model.weight_precision in ("fp8", "int8") and \
+        model.weight_precision in hardware.dense_flops_per_s else "bf16"
 
 
 @dataclass(frozen=True, slots=True)
 class CostFactors:
-    """The knobs between datasheet peaks and what an engine achieves. Defaults are seed 003's."""
+    """The knobs between datasheet peaks and what an engine achieves: seed 003's figures, which
+    also reproduce TensorRT-LLM's published max-throughput rows (see the module docstring)."""
 
     achieved_bandwidth_fraction: float = 0.7   # of HBM bandwidth, on the memory-bound path (decode)
     achieved_flops_fraction: float = 0.5       # of dense FLOP/s, on the compute-bound path (prefill)
-    allreduce_fraction: float = 0.2            # share of a TP step spent in all-reduce (tp > 1 only)
+    allreduce_fraction: float = 0.2            # share of a step in all-reduce at TP 8 (ring-traffic scaled)
     fixed_overhead_s: float = 0.0              # per step: scheduling, sampling, launch (seed 003: ~3 ms)
     activation_reserve_bytes: float = 5e9      # per GPU, held back from the KV pool for activations
-    memory_fraction: float = 1.0               # of HBM the engine may use (vLLM gpu-memory-utilization)
-    compute_dtype: str = "bf16"                # matmul dtype; see the module docstring on FP8
+    memory_fraction: float = 0.9               # of HBM the engine may use (vLLM gpu-memory-utilization)
+    compute_dtype: str = AUTO                  # matmul dtype; "auto" follows weights and GPU (module doc)
 
 
 class CostModel:
@@ -69,9 +107,11 @@ class CostModel:
         self._kv_shards = min(tp, model.num_kv_heads)
         self._kv_bytes_per_token_per_gpu = model.kv_bytes_per_token() / self._kv_shards
         self._bytes_per_s = hardware.hbm_bandwidth_bytes_per_s * factors.achieved_bandwidth_fraction
-        self._replica_flops = tp * hardware.flops(factors.compute_dtype) * factors.achieved_flops_fraction
+        self.compute_dtype = resolve_compute_dtype(factors.compute_dtype, model, hardware)
+        self._replica_flops = tp * hardware.flops(self.compute_dtype) * factors.achieved_flops_fraction
         self._flops_per_token = model.flops_per_token()
-        self._stretch = 1.0 / (1.0 - factors.allreduce_fraction) if tp > 1 else 1.0
+        self.allreduce_share = allreduce_share(factors.allreduce_fraction, tp)
+        self._stretch = 1.0 / (1.0 - self.allreduce_share)
 
     # --- memory -----------------------------------------------------------------------------
 
@@ -128,9 +168,9 @@ class CostModel:
         return self._replica_flops
 
     def prefill_tokens_per_s(self) -> float:
-        """Compute-bound prefill rate of the replica (seed 003's figure: no all-reduce share).
-        Inside `step_time_s` prefill is stretched by the all-reduce like everything else."""
-        return self._replica_flops / self._flops_per_token
+        """Compute-bound prefill rate of the replica, all-reduce included: what a step of prefill
+        chunks achieves in `step_time_s` (seed 003's 28,286 leaves the all-reduce out)."""
+        return self._replica_flops / self._flops_per_token / self._stretch
 
     # --- the general step -------------------------------------------------------------------
 

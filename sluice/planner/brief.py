@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 import yaml
 
-from sluice.engine.cost_model import CostFactors
+from sluice.engine.cost_model import AUTO, CostFactors
 from sluice.engine.profiles import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
@@ -384,8 +384,9 @@ def _slo(section: Reader, workload: Workload) -> Slo:
 def _factors(section: Reader, hardware: HardwareProfile, engine: EngineChoices) -> CostFactors:
     base = _DEFAULT_FACTORS
     dtype = section.text("compute_dtype", base.compute_dtype,
-                         "seed 003 prices FP8 prefill at 990 TFLOP/s, H100's bf16 dense peak")
-    if dtype not in hardware.dense_flops_per_s:
+                         "follows the hardware: matmuls in the weights' dtype where the GPU has tensor "
+                         "cores for it (FP8 on Hopper, int8 on A100), else bf16")
+    if dtype != AUTO and dtype not in hardware.dense_flops_per_s:
         field = section.field("compute_dtype")
         raise BriefError(field, NO_COMPUTE_DTYPE.format(field=field, hardware=hardware.name, value=dtype,
                                                         known=", ".join(hardware.dense_flops_per_s)))
@@ -395,7 +396,8 @@ def _factors(section: Reader, hardware: HardwareProfile, engine: EngineChoices) 
         achieved_flops_fraction=section.number("achieved_flops_fraction", base.achieved_flops_fraction,
                                                SEED_003),
         allreduce_fraction=section.fraction("allreduce_fraction", hardware.nvlink_allreduce_overhead_fraction,
-                                            f"{hardware.name}'s NVLink all-reduce share, seed 003"),
+                                            f"{hardware.name}'s NVLink all-reduce share at TP 8, seed 003; "
+                                            "scaled by ring traffic 2(tp − 1)/tp at other degrees"),
         fixed_overhead_s=section.number("fixed_overhead_ms", base.fixed_overhead_s * 1e3,
                                         "step overhead is budgeted in latency.scheduler_overhead_ms",
                                         allow_zero=True) / 1e3,

@@ -1,13 +1,16 @@
 """TTFT and ITL, analytically: the budget seed 003 §5 writes by hand, with its
 queueing term made explicit.
 
-Queueing model (stated, not hidden): each replica is one server whose busy share
-is the plan's utilization ρ (prefill + decode); a request's service time S is
-its share of GPU time, ρ ÷ (requests/s per replica). M/M/1 gives the mean wait
-ρ/(1 − ρ)·S and the p95 wait S/(1 − ρ)·ln(ρ/0.05). It is conservative for an
-inflight-batching engine (a new request does not wait for others' decode to
-finish), which is the side a sizing tool should err on; `--simulate` measures
-the real thing.
+Queueing model (stated, not hidden). What delays a new request's first token is the
+prefill work queued ahead of it, not other sequences' decoding: an inflight-batching
+engine keeps decoding while it prefills, decode only takes its share of every step.
+So each replica is one prefill server that runs at the prefill rate left over by
+decode, C × (1 − d), where C is the replica's prefill capacity (all-reduce included)
+and d decode's share of the GPU. Its load is ρ = p ÷ (1 − d), p being prefill's share
+(ρ < 1 exactly when p + d < 1), and a mean request's service time is its prefill
+tokens (the sizing basis) ÷ C(1 − d). M/M/1 then gives the mean wait ρ/(1 − ρ)·S and
+the p95 wait S/(1 − ρ)·ln(ρ/0.05). The SLO-sized input's own prefill (its uncached
+tokens at the expected hit rate) follows at the same rate. `--simulate` measures it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class Ttft:
     fixed_s: float
     new_tokens: float        # uncached tokens of the SLO-sized input
     prefill_s: float         # alone on the GPU
-    interleaved_s: float     # sharing the GPU with decode
-    service_s: float
+    interleaved_s: float     # at the prefill rate decode leaves
+    rho: float               # the prefill server's load, p ÷ (1 − d)
+    service_s: float         # a mean request's prefill at that rate
     wait_mean_s: float
     wait_p95_s: float
 
@@ -51,17 +55,21 @@ def queue_wait(rho: float, service_s: float) -> tuple[float, float]:
     return mean, p95
 
 
-def ttft(brief: Brief, cost: CostModel, utilization: float, decode_fraction: float,
-         requests_per_s_per_replica: float, hit_rate: float) -> Ttft:
+def ttft(brief: Brief, cost: CostModel, prefill_fraction: float, decode_fraction: float,
+         prefill_tokens_per_request: float, hit_rate: float) -> Ttft:
+    """TTFT of an SLO-sized input on a replica whose prefill and decode take these shares."""
     lat = brief.latency
     fixed = (lat.network_rtt_s + lat.gateway_s + lat.tokenization_s + lat.first_sample_s
              + lat.sse_first_write_s)
     new_tokens = brief.slo.ttft_input_tokens * (1.0 - hit_rate)
-    alone = new_tokens / cost.prefill_tokens_per_s()
-    interleaved = alone / (1.0 - decode_fraction) if decode_fraction < 1.0 else math.inf
-    service = utilization / requests_per_s_per_replica
-    wait_mean, wait_p95 = queue_wait(utilization, service)
-    return Ttft(fixed, new_tokens, alone, interleaved, service, wait_mean, wait_p95)
+    rate = cost.prefill_tokens_per_s()
+    left = rate * (1.0 - decode_fraction) if decode_fraction < 1.0 else 0.0
+    alone = new_tokens / rate
+    interleaved = new_tokens / left if left > 0 else math.inf
+    rho = prefill_fraction / (1.0 - decode_fraction) if decode_fraction < 1.0 else math.inf
+    service = prefill_tokens_per_request / left if left > 0 else math.inf
+    wait_mean, wait_p95 = queue_wait(rho, service)
+    return Ttft(fixed, new_tokens, alone, interleaved, rho, service, wait_mean, wait_p95)
 
 
 def _check(value: float, limit: float) -> str:
@@ -70,12 +78,12 @@ def _check(value: float, limit: float) -> str:
 
 def latency_section(brief: Brief, cost: CostModel, t: Ttft, utilization: float, prefill_fraction: float,
                     decode_step_s: float, itl_p95_s: float, itl_p95_formula: str,
-                    requests_per_s_per_replica: float) -> Section:
+                    prefill_tokens_per_request: float) -> Section:
     lat, slo = brief.latency, brief.slo
     hit = brief.workload.prefix_hit_rate
     overhead = lat.scheduler_overhead_s
     itl_mean = (decode_step_s + overhead) / (1.0 - prefill_fraction) if prefill_fraction < 1 else math.inf
-    rho = utilization
+    rho, decode = t.rho, utilization - prefill_fraction
     figures = (
         Figure("latency.fixed_s", "network, gateway, tokenization, first sample, first SSE write", t.fixed_s,
                "s", f"{fmt.ms(lat.network_rtt_s)} + {fmt.ms(lat.gateway_s)} + {fmt.ms(lat.tokenization_s)} + "
@@ -86,14 +94,16 @@ def latency_section(brief: Brief, cost: CostModel, t: Ttft, utilization: float, 
         Figure("latency.prefill_s", "its prefill, interleaved with decode", t.interleaved_s, "s",
                f"{fmt.count(t.new_tokens)} ÷ {fmt.num(cost.prefill_tokens_per_s())} tok/s = "
                f"{fmt.ms(t.prefill_s)}"
-               f", ÷ (1 − {fmt.pct(rho - prefill_fraction)} decode share) = {fmt.ms(t.interleaved_s)}"),
-        Figure("latency.service_s", "GPU time per mean request (queueing service time)", t.service_s, "s",
-               f"{fmt.pct(rho)} ÷ {fmt.num(requests_per_s_per_replica)} req/s per replica = "
-               f"{fmt.ms(t.service_s)}"),
-        Figure("latency.queue_wait_mean_s", "mean queue wait (M/M/1)", t.wait_mean_s, "s",
+               f", ÷ (1 − {fmt.pct(decode)} decode share) = {fmt.ms(t.interleaved_s)}"),
+        Figure("latency.prefill_load", "load of the prefill queue (prefill ÷ what decode leaves)", t.rho,
+               "fraction", f"ρ = {fmt.pct(prefill_fraction)} ÷ (1 − {fmt.pct(decode)}) = {fmt.pct(t.rho)}"),
+        Figure("latency.service_s", "prefill of a mean request (queueing service time)", t.service_s, "s",
+               f"{fmt.count(prefill_tokens_per_request)} tokens ÷ ({fmt.num(cost.prefill_tokens_per_s())} × "
+               f"(1 − {fmt.pct(decode)})) tok/s = {fmt.ms(t.service_s)}: only prefill blocks a new request"),
+        Figure("latency.queue_wait_mean_s", "mean queue wait (M/M/1 on prefill work)", t.wait_mean_s, "s",
                f"ρ/(1 − ρ) × S = {fmt.num(rho)}/{fmt.num(1 - rho)} × {fmt.ms(t.service_s)} = "
                f"{fmt.ms(t.wait_mean_s)}" if rho < 1 else "ρ ≥ 1: the queue grows without bound"),
-        Figure("latency.queue_wait_p95_s", "p95 queue wait (M/M/1)", t.wait_p95_s, "s",
+        Figure("latency.queue_wait_p95_s", "p95 queue wait (M/M/1 on prefill work)", t.wait_p95_s, "s",
                f"S/(1 − ρ) × ln(ρ/0.05) = {fmt.ms(t.service_s / (1 - rho))} × "
                f"{fmt.num(math.log(max(rho, _P95_TAIL) / _P95_TAIL))} = {fmt.ms(t.wait_p95_s)}"
                if rho < 1 else "ρ ≥ 1: the queue grows without bound"),

@@ -35,8 +35,8 @@ _MODELLING_NOTES = (
     "Utilization = prefill tokens/s ÷ prefill capacity + decode tokens/s ÷ decode capacity at the planned "
     "batch (seed 003 §2); failure rows scale those shares (seed 003's method) and also show decode re-priced "
     "at the scenario's own batch.",
-    "Queueing is M/M/1 on each replica's busy share: conservative for inflight batching; --simulate measures "
-    "it.",
+    "Queueing is M/M/1 on each replica's prefill work, served at the rate decode leaves (an "
+    "inflight-batching engine keeps decoding while a request waits); --simulate measures it.",
 )
 
 
@@ -47,7 +47,8 @@ def plan(brief: Brief) -> Plan:
     n = sizing.replicas
     base = split(rep.cost, n, load)
     config = engine_config(brief, rep.cost, load, n, rep.replicas_per_node)
-    t = ttft(brief, rep.cost, base.utilization, base.decode_fraction, load.requests_per_s / n,
+    per_request = load.prefill_tok_per_s / load.requests_per_s
+    t = ttft(brief, rep.cost, base.prefill_fraction, base.decode_fraction, per_request,
              brief.workload.prefix_hit_rate)
     gpus = n * rep.tp
     sections = (
@@ -58,7 +59,7 @@ def plan(brief: Brief) -> Plan:
         utilization_section(brief, rep, load, base),
         replicas_section(brief, rep, load, base, sizing),
         latency_section(brief, rep.cost, t, base.utilization, base.prefill_fraction, base.step_s,
-                        config.itl_p95_s, config.itl_p95_formula, load.requests_per_s / n),
+                        config.itl_p95_s, config.itl_p95_formula, per_request),
         cost_section(brief, load, gpus),
     )
     rows = scenarios(brief, rep, load, base)
@@ -153,8 +154,8 @@ def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
                     f"{fmt.pct(w.prefix_hit_rate)}; below the floor utilization passes {fmt.pct(ceiling)}.")
     elif w.prefix_hit_rate > 0:
         cold = brief.slo.ttft_input_tokens * (1 - brief.scenarios.prefix_hit_rate)
-        cold_t = ttft(brief, rep.cost, base.utilization, base.decode_fraction,
-                      load.requests_per_s / base.replicas, brief.scenarios.prefix_hit_rate)
+        cold_t = ttft(brief, rep.cost, base.prefill_fraction, base.decode_fraction,
+                      load.prefill_tok_per_s / load.requests_per_s, brief.scenarios.prefix_hit_rate)
         deps.append(f"Prefix cache for TTFT: an SLO-sized input ({fmt.count(brief.slo.ttft_input_tokens)} "
                     "tokens) "
                     f"prefills {fmt.count(brief.slo.ttft_input_tokens * (1 - w.prefix_hit_rate))} new tokens "
@@ -168,8 +169,9 @@ def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
                 f"(a turn every {fmt.num(load.turn_period_s / growth)} s instead of "
                 f"{fmt.num(load.turn_period_s)} s). Measure the duty cycle before committing.")
     deps.append(f"Efficiency assumptions: {fmt.pct(f.achieved_bandwidth_fraction)} of HBM bandwidth, "
-                f"{fmt.pct(f.achieved_flops_fraction)} of {f.compute_dtype} dense FLOP/s, "
-                f"{fmt.pct(f.allreduce_fraction)} of each step in all-reduce — measure a replica's decode "
+                f"{fmt.pct(f.achieved_flops_fraction)} of {rep.cost.compute_dtype} dense FLOP/s, "
+                f"{fmt.pct(rep.cost.allreduce_share)} of each TP {rep.tp} step in all-reduce — measure a "
+                "replica's decode "
                 "step "
                 "and prefill rate first.")
     if brief.sizing.mode != FIXED_BUDGET:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sluice.engine.cost_model import CostFactors, CostModel
+from sluice.engine.cost_model import AUTO, CostFactors, CostModel
 from sluice.engine.profiles import HardwareProfile, ModelProfile, precision_bytes
 from sluice.planner import fmt
 from sluice.planner.brief import Brief
@@ -167,7 +167,7 @@ def decode_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
     step = cost.decode_step_s(batch, ctx)
     per_replica = batch / step
     fleet = per_replica * replicas
-    stretch = f" ÷ (1 − {fmt.num(f.allreduce_fraction)} all-reduce)" if tp > 1 else ""
+    stretch = f" ÷ (1 − {fmt.num(cost.allreduce_share, 3)} all-reduce at TP {tp})" if tp > 1 else ""
     overhead = f" + {fmt.ms(f.fixed_overhead_s)}" if f.fixed_overhead_s else ""
 
     ceiling_batch = brief.workload.decode_batch or batch
@@ -214,24 +214,29 @@ def decode_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
 def prefill_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Section:
     cost, f, h, m = rep.cost, brief.factors, brief.hardware, brief.model
     flops = m.flops_per_token()
-    peak = h.flops(f.compute_dtype)
+    dtype = cost.compute_dtype
+    peak = h.flops(dtype)
     replica_flops = cost.replica_flops_per_s()
     per_replica = cost.prefill_tokens_per_s()
     fleet = per_replica * replicas
-    dtype_note = ""
-    if f.compute_dtype != m.weight_precision:
-        dtype_note = (f"matmuls priced at {f.compute_dtype} ({fmt.tflops(peak)} dense) although the weights "
-                      f"are {m.weight_precision}: seed 003 uses 990 TFLOP/s for its FP8 prefill, which is "
-                      "H100's bf16 dense peak (FP8 storage, 16-bit matmuls); set efficiency.compute_dtype "
-                      "to fp8 for W8A8 kernels")
+    share = cost.allreduce_share
+    if f.compute_dtype == AUTO:
+        dtype_note = (f"matmuls in {dtype}: the weights are {m.weight_precision} and {h.name} "
+                      f"{'has' if dtype == m.weight_precision else 'has no'} {m.weight_precision} tensor "
+                      "cores (efficiency.compute_dtype: auto)")
+    else:
+        dtype_note = (f"matmuls priced at {dtype} ({fmt.tflops(peak)} dense) as the brief states "
+                      f"(efficiency.compute_dtype), with {m.weight_precision} weights")
+    allreduce = (f" × (1 − {fmt.num(share, 3)} all-reduce at TP {rep.tp})" if share else "")
     figures = (
         Figure("prefill.flops_per_token", "FLOPs per prefill token", flops, "FLOP",
                f"2 × {fmt.num(m.num_params / 1e9)}e9 params = {fmt.gflop(flops)}"),
         Figure("prefill.replica_flops", "achieved FLOP/s of a replica", replica_flops, "FLOP/s",
-               f"{rep.tp} GPUs × {fmt.tflops(peak)} ({f.compute_dtype} dense) × "
+               f"{rep.tp} GPUs × {fmt.tflops(peak)} ({dtype} dense) × "
                f"{fmt.num(f.achieved_flops_fraction)} achieved = {fmt.tflops(replica_flops)}", dtype_note),
         Figure("prefill.tok_per_s_per_replica", "prefill capacity per replica", per_replica, "tok/s",
-               f"{fmt.tflops(replica_flops)} ÷ {fmt.gflop(flops)} = {fmt.num(per_replica)} tok/s"),
+               f"{fmt.tflops(replica_flops)} ÷ {fmt.gflop(flops)}{allreduce} = {fmt.num(per_replica)} tok/s"
+               + (" (every TP step pays the all-reduce, prefill too)" if share else "")),
         Figure("prefill.tok_per_s", "prefill capacity of the fleet", fleet, "tok/s",
                f"{fmt.num(per_replica)} × {replicas} replicas = {fmt.num(fleet)} tok/s, "
                f"{fmt.times(fleet / load.prefill_tok_per_s)} the {fmt.num(load.prefill_tok_per_s)} tok/s "
