@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="submit a prompt and stream the answer", parents=[later])
     chat.add_argument("prompt")
-    chat.add_argument("--model", default="chat")
+    chat.add_argument("--model", default="chat-small",
+                      help="model alias or version (default: chat-small, the real SmolLM2-135M-Instruct)")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--request-key", default=None, help="idempotency key (default: a new one)")
     chat.add_argument("--deadline-ms", type=int, default=0, help="deadline (default: the server's)")

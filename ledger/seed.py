@@ -10,7 +10,12 @@ tokenizer) and the tenants' tiers and limits, and adding a key given with --key.
   runs, 200,000 tokens per minute);
 - model version "tiny-chat-v1" (alias "chat"): the CPU model's tokenizer, context 4,096 tokens,
   pool "tiny-chat-v1", tier "standard", $0.50 / $0.05 cached / $1.50 per million tokens, end_id
-  read from the tokenizer's <|endoftext|>, and its chat template (tiny-chat/chat_template.jinja).
+  read from the tokenizer's <|endoftext|>, and its chat template (tiny-chat/chat_template.jinja);
+- model version "smollm2-135m-instruct" (alias "chat-small"): the real SmolLM2-135M-Instruct that
+  the default replicas r0/r1 compute on CPU (engine/llama), its tokenizer and chat template
+  (sluice/models/smollm2-135m-instruct), context 8,192 tokens (the model's, and the replica's
+  default KV pool), pool "smollm2-135m-instruct", tier "standard", $0.10 / $0.01 cached / $0.30
+  per million tokens, end_id its end-of-turn token <|im_end|>, chat template the GGUF's own.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class ModelSeed:
     price_cached_input_per_m_micros: int
     price_output_per_m_micros: int
     chat_template: str | None = None  # Jinja file beside the tokenizer (package-relative); None: none
+    end_token: str = END_OF_TEXT    # the token whose id is the model's end_id
 
 
 TINY_CHAT = ModelSeed(
@@ -74,6 +80,22 @@ TINY_CHAT = ModelSeed(
     chat_template="tiny-chat/chat_template.jinja",
 )
 
+# 135M parameters on a CPU: priced well below tiny-chat's "8B on an H100" card.
+SMOLLM2 = ModelSeed(
+    version="smollm2-135m-instruct",
+    alias="chat-small",
+    tokenizer="smollm2-135m-instruct/tokenizer.json",
+    context_limit=8192,
+    worker_pool="smollm2-135m-instruct",
+    quality_tier="standard",
+    price_input_per_m_micros=USD // 10,         # $0.10 per million input tokens
+    price_cached_input_per_m_micros=USD // 100,  # $0.01 per million cached input tokens
+    price_output_per_m_micros=3 * USD // 10,    # $0.30 per million output tokens
+    end_token="<|im_end|>",                     # end of turn: where an instruct answer stops
+    chat_template="smollm2-135m-instruct/chat_template.jinja",   # the GGUF's own, verbatim
+)
+MODELS = (TINY_CHAT, SMOLLM2)
+
 
 def tenant_seeds(demo_key: str, other_key: str) -> tuple[TenantSeed, ...]:
     return (
@@ -84,10 +106,10 @@ def tenant_seeds(demo_key: str, other_key: str) -> tuple[TenantSeed, ...]:
     )
 
 
-def end_id_of(tokenizer_path: str) -> int:
-    end_id = load_tokenizer(tokenizer_path).token_to_id(END_OF_TEXT)
+def end_id_of(tokenizer_path: str, end_token: str = END_OF_TEXT) -> int:
+    end_id = load_tokenizer(tokenizer_path).token_to_id(end_token)
     if end_id is None:
-        raise SystemExit(f"{tokenizer_path} has no {END_OF_TEXT} token: cannot set the model's end_id")
+        raise SystemExit(f"{tokenizer_path} has no {end_token} token: cannot set the model's end_id")
     return int(end_id)
 
 
@@ -108,7 +130,7 @@ async def upsert_model(session: AsyncSession, model: ModelSeed) -> None:
         "context_limit": model.context_limit,
         "worker_pool": model.worker_pool,
         "quality_tier": model.quality_tier,
-        "end_id": end_id_of(model.tokenizer),
+        "end_id": end_id_of(model.tokenizer, model.end_token),
         "price_input_per_m_micros": model.price_input_per_m_micros,
         "price_cached_input_per_m_micros": model.price_cached_input_per_m_micros,
         "price_output_per_m_micros": model.price_output_per_m_micros,
@@ -158,7 +180,8 @@ async def seed(dsn: str | None, demo_key: str, other_key: str) -> None:
     engine = make_engine(dsn, pool_size=1, max_overflow=0)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
-            await upsert_model(session, TINY_CHAT)
+            for model in MODELS:
+                await upsert_model(session, model)
             period = first_of_month(dt.datetime.now(dt.UTC).date())
             for tenant in tenant_seeds(demo_key, other_key):
                 await ensure_tenant(session, tenant, period)
@@ -175,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dsn", default=None, help="database DSN (default: config [database].dsn)")
     args = parser.parse_args(argv)
     asyncio.run(seed(args.dsn, args.key, args.other_key))
-    print(f"model {TINY_CHAT.version} (alias {TINY_CHAT.alias!r}) ready")
+    for model in MODELS:
+        print(f"model {model.version} (alias {model.alias!r}) ready")
     print(f"tenant demo  API key: {args.key}")
     print(f"tenant other API key: {args.other_key}")
 

@@ -123,8 +123,11 @@ def _tensor(request: service_pb2.ModelInferRequest, name: str, array: NDArray[An
 
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                   end_id: int | None = None, *, stop: bool = False, seed: int | None = None,
-                  streaming: bool = True, cache_salt: int = 0) -> service_pb2.ModelInferRequest:
-    """One TensorRT-LLM style request (batch of one)."""
+                  streaming: bool = True, cache_salt: int = 0, temperature: float | None = None,
+                  top_p: float | None = None,
+                  stop_words: Sequence[Sequence[int]] = ()) -> service_pb2.ModelInferRequest:
+    """One TensorRT-LLM style request (batch of one). Sampling fields left None/empty are not sent
+    (the replica's defaults: greedy, no nucleus cut, no stop words)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
     _tensor(request, "input_ids", ids, "INT32")
@@ -139,12 +142,27 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
         # The trust scope (DESIGN.md "Trust scopes"): KV blocks are reused only between requests
         # with the same salt. TensorRT-LLM's request field cache_salt_id; replica/README.md.
         _tensor(request, "cache_salt_id", np.asarray([[cache_salt]], dtype=np.uint64), "UINT64")
+    if temperature is not None:
+        _tensor(request, "temperature", np.asarray([[temperature]], dtype=np.float32), "FP32")
+    if top_p is not None:
+        _tensor(request, "runtime_top_p", np.asarray([[top_p]], dtype=np.float32), "FP32")
+    if stop_words:
+        _tensor(request, "stop_words_list", stop_words_tensor(stop_words), "INT32")
     if stop:
         _tensor(request, "stop", np.asarray([[True]], dtype=np.bool_), "BOOL")
     request.parameters[REQUEST_ID_PARAM].string_param = request_id
     # Without this Triton drops the flags-only last response, and the client could not see the end.
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request
+
+
+def stop_words_tensor(words: Sequence[Sequence[int]]) -> NDArray[np.int32]:
+    """TensorRT-LLM's stop_words_list [1, 2, n]: the words' ids back to back, then each word's end
+    offset (padded with -1)."""
+    flat = [int(token) for word in words for token in word]
+    ends = np.cumsum([len(word) for word in words]).tolist()
+    offsets = ends + [-1] * (len(flat) - len(ends))
+    return np.asarray([[flat, offsets]], dtype=np.int32)
 
 
 def error_text(message: str) -> str:
@@ -194,6 +212,8 @@ async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_
 async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                           end_id: int | None = None, *, seed: int | None = None, streaming: bool = True,
                           cache_salt: int = 0,
+                          temperature: float | None = None, top_p: float | None = None,
+                          stop_words: Sequence[Sequence[int]] = (),
                           first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
                           inactivity_timeout_s: float = DEFAULT_INACTIVITY_TIMEOUT_S,
                           ) -> AsyncIterator[TokenChunk]:
@@ -203,7 +223,7 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     (first_token_timeout_s then bounds the whole generation).
     """
     request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming,
-                            cache_salt=cache_salt)
+                            cache_salt=cache_salt, temperature=temperature, top_p=top_p, stop_words=stop_words)
     num_input_tokens, reused = len(prompt_ids), 0
     stop_sent = _state().stop_sent
     key = (address, request_id)

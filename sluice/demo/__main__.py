@@ -21,8 +21,11 @@ from sluice.demo.processes import Child, gateway, replica, routing
 from sluice.ledger.seed import DEMO_API_KEY
 from sluice.v1 import runs_pb2
 
+# The real SmolLM2-135M-Instruct the default replicas compute on CPU (config: [[replicas]] r0, r1),
+# so the answers read as English; outputs stay short so the demo runs in about a minute on 2 cores.
+MODEL = "chat-small"
 PROMPT = "Explain in one paragraph why a stream must be resumable by cursor."
-LONG_CAP = 400          # long enough to interrupt mid-stream at the default token delay
+LONG_CAP = 400          # long enough to interrupt mid-stream
 
 
 def say(text: str = "") -> None:
@@ -38,10 +41,10 @@ def usage_line(event: runs_pb2.RunEvent) -> str:
 async def streamed_answer(client: SluiceClient) -> None:
     say("1. A streamed answer  (what `sluice chat` does)")
     key = f"demo-{uuid.uuid4().hex[:8]}"
-    run = await client.submit(PROMPT, max_output_tokens=48, request_key=key)
+    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=40, request_key=key)
     say(f"   run {run.run_id}: model {run.model_version}, {run.input_tokens} prompt tokens, "
         f"cap {run.max_output_tokens}")
-    retry = await client.submit(PROMPT, max_output_tokens=48, request_key=key)
+    retry = await client.submit(PROMPT, model=MODEL, max_output_tokens=40, request_key=key)
     say(f"   a retried submit with the same request key returns the same run: "
         f"{retry.run_id == run.run_id} (deduplicated={retry.deduplicated})")
     text = []
@@ -55,7 +58,7 @@ async def streamed_answer(client: SluiceClient) -> None:
 
 async def disconnect_and_resume(client: SluiceClient, drop_after: int = 10) -> None:
     say(f"2. Disconnect after event {drop_after}, then resume by cursor")
-    run = await client.submit(PROMPT, max_output_tokens=60)
+    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=24)
     first = []
     call = client.stream_once(run.run_id)
     async for event in call:
@@ -75,7 +78,7 @@ async def disconnect_and_resume(client: SluiceClient, drop_after: int = 10) -> N
 
 async def cancel_mid_stream(client: SluiceClient, cancel_after: int = 8) -> None:
     say(f"3. Cancel mid-stream (after event {cancel_after})")
-    run = await client.submit(PROMPT, max_output_tokens=LONG_CAP)
+    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=LONG_CAP)
     async for event in client.stream(run.run_id):
         if event.sequence == cancel_after:
             answer = await client.cancel(run.run_id)
@@ -87,7 +90,7 @@ async def cancel_mid_stream(client: SluiceClient, cancel_after: int = 8) -> None
 
 async def worker_loss(client: SluiceClient, replicas: dict[str, Child], kill_after: int = 10) -> None:
     say(f"4. Worker loss: the replica serving a run is killed (SIGKILL) after event {kill_after}")
-    run = await client.submit(PROMPT, max_output_tokens=LONG_CAP)
+    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=LONG_CAP)
     killed_at = 0.0
     victim = ""
     async for event in client.stream(run.run_id):
@@ -114,12 +117,12 @@ async def follow_up_turn(client: SluiceClient) -> None:
     say("5. A follow-up turn goes where its prefix is cached  (prefix_aware routing)")
     conversation = f"demo-conv-{uuid.uuid4().hex[:6]}"
     history = SYSTEM_PROMPT + "\nUser: What is a run ledger?\nAssistant:"
-    first = await client.submit(history, max_output_tokens=24, conversation_id=conversation)
+    first = await client.submit(history, model=MODEL, max_output_tokens=16, conversation_id=conversation)
     deltas = [e async for e in client.stream(first.run_id) if e.type == runs_pb2.EVENT_TYPE_DELTA]
     answer = "".join(event.text for event in deltas)
     turn_one = await client.get_run(first.run_id)
     second = await client.submit(history + answer + "\nUser: And why resume by cursor?\nAssistant:",
-                                 max_output_tokens=24, conversation_id=conversation)
+                                 model=MODEL, max_output_tokens=16, conversation_id=conversation)
     _ = [event async for event in client.stream(second.run_id)]
     turn_two = await client.get_run(second.run_id)
     say(f"   turn 1 on {turn_one.replica}: {turn_one.input_tokens} prompt tokens, "

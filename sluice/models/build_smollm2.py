@@ -11,9 +11,10 @@ tokenizer: every digit alone, then the GPT-2 regex, bytes mapped to unicode.
 The tokenizers library rebuilds exactly that, so admission counts the ids the
 model sees. Deterministic: the same GGUF gives byte-identical files.
 
-chat.json is the GGUF's Jinja `tokenizer.chat_template` for the one shape
-Sluice sends (one user turn, generation prompt added), as format strings: the
-project has no Jinja, and the template is fixed per model version.
+chat_template.jinja is the GGUF's `tokenizer.chat_template` verbatim (the model
+registry's template, rendered by the HTTP edge for chat messages); chat.json is
+the same template for the one shape admission wraps a plain input in (one user
+turn, generation prompt added) as format strings, so admission needs no Jinja.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def render_files(model_path: Path) -> dict[str, str]:
     expected = "'<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n'"
     assert expected in vocab["template"], "the GGUF's chat template changed: update CHAT"
     return {"tokenizer.json": build_tokenizer(vocab).to_str(pretty=False) + "\n",
-            "chat.json": json.dumps(CHAT, indent=2) + "\n"}
+            "chat.json": json.dumps(CHAT, indent=2) + "\n",
+            "chat_template.jinja": vocab["template"]}
 
 
 def main(argv: list[str] | None = None) -> int:
