@@ -223,7 +223,8 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     (first_token_timeout_s then bounds the whole generation).
     """
     request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming,
-                            cache_salt=cache_salt, temperature=temperature, top_p=top_p, stop_words=stop_words)
+                            cache_salt=cache_salt, temperature=temperature, top_p=top_p,
+                            stop_words=stop_words)
     num_input_tokens, reused = len(prompt_ids), 0
     stop_sent = _state().stop_sent
     key = (address, request_id)
