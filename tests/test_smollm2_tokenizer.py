@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jinja2
 import pytest
+from sluice.services import tokenization
 
 from sluice.engine.llama.weights import default_model_path
 from sluice.models import build_smollm2
-from sluice.services import tokenization
 
 TOKENIZER = "smollm2-135m-instruct/tokenizer.json"
 TEMPLATE = build_smollm2.OUT_DIR / "chat_template.jinja"
