@@ -19,7 +19,7 @@ import time
 
 from sluice.services.tokenization import encode
 
-from sluice.config import data_dir, load_config
+from sluice.config import load_settings
 from sluice.engine.core import EngineCore
 from sluice.engine.llama.executor import ModelExecutor
 from sluice.engine.llama.weights import load_weights
@@ -72,7 +72,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             cold = load_weights("", scratch)
         print(f"load from the GGUF (parse + dequantize + write the cache): {cold.load_s:.1f} s")
-    weights = load_weights("", data_dir(load_config()) / "models")
+    weights = load_weights("", load_settings().data_dir() / "models")
     source = "the dequantized cache" if weights.from_cache else "the GGUF"
     print(f"load from {source}: {weights.load_s:.2f} s")
     print(f"threads: OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
