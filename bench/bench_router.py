@@ -34,8 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from sluice.engine.sampling import GeometricLength
+from sluice.router.factory import make_policy
 from sluice.router.metrics import RouterMetrics
-from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, make_policy
+from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy
 from sluice.sim.fleet import Fleet, FleetConfig, ReplicaRestart
 from sluice.sim.workload import WorkloadConfig
 

@@ -44,8 +44,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sluice.engine.sampling import GeometricLength, LogNormalLength
+from sluice.router.factory import make_policy
 from sluice.router.peers import PEER_POLICIES, make_peer_policy
-from sluice.router.policy import RoutingPolicy, make_policy
+from sluice.router.policy import RoutingPolicy
 from sluice.sim.fleet import Fleet, FleetConfig, ReplicaRestart
 from sluice.sim.metrics import SLO, FleetReport
 from sluice.sim.workload import WorkloadConfig

@@ -10,3 +10,8 @@ from __future__ import annotations
 # Admission, in the Submit transaction that commits a NEW run (never for a deduplicated retry or a
 # refusal). Payload: the model's worker_pool, so a routing worker may ignore pools it does not serve.
 RUNS_ACCEPTED_CHANNEL = "sluice_runs_accepted"
+
+# Runs.Cancel, in the transaction that records a cancel intent. Payload: the run id.
+CANCEL_CHANNEL = "sluice_run_cancel"    # NOTIFY payload: the run id whose cancel was requested
+# The routing worker, when a run's event-log start is recorded. Payload: the run id.
+EVENTS_CHANNEL = "sluice_run_events"    # NOTIFY payload: a run id whose event-log start was recorded

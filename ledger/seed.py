@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.ledger.models import ApiKey, Budget, Model, Tenant
 from sluice.ledger.repositories import hash_api_key
-from sluice.services.tokenization import load_tokenizer, resolve_tokenizer_path
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from sluice.models import load_tokenizer, resolve_tokenizer_path
 
 DEMO_API_KEY = "sk-demo-00000000000000000000000000000000"
 OTHER_API_KEY = "sk-other-0000000000000000000000000000000"

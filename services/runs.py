@@ -23,15 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc.aio
+from sluice.ledger.channels import CANCEL_CHANNEL, EVENTS_CHANNEL
 from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import RunRepository
 from sluice.ledger.settlement import settled_usage
 from sluice.services.auth import Metadata, authenticate
 from sluice.services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
+from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.notify import ChannelListener, notify
-from sluice.services.routing.claims import CANCEL_CHANNEL, EVENTS_CHANNEL
-from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.telemetry import tracer
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select, update

@@ -21,23 +21,8 @@ import asyncio
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from tokenizers import Tokenizer
-
-import sluice.models
-
-MODELS_DIR = Path(sluice.models.__file__).resolve().parent
-
-
-def resolve_tokenizer_path(path: str) -> Path:
-    candidate = Path(path)
-    return candidate if candidate.is_absolute() else MODELS_DIR / candidate
-
-
-@functools.lru_cache(maxsize=32)
-def load_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_file(str(resolve_tokenizer_path(path)))
+from sluice.models import load_tokenizer, resolve_tokenizer_path
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from sluice.services.tokenization import encode, load_tokenizer
+from sluice.services.tokenization import encode
 
 from sluice.config import load_settings
 from sluice.engine.core import EngineCore
@@ -18,6 +18,7 @@ from sluice.engine.llama.executor import ModelExecutor
 from sluice.engine.llama.weights import LlamaWeights, default_model_path, load_weights
 from sluice.engine.sampling import TokenSpace
 from sluice.engine.types import EngineConfig, EngineRequest, RequestOutput, SchedulerPolicy
+from sluice.models import load_tokenizer
 
 TOKENIZER = "smollm2-135m-instruct/tokenizer.json"
 END_OF_TURN = 2          # <|im_end|>

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from sluice.router.factory import make_policy
 from sluice.router.health import BreakerState, CircuitBreaker, HealthBook, HealthOptions
-from sluice.router.policy import RouteRequest, make_policy
+from sluice.router.policy import RouteRequest
 from sluice.router.registry import ReplicaRegistry, ReplicaSpec
 
 OPTIONS = HealthOptions(failure_threshold=3, open_s=5.0, check_interval_s=2.0, probe_interval_s=1.0)

@@ -7,8 +7,9 @@ from sluice.services.routing.app import build_worker
 from sluice.services.routing.worker import RoutingWorker
 
 from sluice.config import load_settings
+from sluice.router.factory import make_policy
 from sluice.router.policies import LeastLoaded, PrefixAware
-from sluice.router.policy import RoundRobin, RouteRequest, make_policy
+from sluice.router.policy import RoundRobin, RouteRequest
 from sluice.sim.fleet import Fleet, FleetConfig
 from sluice.sim.workload import WorkloadConfig
 

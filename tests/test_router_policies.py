@@ -8,6 +8,13 @@ from dataclasses import replace
 
 import pytest
 
+from sluice.router.factory import (
+    BAD_POLICY_OPTIONS,
+    ORACLE_NEEDS_PROBE,
+    UNKNOWN_POLICY,
+    make_policy,
+    make_policy_from_config,
+)
 from sluice.router.load import LoadSnapshot, LoadTracker
 from sluice.router.policies import (
     NOT_WHOLE,
@@ -20,18 +27,7 @@ from sluice.router.policies import (
     PrefixAware,
     load_limit,
 )
-from sluice.router.policy import (
-    BAD_POLICY_OPTIONS,
-    ORACLE_NEEDS_PROBE,
-    UNKNOWN_POLICY,
-    ReplicaView,
-    RoundRobin,
-    RouteDecision,
-    RouteRequest,
-    explain,
-    make_policy,
-    make_policy_from_config,
-)
+from sluice.router.policy import ReplicaView, RoundRobin, RouteDecision, RouteRequest, explain
 
 BS = 4
 EXACT = PolicyOptions(index_unit_tokens=BS)                          # one index entry per KV block

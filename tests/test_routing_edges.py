@@ -11,10 +11,10 @@ import grpc
 import grpc.aio
 import pytest
 from sluice.ledger.models import Run, RunStatus
+from sluice.services.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing import worker as routing_worker
 from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.claims import mark_queued
-from sluice.services.routing.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
 from sluice.services.routing.worker import (
     DETAIL_EXPIRED_BEFORE_START,

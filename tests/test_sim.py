@@ -8,7 +8,8 @@ import pytest
 from sluice.engine.profiles import get_model
 from sluice.engine.sampling import FixedLength, GeometricLength
 from sluice.engine.types import EngineConfig
-from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, make_policy
+from sluice.router.factory import make_policy
+from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest
 from sluice.sim import (
     SLO,
     Distribution,

@@ -12,7 +12,8 @@ from sluice.services.telemetry import TelemetrySettings, serve_metrics, setup_tr
 
 from sluice.config import Settings
 from sluice.eventlog.kafka import KafkaEventLog
-from sluice.router.policy import RoutingPolicy, make_policy_from_config
+from sluice.router.factory import make_policy_from_config
+from sluice.router.policy import RoutingPolicy
 from sluice.router.registry import ReplicaRegistry
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Ledger statements of the routing service. Each takes the caller's session; the
 caller owns the transaction (STYLE 7), so every boundary is visible in worker.py,
-driver.py and finish.py.
+driver.py and services/finish.py.
 
 Ownership of an active run is its lease: `lease_owner` names the routing
 process driving it and `lease_expires_at` says until when. Every write a
@@ -16,20 +16,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sluice.ledger.channels import EVENTS_CHANNEL
+from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services.notify import notify
-from sqlalchemy import ColumnElement, Integer, and_, bindparam, func, literal, select, text, update
+from sqlalchemy import Integer, and_, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from sluice.eventlog.interface import LogPosition
 
 ACTIVE_CLAIMED = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
-CANCEL_CHANNEL = "sluice_run_cancel"    # NOTIFY payload: the run id whose cancel was requested
-EVENTS_CHANNEL = "sluice_run_events"    # NOTIFY payload: a run id whose event-log start was recorded
-
-
-def lease_until(lease_seconds: float) -> ColumnElement[dt.datetime]:
-    return func.now() + func.make_interval(0, 0, 0, 0, 0, 0, literal(float(lease_seconds)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ from typing import Protocol
 
 from sluice.ledger.models import RunStatus
 from sluice.services import replica_client
+from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from sluice.services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
-from sluice.services.routing.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.routing.observability import RunOutcome
 from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker

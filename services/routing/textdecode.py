@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from sluice.services import tokenization
 from tokenizers import Tokenizer
+
+import sluice.models
 
 REPLACEMENT = "\ufffd"
 
@@ -29,9 +30,9 @@ REPLACEMENT = "\ufffd"
 def load_tokenizer(path: str) -> Tokenizer | None:
     """The model's tokenizer, the same instance admission encodes with; None when its file is
     absent (the deltas then carry token ids and no text)."""
-    if not tokenization.resolve_tokenizer_path(path).exists():
+    if not sluice.models.resolve_tokenizer_path(path).exists():
         return None
-    return tokenization.load_tokenizer(path)
+    return sluice.models.load_tokenizer(path)
 
 
 class IncrementalDecoder:

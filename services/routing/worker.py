@@ -33,12 +33,18 @@ from typing import Any
 
 import aiohttp
 from opentelemetry import trace
-from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services import replica_client
+from sluice.services.finish import (
+    Ending,
+    TerminalRecord,
+    publish_terminal,
+    settle_and_fix_terminal,
+    terminal_record,
+)
 from sluice.services.notify import ChannelListener
 from sluice.services.routing.claims import (
-    CANCEL_CHANNEL,
     ClaimedRun,
     lock_accepted,
     lock_own_active,
@@ -49,13 +55,6 @@ from sluice.services.routing.claims import (
     take_unpublished_terminals,
 )
 from sluice.services.routing.driver import TRITON, DriverSettings, LeaseLost, ReplicaClient, RunDriver, Target
-from sluice.services.routing.finish import (
-    Ending,
-    TerminalRecord,
-    publish_terminal,
-    settle_and_fix_terminal,
-    terminal_record,
-)
 from sluice.services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
 from sluice.services.telemetry import tracer
 from sluice.services.trust_scope import cache_salt, scope_of

@@ -27,7 +27,7 @@ what a live router sees too: scraped gauges lag by a scrape interval.
 
 Oracle hook. `Fleet.cached_tokens(replica, token_ids)` returns the prompt
 tokens a replica has cached right now (EngineCore.cached_prefix_tokens); pass
-it to `router.policy.make_policy("oracle", cached_tokens=fleet.cached_tokens)`,
+it to `router.factory.make_policy("oracle", cached_tokens=fleet.cached_tokens)`,
 or give `run_fleet` a policy name and it does so.
 """
 
@@ -52,7 +52,8 @@ from sluice.engine.types import (
     EngineStats,
     RequestOutput,
 )
-from sluice.router.policy import ReplicaView, RouteRequest, RoutingPolicy, make_policy
+from sluice.router.factory import make_policy
+from sluice.router.policy import ReplicaView, RouteRequest, RoutingPolicy
 from sluice.sim.metrics import (
     SLO,
     Distribution,

@@ -17,10 +17,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.channels import EVENTS_CHANNEL
+from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Run, RunStatus
 from sluice.ledger.settlement import SettledUsage, settle_run_usage, settled_usage
 from sluice.services.notify import notify
-from sluice.services.routing.claims import EVENTS_CHANNEL, lease_until
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
