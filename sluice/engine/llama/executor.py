@@ -19,12 +19,17 @@ from __future__ import annotations
 import time
 
 from sluice.engine.executor import StepExecution
+from sluice.engine.llama.blas import limit_threads
 from sluice.engine.llama.forward import LlamaModel, SeqInput
 from sluice.engine.llama.sampler import sample
 from sluice.engine.llama.weights import LlamaWeights, load_weights
 from sluice.engine.scheduler import ScheduledBatch
 
 DEFAULT_KV_TOKENS = 8192     # the pool when num_blocks is unset: the model's context, ~375 MB float32
+# One BLAS thread per replica: on the 2-core dev box (other processes busy) OpenBLAS's second
+# thread spins more than it works: bench.bench_model measured 135 ms CPU per token at batch 1
+# with 2 threads against 73 ms with 1 (23 vs 28 ms at batch 16), and faster wall time too.
+BLAS_THREADS = 1
 
 
 class ModelExecutor:
@@ -33,7 +38,11 @@ class ModelExecutor:
         self.kv_tokens = kv_tokens
 
     @classmethod
-    def load(cls, model_path: str = "", cache_dir: str = "") -> ModelExecutor:
+    def load(cls, model_path: str = "", cache_dir: str = "",
+             blas_threads: int = BLAS_THREADS) -> ModelExecutor:
+        """The executor a replica runs: weights from `model_path` (cached under `cache_dir`), BLAS
+        limited to `blas_threads` for the whole process."""
+        limit_threads(blas_threads)
         return cls(load_weights(model_path, cache_dir))
 
     @property
