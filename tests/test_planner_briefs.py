@@ -181,4 +181,5 @@ def test_every_default_taken_is_stated_with_its_source() -> None:
     del data["efficiency"]
     brief = parse_brief(data)
     assert "efficiency.achieved_bandwidth_fraction = 0.7 (seed 003)" in brief.defaults
-    assert brief.factors.compute_dtype == "bf16"
+    assert brief.factors.compute_dtype == "auto"   # resolved per GPU: fp8 matmuls for fp8 weights on H100
+    assert plan(brief).figure("prefill.replica_flops").value == pytest.approx(8 * 1979e12 * 0.5)

@@ -45,7 +45,8 @@ from sluice.planner.reader import Reader
 
 FIXED_BUDGET = "fixed_budget"   # seed 003: a GPU budget is given; the plan reports its utilization
 GOODPUT = "goodput"             # seed 000: replicas = demand ÷ measured goodput per replica ÷ decode share
-SIZING_MODES = (FIXED_BUDGET, GOODPUT)
+USERS = "users"                 # users alone: the smallest fleet the per-replica model says meets the brief
+SIZING_MODES = (FIXED_BUDGET, GOODPUT, USERS)
 
 _MODEL_SHAPE = ("name", "num_params", "num_layers", "hidden_size", "num_attention_heads",
                 "num_kv_heads", "head_dim")
@@ -97,6 +98,7 @@ class Sizing:
     goodput_tok_per_s_per_replica: float | None     # measured decode goodput at the ITL SLO (GOODPUT)
     prefill_share: float | None                     # share of each replica prefill takes (GOODPUT)
     tp: int | None                                  # None → fill one NVSwitch domain (gpus_per_node)
+    search_tp: bool                                 # `tp: auto`: the TP that needs the fewest GPUs
     spare_replicas: int                             # N + spare for availability
     max_utilization: float                          # above this, queueing puts the TTFT SLO at risk
 
@@ -314,13 +316,15 @@ def _hardware(section: Reader) -> HardwareProfile:
 
 def _sizing(section: Reader) -> Sizing:
     mode = section.choice("mode", SIZING_MODES)
-    fixed = mode == FIXED_BUDGET
+    fixed, goodput = mode == FIXED_BUDGET, mode == GOODPUT
+    search_tp = section.raw("tp") == AUTO
     return Sizing(
         mode=mode,
         gpus=section.integer("gpus") if fixed else section.optional_integer("gpus"),
-        goodput_tok_per_s_per_replica=None if fixed else section.number("goodput_tok_per_s_per_replica"),
-        prefill_share=None if fixed else section.fraction("prefill_share"),
-        tp=section.optional_integer("tp", maximum=MAX_GPUS_PER_NODE),
+        goodput_tok_per_s_per_replica=section.number("goodput_tok_per_s_per_replica") if goodput else None,
+        prefill_share=section.fraction("prefill_share") if goodput else None,
+        tp=None if search_tp else section.optional_integer("tp", maximum=MAX_GPUS_PER_NODE),
+        search_tp=search_tp,
         spare_replicas=section.integer("spare_replicas", 1, "N+1: survive one replica lost",
                                        allow_zero=True),
         max_utilization=section.number("max_utilization", 0.85,

@@ -20,10 +20,11 @@ from dataclasses import dataclass, replace
 
 from sluice.engine.cost_model import CostModel
 from sluice.planner import fmt
-from sluice.planner.brief import FIXED_BUDGET, Brief
+from sluice.planner.brief import FIXED_BUDGET, GOODPUT, USERS, Brief
 from sluice.planner.demand import Load
 from sluice.planner.errors import BUDGET_BELOW_ONE_REPLICA, BUDGET_NOT_A_MULTIPLE, BriefError
 from sluice.planner.result import Figure, Scenario, Section
+from sluice.planner.solve import MAX_REPLICAS, Candidate, evaluate, floor_reason, solve
 from sluice.planner.supply import Replica, batch_per_replica, with_precision
 
 FITS = "fits"
@@ -66,13 +67,16 @@ def verdict(utilization: float, ceiling: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Sizing:
-    replicas: int           # the fleet planned (spares included)
+    replicas: int                 # the fleet planned (spares included)
+    needed: Candidate | None      # the smallest serving count that meets the brief (None: no count does)
     figures: tuple[Figure, ...]
 
 
 def fleet_replicas(brief: Brief, rep: Replica, load: Load) -> Sizing:
-    """Replicas of the fleet: the budget's (fixed_budget) or the goodput chain's (goodput, seed 000)."""
+    """Replicas of the fleet: the budget's (fixed_budget), the goodput chain's (goodput, seed 000), or
+    the solved count (users). In every mode the count needed is solved from the per-replica model."""
     s, tp = brief.sizing, rep.tp
+    needed = solve(brief, rep, load)
     if s.mode == FIXED_BUDGET:
         assert s.gpus is not None, "parse_brief requires sizing.gpus in fixed_budget mode"
         if s.gpus < tp:
@@ -82,8 +86,11 @@ def fleet_replicas(brief: Brief, rep: Replica, load: Load) -> Sizing:
             raise BriefError("sizing.gpus", BUDGET_NOT_A_MULTIPLE.format(field="sizing.gpus", value=s.gpus,
                                                                          tp=tp))
         replicas = s.gpus // tp
-        return Sizing(replicas, (Figure("replicas.fleet", "replicas in the budget", replicas, "replicas",
-                                        f"{s.gpus} GPUs ÷ TP {tp} = {replicas} replicas"),))
+        budget = Figure("replicas.fleet", "replicas in the budget", replicas, "replicas",
+                        f"{s.gpus} GPUs ÷ TP {tp} = {replicas} replicas")
+        return Sizing(replicas, needed, (budget,))
+    if s.mode == USERS:
+        return _users_sizing(brief, rep, load, needed)
     goodput, share = s.goodput_tok_per_s_per_replica, s.prefill_share
     assert goodput is not None and share is not None, "parse_brief requires both in goodput mode"
     decode_only = load.decode_tok_per_s / goodput
@@ -103,7 +110,55 @@ def fleet_replicas(brief: Brief, rep: Replica, load: Load) -> Sizing:
                f"{fmt.pct(brief.slo.availability)} "
                f"availability) = {replicas}"),
     )
-    return Sizing(replicas, figures)
+    return Sizing(replicas, needed, figures)
+
+
+def goodput_at_itl_slo(brief: Brief, rep: Replica, load: Load) -> tuple[int, float, float]:
+    """(batch, step, tok/s): the largest decode batch whose step plus scheduling stays within the p95 ITL
+    SLO and whose KV fits, and the goodput it gives, from the engine model instead of a measurement."""
+    cost, ctx = rep.cost, load.context_tokens
+    limit = brief.slo.itl_p95_s - brief.latency.scheduler_overhead_s
+    fit = max(1, cost.sequences_that_fit(ctx))
+    lo, hi = 1, fit
+    if cost.decode_step_s(1, ctx) > limit:
+        hi = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost.decode_step_s(mid, ctx) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    step = cost.decode_step_s(lo, ctx)
+    return lo, step, lo / step
+
+
+def _users_sizing(brief: Brief, rep: Replica, load: Load, needed: Candidate | None) -> Sizing:
+    """Seed 000's chain from users alone: the goodput at the TPOT SLO comes from the engine model."""
+    s, cost = brief.sizing, rep.cost
+    batch, step, goodput = goodput_at_itl_slo(brief, rep, load)
+    decode_only = load.decode_tok_per_s / goodput
+    share = load.prefill_tok_per_s / (max(1, math.ceil(decode_only)) * cost.prefill_tokens_per_s())
+    limit = brief.slo.itl_p95_s - brief.latency.scheduler_overhead_s
+    figures = [
+        Figure("replicas.goodput_at_itl_slo", "decode goodput per replica at the p95 ITL SLO", goodput,
+               "tok/s", f"largest batch whose step ≤ {fmt.ms(brief.slo.itl_p95_s)} SLO − "
+               f"{fmt.ms(brief.latency.scheduler_overhead_s)} scheduling = {fmt.ms(limit)} (and whose KV "
+               f"fits): {batch} ÷ {fmt.ms(step)} = {fmt.num(goodput)} tok/s, from the engine model"),
+        Figure("replicas.decode_only", "replicas if decode had the GPUs alone", decode_only, "replicas",
+               f"{fmt.num(load.decode_tok_per_s)} tok/s ÷ {fmt.num(goodput)} tok/s = {fmt.num(decode_only)}"),
+        Figure("replicas.prefill_share_at_decode_only", "prefill's share at that count", share, "fraction",
+               f"{fmt.num(load.prefill_tok_per_s)} ÷ ({max(1, math.ceil(decode_only))} × "
+               f"{fmt.num(cost.prefill_tokens_per_s())}) = {fmt.pct(share)}: seed 000's ÷ (1 − share) step, "
+               "which the solved count below replaces"),
+    ]
+    serving = needed.serving if needed is not None else MAX_REPLICAS
+    replicas = serving + s.spare_replicas
+    figures.append(Figure("replicas.fleet", "replicas with spares for availability", replicas, "replicas",
+                          f"{serving} solved (below) + {s.spare_replicas} spare (N+{s.spare_replicas}) = "
+                          f"{replicas}" if needed is not None else
+                          "no count of this replica shape meets the brief: "
+                          f"{floor_reason(brief, rep, load)}"))
+    return Sizing(replicas, needed, tuple(figures))
 
 
 def utilization_section(brief: Brief, rep: Replica, load: Load, base: Split) -> Section:
@@ -128,32 +183,40 @@ def utilization_section(brief: Brief, rep: Replica, load: Load, base: Split) -> 
                               f"{fmt.pct(cached)} + {fmt.pct(d)} = {fmt.pct(cached + d)} (the cache is "
                               "headroom: "
                               "the sizing does not count on it)"))
-    figures.append(Figure("utilization.growth_to_ceiling", "demand growth before the ceiling", ceiling / u,
-                          "x",
-                          f"{fmt.pct(ceiling)} ÷ {fmt.pct(u)} = {fmt.times(ceiling / u)}; to saturation "
-                          f"1 ÷ {fmt.pct(u)} = {fmt.times(1 / u)}"))
     return Section("utilization", "Shared-GPU utilization", tuple(figures))
 
 
 def replicas_section(brief: Brief, rep: Replica, load: Load, base: Split, sizing: Sizing) -> Section:
-    s, ceiling = brief.sizing, brief.sizing.max_utilization
+    s = brief.sizing
     figures = list(sizing.figures)
-    n = sizing.replicas
-    needed = math.ceil(n * base.utilization / ceiling - 1e-9)
-    figures.append(Figure("replicas.needed", "replicas needed at the utilization ceiling", needed, "replicas",
-                          f"⌈{n} × {fmt.pct(base.utilization)} ÷ {fmt.pct(ceiling)}⌉ = "
-                          f"⌈{fmt.num(n * base.utilization / ceiling)}⌉ = {needed} (shares scale as 1 ÷ "
-                          "replicas)"))
-    total = needed + s.spare_replicas
-    check = "✓ within" if total <= n else "✗ more than"
-    figures.append(Figure("replicas.needed_with_spares", "replicas needed with spares", total, "replicas",
-                          f"{needed} + {s.spare_replicas} spare (N+{s.spare_replicas}) = {total}: "
-                          f"{check} the {n} planned"))
-    if s.mode != FIXED_BUDGET:
+    n, spares = sizing.replicas, s.spare_replicas
+    found = sizing.needed
+    if found is None:
+        figures.append(Figure("replicas.needed", "serving replicas needed (solved)", math.inf, "replicas",
+                              floor_reason(brief, rep, load)))
+        figures.append(Figure("replicas.needed_with_spares", "replicas needed with spares", math.inf,
+                              "replicas",
+                              f"✗ no count of TP{rep.tp} replicas; change TP, precision or model"))
+    else:
+        below = (evaluate(brief, rep, load, found.serving - 1) if found.serving > 1 else None)
+        why_not_fewer = (f"; at {below.serving}: {'; '.join(below.failures)}" if below is not None else "")
+        figures.append(Figure("replicas.needed", "serving replicas needed (solved)", found.serving,
+                              "replicas",
+                              f"smallest count whose per-replica model meets the brief: at {found.serving}, "
+                              f"batch {found.batch}, step {fmt.ms(found.step_s)}, utilization "
+                              f"{fmt.pct(found.prefill_fraction)} + {fmt.pct(found.decode_fraction)} = "
+                              f"{fmt.pct(found.utilization)}, p95 TTFT {fmt.ms(found.ttft.p95_s)}, p95 ITL "
+                              f"{fmt.ms(found.itl_p95_s)}{why_not_fewer}"))
+        total = found.serving + spares
+        check = "✓ within" if total <= n else "✗ more than"
+        figures.append(Figure("replicas.needed_with_spares", "replicas needed with spares", total, "replicas",
+                              f"{found.serving} + {spares} spare (N+{spares}) = {total}: {check} the {n} "
+                              "planned"))
+    if s.mode == GOODPUT:
         goodput = s.goodput_tok_per_s_per_replica
         assert goodput is not None
         analytical = base.decode_capacity / n
-        serving = n - s.spare_replicas
+        serving = n - spares
         share = load.prefill_tok_per_s / (serving * rep.cost.prefill_tokens_per_s())
         figures.append(Figure("replicas.analytical_goodput", "cost-model decode capacity per replica",
                               analytical, "tok/s",
@@ -176,111 +239,94 @@ def replicas_section(brief: Brief, rep: Replica, load: Load, base: Split, sizing
     return Section("replicas", "Replicas and availability", tuple(figures))
 
 
-# --- failure scenarios ------------------------------------------------------------------------------
+# --- failure scenarios: each re-evaluated with the per-replica model ---------------------------------
 
 
-def _row(key: str, name: str, change: str, p: float, d: float, formula: str, rebatched: float,
-         rebatched_formula: str, ceiling: float, note: str = "") -> Scenario:
-    u = p + d
-    return Scenario(key, name, change, p, d, u, f"{formula} = {fmt.pct(u)}", rebatched, rebatched_formula,
-                    verdict(u, ceiling), note)
+def _row(key: str, name: str, change: str, brief: Brief, rep: Replica, load: Load, serving: int,
+         hit_rate: float | None = None, note: str = "") -> Scenario:
+    if serving < 1:
+        return _unservable(key, name, change, "no replica left")
+    got = evaluate(brief, rep, load, serving, hit_rate)
+    needed = solve(brief, rep, load, hit_rate)
+    need = needed.serving + brief.sizing.spare_replicas if needed is not None else math.inf
+    formula = (f"{serving} replicas, batch {got.batch}, step {fmt.ms(got.step_s)}: "
+               f"{fmt.pct(got.prefill_fraction)} + {fmt.pct(got.decode_fraction)} = "
+               f"{fmt.pct(got.utilization)}")
+    verdict_text = FITS if got.ok else (OVERLOADED if got.utilization > 1.0 else AT_RISK)
+    failures = "; ".join(got.failures)
+    return Scenario(key, name, change, got.prefill_fraction, got.decode_fraction, got.utilization, formula,
+                    got.ttft.p95_s, got.itl_p95_s, need, verdict_text,
+                    "; ".join(part for part in (failures, note) if part))
 
 
 def _unservable(key: str, name: str, change: str, why: str) -> Scenario:
     """A scenario no fleet of this shape can serve: unbounded shares, overloaded."""
-    return Scenario(key, name, change, math.inf, math.inf, math.inf, why, math.inf, why, OVERLOADED)
-
-
-def _rebatched(cost: CostModel, replicas: int, load: Load) -> tuple[float, str]:
-    again = split(cost, replicas, load)
-    return again.utilization, (f"batch {again.batch}, step {fmt.ms(again.step_s)}: "
-                               f"{fmt.pct(again.prefill_fraction)}"
-                               f" + {fmt.pct(again.decode_fraction)} = {fmt.pct(again.utilization)}")
+    return Scenario(key, name, change, math.inf, math.inf, math.inf, why, math.inf, math.inf, math.inf,
+                    OVERLOADED, why)
 
 
 def scenarios(brief: Brief, rep: Replica, load: Load, base: Split) -> tuple[Scenario, ...]:
-    sc, ceiling, cost, n = brief.scenarios, brief.sizing.max_utilization, rep.cost, base.replicas
-    p, d = base.prefill_fraction, base.decode_fraction
+    """Seed 003 §6's table: each failure re-priced by the per-replica model at the fleet it leaves
+    (the spares serve until a failure takes them), with the replicas it would need."""
+    sc, n = brief.scenarios, base.replicas
     rows: list[Scenario] = []
 
     hit, expected = sc.prefix_hit_rate, brief.workload.prefix_hit_rate
     if expected > hit:   # a fall only exists below the expected hit rate
-        rows.append(_prefix_row(brief, load, base, hit))
+        rows.append(_prefix_row(brief, rep, load, n, hit))
 
     k = sc.traffic_factor
-    again, again_formula = _rebatched(cost, n, load.scaled(traffic=k))
     rows.append(_row("traffic_doubles" if k == 2 else "traffic_grows", f"traffic × {fmt.num(k)}",
-                     f"{fmt.count(load.users)} → {fmt.count(load.users * k)} users", p * k, d * k,
-                     f"({fmt.pct(p)} + {fmt.pct(d)}) × {fmt.num(k)}", again, again_formula, ceiling))
+                     f"{fmt.count(load.users)} → {fmt.count(load.users * k)} users", brief, rep,
+                     load.scaled(traffic=k), n))
 
     k = sc.input_factor
-    longer = load.scaled(inputs=k)
     grown_ctx = load.context_tokens + round(brief.workload.input_tokens.mean * (k - 1))
-    again, again_formula = _rebatched(cost, n, replace(longer, context_tokens=grown_ctx))
     rows.append(_row("inputs_double" if k == 2 else "inputs_grow", f"input lengths × {fmt.num(k)}",
                      f"mean input {fmt.count(brief.workload.input_tokens.mean)} → "
-                     f"{fmt.count(brief.workload.input_tokens.mean * k)} tokens", p * k, d,
-                     f"{fmt.pct(p)} × {fmt.num(k)} + {fmt.pct(d)}", again,
-                     again_formula + f" (context {fmt.count(load.context_tokens)} → {fmt.count(grown_ctx)})",
-                     ceiling))
+                     f"{fmt.count(brief.workload.input_tokens.mean * k)} tokens, context "
+                     f"{fmt.count(load.context_tokens)} → {fmt.count(grown_ctx)}", brief, rep,
+                     replace(load.scaled(inputs=k), context_tokens=grown_ctx), n))
 
     for lost in sc.nodes_lost:
         left = n - lost * rep.replicas_per_node
         name = f"{lost} node{'s' if lost > 1 else ''} lost"
         key = {1: "one_node_lost", 2: "two_nodes_lost"}.get(lost, f"{lost}_nodes_lost")
-        if left < 1:
-            rows.append(_unservable(key, name, f"{n} → 0 replicas", "no replica left"))
-            continue
-        scale = n / left
-        again, again_formula = _rebatched(cost, left, load)
-        rows.append(_row(key, name, f"{n} → {left} replicas", p * scale, d * scale,
-                         f"({fmt.pct(p)} + {fmt.pct(d)}) × {n}/{left}", again, again_formula, ceiling))
+        rows.append(_row(key, name, f"{n} → {max(left, 0)} replicas", brief, rep, load, left))
 
     m = brief.model
     if (m.weight_precision, m.kv_precision) != ("bf16", "bf16"):
-        rows.append(_precision_row(brief, rep, load, base))
+        rows.append(_precision_row(brief, rep, load, n))
     return tuple(rows)
 
 
-def _prefix_row(brief: Brief, load: Load, base: Split, hit: float) -> Scenario:
-    d, ceiling = base.decode_fraction, brief.sizing.max_utilization
+def _prefix_row(brief: Brief, rep: Replica, load: Load, n: int, hit: float) -> Scenario:
+    expected = brief.workload.prefix_hit_rate
     prefill = load.input_tok_per_s * (1.0 - hit)
-    p_hit = prefill / base.prefill_capacity
-    cached = load.expected_prefill_tok_per_s
-    note = (f"prefill demand × {fmt.num(prefill / cached, 3)} against the expected "
-            f"{fmt.pct(brief.workload.prefix_hit_rate)} hit ({fmt.pct(cached / base.prefill_capacity + d)} "
-            "utilization)")
-    if not brief.workload.prefix_credit_in_sizing:
-        note += "; the sizing never counted on the cache, so the fall stays inside the planned utilization"
-    return _row("prefix_hit_rate_falls", f"prefix hit rate falls to {fmt.pct(hit)}",
-                f"prefill {fmt.num(load.input_tok_per_s)} × (1 − {fmt.num(hit)}) = {fmt.num(prefill)} tok/s",
-                p_hit, d, f"{fmt.pct(p_hit)} + {fmt.pct(d)}", p_hit + d, "same batch", ceiling, note)
+    change = f"prefill {fmt.num(load.input_tok_per_s)} × (1 − {fmt.num(hit)}) = {fmt.num(prefill)} tok/s"
+    if brief.workload.prefix_credit_in_sizing:
+        fallen = replace(load, prefill_tok_per_s=prefill, expected_prefill_tok_per_s=prefill)
+        note = f"the sizing counted on {fmt.pct(expected)} hits"
+    else:
+        fallen = replace(load, expected_prefill_tok_per_s=prefill)
+        note = ("the sizing never counted on the cache, so utilization is unchanged; TTFT's own prefill "
+                f"grows from {fmt.count(brief.slo.ttft_input_tokens * (1 - expected))} to "
+                f"{fmt.count(brief.slo.ttft_input_tokens * (1 - hit))} new tokens")
+    return _row("prefix_hit_rate_falls", f"prefix hit rate falls to {fmt.pct(hit)}", change, brief, rep,
+                fallen, n, hit_rate=hit, note=note)
 
 
-def _precision_row(brief: Brief, rep: Replica, load: Load, base: Split) -> Scenario:
-    m, ceiling = brief.model, brief.sizing.max_utilization
+def _precision_row(brief: Brief, rep: Replica, load: Load, n: int) -> Scenario:
+    m = brief.model
     name = f"{m.weight_precision} weights / {m.kv_precision} KV reverted to bf16"
     bf16 = with_precision(brief, rep, "bf16", "bf16")
     change = (f"weights {fmt.gb(rep.cost.weight_bytes_per_gpu())} → "
               f"{fmt.gb(bf16.cost.weight_bytes_per_gpu())} "
-              f"per GPU")
+              f"per GPU, matmuls {rep.cost.compute_dtype} → {bf16.cost.compute_dtype}")
     if not bf16.cost.fits():
         return _unservable("precision_reverted", name, change + ": no room for KV at this TP",
                            "the weights do not fit")
     ctx = load.context_tokens
-    step = bf16.cost.decode_step_s(base.batch, ctx)
-    slower = step / base.step_s
-    prefill_ratio = rep.cost.prefill_tokens_per_s() / bf16.cost.prefill_tokens_per_s()
-    p, d = base.prefill_fraction * prefill_ratio, base.decode_fraction * slower
     fit = bf16.cost.sequences_that_fit(ctx)
-    change += (f"; decode step {fmt.ms(base.step_s)} → {fmt.ms(step)} ({fmt.times(slower)} slower); KV holds "
-               f"{fmt.count(fit)} sequences per replica at {fmt.count(ctx)} context "
-               f"({'≥' if fit >= base.batch else '<'} batch {base.batch})")
-    prefill_part = (f"{fmt.pct(base.prefill_fraction)}" if prefill_ratio == 1.0
-                    else f"{fmt.pct(base.prefill_fraction)} × {fmt.num(prefill_ratio, 3)}")
-    again, again_formula = _rebatched(bf16.cost, base.replicas, load)
-    note = ("prefill is unchanged: its matmuls were already priced at bf16 (efficiency.compute_dtype)"
-            if prefill_ratio == 1.0 else "")
-    return _row("precision_reverted", name, change, p, d,
-                f"{prefill_part} + {fmt.pct(base.decode_fraction)} × {fmt.num(slower, 3)}", again,
-                again_formula, ceiling, note)
+    change += f"; KV holds {fmt.count(fit)} sequences per replica at {fmt.count(ctx)} context"
+    return _row("precision_reverted", name, change, brief, bf16, load, n)

@@ -18,6 +18,7 @@ from sluice.planner.engine_config import EngineConfig, engine_config
 from sluice.planner.errors import UNKNOWN_REFERENCE_FIGURE, BriefError
 from sluice.planner.fleet import (
     FITS,
+    Sizing,
     Split,
     fleet_replicas,
     replicas_section,
@@ -26,8 +27,16 @@ from sluice.planner.fleet import (
     utilization_section,
 )
 from sluice.planner.latency import Ttft, latency_section, ttft
-from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario, Section
-from sluice.planner.supply import Replica, decode_section, memory_section, prefill_section, replica
+from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario
+from sluice.planner.solve import solve, traffic_headroom
+from sluice.planner.supply import (
+    Replica,
+    decode_section,
+    memory_section,
+    prefill_section,
+    replica,
+    tp_choices,
+)
 
 _MODELLING_NOTES = (
     "Every hardware figure comes from engine.cost_model.CostModel, the core the replica engine and the "
@@ -40,9 +49,33 @@ _MODELLING_NOTES = (
 )
 
 
+def _search_tp(brief: Brief, load: Load) -> tuple[Replica, Figure | None]:
+    """`sizing.tp: auto`: of the TP degrees that fit a node, the one whose solved fleet needs the fewest
+    GPUs (ties: the larger TP, for the shorter step)."""
+    if not brief.sizing.search_tp:
+        return replica(brief), None
+    spares, options = brief.sizing.spare_replicas, []
+    for tp in tp_choices(brief.gpus_per_node, brief.model):
+        try:
+            rep = replica(brief, tp)
+        except BriefError:
+            continue   # too small to hold the weights
+        found = solve(brief, rep, load)
+        gpus = (found.serving + spares) * tp if found is not None else math.inf
+        options.append((gpus, -tp, rep))
+    if not options:
+        return replica(brief), None   # raises the refusal with the smallest configuration that fits
+    gpus, _, best = min(options, key=lambda option: (option[0], option[1]))
+    listing = ", ".join(f"TP{rep.tp}: {fmt.count(g) if math.isfinite(g) else 'none'}"
+                        for g, _, rep in sorted(options, key=lambda o: -o[1]))
+    return best, Figure("memory.tp_search", "TP chosen by the solved fleet size", best.tp, "",
+                        f"GPUs needed with spares at each TP that fits — {listing}: TP {best.tp} needs the "
+                        "fewest")
+
+
 def plan(brief: Brief) -> Plan:
     load, demand_figures = demand(brief)
-    rep = replica(brief)
+    rep, tp_figure = _search_tp(brief, load)
     sizing = fleet_replicas(brief, rep, load)
     n = sizing.replicas
     base = split(rep.cost, n, load)
@@ -51,26 +84,36 @@ def plan(brief: Brief) -> Plan:
     t = ttft(brief, rep.cost, base.prefill_fraction, base.decode_fraction, per_request,
              brief.workload.prefix_hit_rate)
     gpus = n * rep.tp
+    memory = memory_section(brief, rep, load, n)
+    if tp_figure is not None:
+        memory = replace(memory, figures=(*memory.figures, tp_figure))
+    serving = max(1, n - brief.sizing.spare_replicas)
+    growth = traffic_headroom(brief, rep, load, serving)
+    utilization = utilization_section(brief, rep, load, base)
+    utilization = replace(utilization, figures=(*utilization.figures, Figure(
+        "utilization.traffic_headroom", "traffic growth the fleet carries (spares down)", growth, "x",
+        f"largest factor on today's traffic at which {serving} serving replicas still meet the ceiling and "
+        f"SLOs: {fmt.times(growth)} (bisected on the per-replica model)")))
     sections = (
         demand_figures,
-        memory_section(brief, rep, load, n),
+        memory,
         decode_section(brief, rep, load, n),
         prefill_section(brief, rep, load, n),
-        utilization_section(brief, rep, load, base),
+        utilization,
         replicas_section(brief, rep, load, base, sizing),
         latency_section(brief, rep.cost, t, base.utilization, base.prefill_fraction, base.step_s,
                         config.itl_p95_s, config.itl_p95_formula, per_request),
         cost_section(brief, load, gpus),
     )
     rows = scenarios(brief, rep, load, base)
-    meets, verdict_text = _verdict(brief, rep, load, base, sections, rows, t, config)
+    meets, verdict_text = _verdict(brief, rep, load, base, sizing, rows, t, config)
     result = Plan(
         brief=brief.name,
         mode=brief.sizing.mode,
         sections=sections,
         scenarios=rows,
         engine_config=config.settings,
-        dependencies=_dependencies(brief, rep, load, base, rows),
+        dependencies=_dependencies(brief, rep, load, base, rows, growth),
         verdict=verdict_text,
         meets_slo=meets,
         replicas=n,
@@ -82,12 +125,12 @@ def plan(brief: Brief) -> Plan:
     return _compare_with_reference(brief, result)
 
 
-def _verdict(brief: Brief, rep: Replica, load: Load, base: Split, sections: tuple[Section, ...],
+def _verdict(brief: Brief, rep: Replica, load: Load, base: Split, sizing: Sizing,
              rows: tuple[Scenario, ...], t: Ttft, config: EngineConfig) -> tuple[bool, str]:
     ceiling, slo = brief.sizing.max_utilization, brief.slo
-    by_key = {figure.key: figure for section in sections for figure in section.figures}
-    fleet_sequences = by_key["memory.fleet_sequences"].value
-    needed = int(by_key["replicas.needed_with_spares"].value)
+    fleet_sequences = rep.cost.sequences_that_fit(load.context_tokens) * base.replicas
+    found = sizing.needed
+    needed = found.serving + brief.sizing.spare_replicas if found is not None else math.inf
     memory_share = load.generating / fleet_sequences if fleet_sequences else math.inf
     shares = {"prefill compute": base.prefill_fraction, "decode bandwidth": base.decode_fraction,
               "KV memory": memory_share}
@@ -104,7 +147,8 @@ def _verdict(brief: Brief, rep: Replica, load: Load, base: Split, sections: tupl
         (ok := memory_share <= 1.0, f"KV for {fmt.num(load.generating)} generating sequences needs "
                                     f"{fmt.pct(memory_share)} of the fleet's pool"),
         (ok := needed <= base.replicas,
-         f"{needed} replicas needed with spares {cmp(ok)} {base.replicas} planned"),
+         f"{fmt.count(needed) if math.isfinite(needed) else 'no count of'} replicas needed with spares "
+         f"{cmp(ok)} {base.replicas} planned"),
     ]
     meets = all(ok for ok, _ in checks)
     failed = [text for ok, text in checks if not ok]
@@ -135,13 +179,16 @@ _HINTS = {
 
 
 def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
-                  rows: tuple[Scenario, ...]) -> tuple[str, ...]:
+                  rows: tuple[Scenario, ...], growth: float) -> tuple[str, ...]:
     ceiling, w, f = brief.sizing.max_utilization, brief.workload, brief.factors
     deps: list[str] = []
     for row in sorted(rows, key=lambda r: -r.utilization):
         if row.verdict != FITS:
             hint = _HINTS.get(row.key, "keep a spare failure domain; restore capacity before a second loss")
-            deps.append(f"{row.name}: utilization {fmt.pct(row.utilization)} ({row.verdict}) — {hint}.")
+            need = (f"{fmt.count(row.replicas_needed)} replicas needed" if math.isfinite(row.replicas_needed)
+                    else "no count of these replicas serves it")
+            deps.append(f"{row.name}: utilization {fmt.pct(row.utilization)} ({row.verdict}; {need}) — "
+                        f"{hint}.")
     precision = next((row for row in rows if row.key == "precision_reverted"), None)
     if precision is not None and precision.verdict == FITS:
         deps.append(f"Precision: the plan uses {brief.model.weight_precision} weights and "
@@ -163,11 +210,10 @@ def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
                     f"expected {fmt.pct(w.prefix_hit_rate)} hit rate, {fmt.count(cold)} at "
                     f"{fmt.pct(brief.scenarios.prefix_hit_rate)}: p95 TTFT ≈ {fmt.ms(cold_t.p95_s)} "
                     f"(SLO {fmt.ms(brief.slo.ttft_p95_s)}). Prompt structure must stay cache-friendly.")
-    growth = ceiling / base.utilization
-    deps.append(f"Demand model: users ÷ turn period sets every token rate; the fleet reaches the "
-                f"{fmt.pct(ceiling)} ceiling at {fmt.times(growth)} today's request rate "
-                f"(a turn every {fmt.num(load.turn_period_s / growth)} s instead of "
-                f"{fmt.num(load.turn_period_s)} s). Measure the duty cycle before committing.")
+    turn = f"a turn every {fmt.num(load.turn_period_s / growth)} s instead of " if growth > 0 else "today: "
+    deps.append(f"Demand model: users ÷ turn period sets every token rate; with its spares down the fleet "
+                f"meets the ceiling and SLOs up to {fmt.times(growth)} today's request rate "
+                f"({turn}{fmt.num(load.turn_period_s)} s). Measure the duty cycle before committing.")
     deps.append(f"Efficiency assumptions: {fmt.pct(f.achieved_bandwidth_fraction)} of HBM bandwidth, "
                 f"{fmt.pct(f.achieved_flops_fraction)} of {rep.cost.compute_dtype} dense FLOP/s, "
                 f"{fmt.pct(rep.cost.allreduce_share)} of each TP {rep.tp} step in all-reduce — measure a "

@@ -38,8 +38,10 @@ def _figure(figure: Figure) -> list[str]:
 
 
 def _scenario(row: Scenario) -> str:
+    need = fmt.count(row.replicas_needed) if math.isfinite(row.replicas_needed) else "—"
     return (f"| {row.name} | {row.change} | {_pct(row.prefill_fraction)} | {_pct(row.decode_fraction)} | "
-            f"{row.formula} | **{row.verdict}** | {row.rebatched_formula} |")
+            f"{row.formula} | {fmt.ms(row.ttft_p95_s)} | {fmt.ms(row.itl_p95_s)} | {need} | "
+            f"**{row.verdict}** |")
 
 
 def to_markdown(result: Plan) -> str:
@@ -51,11 +53,13 @@ def to_markdown(result: Plan) -> str:
         out.append("")
 
     out += ["## Failure modes (seed 003 §6, recomputed)", "",
-            "Utilization scales the base prefill and decode shares (seed 003's method, which holds decode "
-            "capacity at the planned batch); the last column re-prices decode at the scenario's own batch.",
+            "Each row re-prices the replicas left with the per-replica model (the scenario's own batch, "
+            "decode's weight-read floor included), checks the ceiling and the SLOs, and solves the "
+            "replicas the scenario would need (spares included).",
             "",
-            "| scenario | change | prefill | decode | utilization | verdict | at the scenario's batch |",
-            "|---|---|---|---|---|---|---|"]
+            "| scenario | change | prefill | decode | utilization | p95 TTFT | p95 ITL | replicas needed | "
+            "verdict |",
+            "|---|---|---|---|---|---|---|---|---|"]
     out += [_scenario(row) for row in result.scenarios]
     notes = [f"- {row.name}: {row.note}" for row in result.scenarios if row.note]
     if notes:

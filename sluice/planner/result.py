@@ -45,13 +45,14 @@ class Scenario:
     key: str                   # stable id, e.g. "traffic_doubles" (JSON, tests, references)
     name: str                  # "traffic doubles"
     change: str                # what changes, in numbers
-    prefill_fraction: float    # of the fleet's prefill capacity
-    decode_fraction: float     # of the fleet's decode capacity at the planned batch
-    utilization: float         # prefill + decode, scaled from the base fractions (seed 003's method)
+    prefill_fraction: float    # of the replicas left, re-priced by the per-replica model
+    decode_fraction: float     # at the scenario's own batch (the weight-read floor included)
+    utilization: float         # prefill + decode
     formula: str
-    rebatched_utilization: float  # decode capacity re-evaluated at the scenario's own batch
-    rebatched_formula: str
-    verdict: str               # "fits", "at risk" or "overloaded" (from `utilization`)
+    ttft_p95_s: float          # p95 TTFT of an SLO-sized input in the scenario
+    itl_p95_s: float           # p95 ITL of the engine configuration in the scenario
+    replicas_needed: float     # solved for the scenario, spares included (inf: no count serves it)
+    verdict: str               # "fits" (meets ceiling and SLOs), "at risk" (≤ 100%) or "overloaded"
     note: str = ""
 
 
