@@ -29,7 +29,7 @@ from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import RunRepository
 from sluice.ledger.settlement import settled_usage
 from sluice.services.auth import Metadata, authenticate
-from sluice.services.errors import InvalidArgument, NotFound, OutOfRange, grpc_errors
+from sluice.services.errors import InvalidArgument, NotFound, OutOfRange, Unavailable, grpc_errors
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.notify import ChannelListener, notify
 from sluice.services.telemetry import tracer
@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
 from sluice.eventlog.events import status_value
-from sluice.eventlog.interface import CursorPastRetention, EventLog, LogPosition
+from sluice.eventlog.interface import CursorPastRetention, EventLog, LogPosition, ReaderTooSlow
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 
 RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to their own tenant only)"
@@ -153,6 +153,9 @@ class RunsService:
                 yield event
         except CursorPastRetention as exc:
             raise OutOfRange(str(exc)) from exc
+        except ReaderTooSlow as exc:
+            # UNAVAILABLE: the SDK resumes by itself from the last event it received.
+            raise Unavailable(str(exc)) from exc
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int) -> StreamStart:
         """Wait until the run's events have a recorded start in the log (or nothing is left)."""

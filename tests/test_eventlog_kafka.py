@@ -13,7 +13,7 @@ import pytest
 
 from sluice.config import load_settings
 from sluice.eventlog.events import RunEventSequencer
-from sluice.eventlog.interface import LogPosition
+from sluice.eventlog.interface import LogPosition, ReaderTooSlow
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2, runs_pb2
 
@@ -102,3 +102,55 @@ async def test_a_run_whose_start_was_never_recorded_is_found_by_time(log):
     assert [(e.sequence, e.type) for e in durable] == [(1, runs_pb2.EVENT_TYPE_STATUS),
                                                        (2, runs_pb2.EVENT_TYPE_DELTA)]
     assert await log.locate(run_id, int(time.time() * 1000) + 60_000) is None
+
+
+async def test_a_follower_that_stops_reading_is_cut_off_and_resumes_exactly_where_it_stopped():
+    capacity = 8
+    log = KafkaEventLog.from_config(load_config())
+    log.stream_capacity = capacity
+    await log.start()
+    try:
+        run_id = str(uuid.uuid4())
+        seq = RunEventSequencer(run_id)
+        first = await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+        reader = log.follow(run_id, first, 0)
+        received = [(await anext(reader)).sequence]     # subscribed; then it stops reading
+        for token in range(3 * capacity):
+            await log.append(seq.delta([token], "", 0))
+        await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
+        with pytest.raises(ReaderTooSlow) as cut:
+            async for event in reader:
+                received.append(event.sequence)
+        assert cut.value.after == received[-1] < 3 * capacity + 2
+        assert log.live_tail is not None and log.live_tail.subscriptions == 0
+        rest = await sequences(log, run_id, first, cut.value.after)
+        assert received + rest == list(range(1, 3 * capacity + 3))
+    finally:
+        await log.close()
+
+
+async def test_many_concurrent_followers_share_the_process_tail_and_one_replay_reader():
+    # The tail starts with the first follow(), after the runs' first events: every follower
+    # replays that start through the shared reader, then all 64 wait on the one tail.
+    log = KafkaEventLog.from_config(load_config())
+    await log.start()
+    try:
+        runs = [str(uuid.uuid4()) for _ in range(8)]
+        sequencers = [RunEventSequencer(run_id) for run_id in runs]
+        firsts = [await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0)) for seq in sequencers]
+        followers = [asyncio.create_task(sequences(log, run_id, first, 0))
+                     for run_id, first in zip(runs, firsts, strict=True) for _ in range(8)]
+        await asyncio.sleep(0.5)
+        tail = log.live_tail
+        assert tail is not None and tail.subscriptions == 64
+        for token in range(20):
+            for seq in sequencers:
+                await log.append(seq.delta([token], "", 0))
+        for seq in sequencers:
+            await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
+        for received in await asyncio.wait_for(asyncio.gather(*followers), 30):
+            assert received == list(range(1, 23))
+        assert log.live_tail is tail and tail.subscriptions == 0
+        assert log.replay.reads == 64                  # every one through the one shared consumer
+    finally:
+        await log.close()

@@ -29,6 +29,21 @@ class CursorPastRetention(Exception):
         self.after = after
 
 
+READER_TOO_SLOW = (
+    "stream of run {run_id} cut off: more than {capacity} events waited for this reader;"
+    " resume with after={after} and read faster"
+)
+
+
+class ReaderTooSlow(Exception):
+    """A follower fell too far behind the log and was cut off (its buffer is bounded)."""
+
+    def __init__(self, run_id: str, after: int, capacity: int) -> None:
+        super().__init__(READER_TOO_SLOW.format(run_id=run_id, capacity=capacity, after=after))
+        self.run_id = run_id
+        self.after = after
+
+
 @dataclass(frozen=True, slots=True)
 class LogPosition:
     """Where an event sits in the log; a run's events all share one partition."""
@@ -55,7 +70,9 @@ class EventLog(Protocol):
 
     def follow(self, run_id: str, start: LogPosition, after: int) -> AsyncIterator[runs_pb2.RunEvent]:
         """Every event of the run with sequence > after, replayed then live, ending with
-        its terminal event. Raises CursorPastRetention when `start` was deleted."""
+        its terminal event. Raises CursorPastRetention when `start` was deleted, and
+        ReaderTooSlow when the caller stops reading for too long (after= the last
+        event it got)."""
         ...
 
     async def close(self) -> None:

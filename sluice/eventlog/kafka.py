@@ -6,10 +6,11 @@ a serialized sluice.v1.RunEvent. `append` returns once the broker has
 acknowledged the record to all in-sync replicas, so the position it returns is
 durable and may be recorded in the ledger.
 
-Reads: consumers with no group (manual assignment). A replay seeks to the run's
-first offset in its partition and keeps the records whose key is the run id;
-live records come from one tail per process (eventlog/tail.py) that fans the
-end of the topic out to the streams waiting for each run. Consumers only ever
+Reads: consumers with no group (manual assignment), two per process for every
+stream: one tail (eventlog/tail.py) that fans the end of the topic out to the
+streams waiting for each run and keeps each partition's recent records, and one
+shared replay reader (eventlog/replay.py) for the older part of a resumed
+stream. A replay keeps the records whose key is the run id. Consumers only ever
 see records below the high watermark, i.e. records that are durable, which is
 what lets Stream promise that no client sees an event the log could still lose.
 """
@@ -26,8 +27,14 @@ from aiokafka.partitioner import DefaultPartitioner
 from sluice.config import Settings
 from sluice.config.settings import KafkaSection
 from sluice.eventlog.events import EventDeduper
-from sluice.eventlog.interface import CursorPastRetention, LogPosition
-from sluice.eventlog.tail import LiveTail
+from sluice.eventlog.interface import CursorPastRetention, LogPosition, ReaderTooSlow
+from sluice.eventlog.replay import RangeDeleted, SharedReplay
+from sluice.eventlog.tail import (
+    RECENT_RECORDS_PER_PARTITION,
+    SUBSCRIPTION_CAPACITY,
+    LiveTail,
+    SubscriptionOverflow,
+)
 from sluice.v1 import runs_pb2
 
 POLL_TIMEOUT_MS = 200
@@ -50,12 +57,16 @@ def replication(kafka: KafkaSection) -> tuple[int, int]:
 class KafkaEventLog:
     """EventLog over one Kafka topic. Create and close it on the event loop that uses it."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, stream_capacity: int = SUBSCRIPTION_CAPACITY,
+                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
+        self.stream_capacity = stream_capacity              # events a follower may leave unread
+        self.recent_per_partition = recent_per_partition    # records the tail keeps for late joiners
         self._producer: AIOKafkaProducer | None = None
         self._producer_lock = asyncio.Lock()
         self._tail: LiveTail | None = None   # started by the first follow()
+        self.replay = SharedReplay(bootstrap, topic)
 
     @classmethod
     def from_config(cls, config: Settings) -> KafkaEventLog:
@@ -81,6 +92,7 @@ class KafkaEventLog:
         if self._tail is not None:
             await self._tail.close()
             self._tail = None
+        await self.replay.close()
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
@@ -125,27 +137,45 @@ class KafkaEventLog:
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
         tail = await self._ready_tail()
-        subscription = tail.subscribe(run_id, start.partition)
+        subscription, recent = tail.subscribe(run_id, start.partition, start.offset)
+        dedupe = EventDeduper(after)
         try:
-            dedupe = EventDeduper(after)
-            # What was written before the subscription: replayed with a short-lived consumer.
-            if start.offset < subscription.start_offset:
-                async for event in self._read_range(run_id, start, subscription.start_offset, dedupe):
+            # What was written before the subscription: the tail's recent records, or the shared reader.
+            if recent is None:
+                recent = await self._replay(run_id, start, subscription.start_offset, dedupe)
+            for value in recent:
+                event = runs_pb2.RunEvent.FromString(value)
+                if dedupe.accept(event):
                     yield event
             # Everything after it: handed over by the process's live tail.
             while not dedupe.finished:
-                item = await subscription.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                event = runs_pb2.RunEvent.FromString(item[1])
-                if dedupe.accept(event):
-                    yield event
+                for value in await subscription.take():
+                    event = runs_pb2.RunEvent.FromString(value)
+                    if dedupe.accept(event):
+                        yield event
+                    if dedupe.finished:
+                        break
+        except SubscriptionOverflow as exc:
+            raise ReaderTooSlow(run_id, dedupe.last_sequence, exc.capacity) from exc
         finally:
             tail.unsubscribe(subscription)
 
+    async def _replay(self, run_id: str, start: LogPosition, end: int, dedupe: EventDeduper) -> list[bytes]:
+        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
+        try:
+            return await self.replay.read(run_id.encode(), partitions, start.partition, start.offset, end)
+        except RangeDeleted as exc:
+            raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
+
+    @property
+    def live_tail(self) -> LiveTail | None:
+        """The process's tail, once a follow() started it."""
+        return self._tail
+
     async def _ready_tail(self) -> LiveTail:
         if self._tail is None:
-            self._tail = LiveTail(self.bootstrap, self.topic)
+            self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
+                                  recent_per_partition=self.recent_per_partition)
         producer = await self._ready_producer()
         await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
         return self._tail

@@ -1,19 +1,28 @@
 """One live tail per process: a consumer following the end of every partition of the
-events topic, handing each record to the streams that wait for its run.
+events topic, handing each record to the streams that wait for its run, and keeping
+the most recent records of each partition for streams that join a run in progress.
 
 Without it every live Stream would hold its own consumer reading its run's whole
 partition (one connection per stream, each record fetched once per stream of its
-partition). With it a stream needs its own consumer only to replay what was
-written before it subscribed:
+partition). With it a stream costs a dictionary entry and a bounded buffer:
 
-    subscribe(run)            tail position p: every record at offset >= p of the
-       │                      run's partition will reach the subscription's queue
-       ├─ replay [first, p)   bounded read with a short-lived consumer
-       └─ then the queue      live records, as the tail reads them
+    subscribe(run, from)      tail position p: every record at offset >= p of the
+       │                      run's partition will reach the subscription's buffer
+       ├─ replay [from, p)    from the recent records when they reach back to `from`
+       │                      (a stream opened as its run starts: the usual case),
+       │                      else from the process's shared replay reader
+       └─ then the buffer     live records, as the tail reads them
 
-`subscribe` reads the position and registers in one synchronous step, and the
-tail dispatches a fetched batch synchronously too, so no record falls between
-the replay and the queue; the reader's EventDeduper absorbs any overlap.
+`subscribe` reads the position, the recent records and registers in one synchronous
+step, and the tail dispatches a fetched batch synchronously too, so no record falls
+between the replay and the buffer; the reader's EventDeduper absorbs any overlap.
+
+Every record the tail hands out is below the partition's high watermark (a consumer
+reads nothing else), so a stream only ever sends durable events.
+
+A subscription's buffer is bounded: a reader that falls `capacity` records behind
+(a client not reading its stream) is cut off with SubscriptionOverflow instead of
+growing the process's memory; it resumes by cursor like any broken stream.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from collections import deque
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -29,26 +38,106 @@ log = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 200
 TAIL_FAILED = "the event log's live tail stopped: {error}"
+# Per partition. At seed 002's load (~6k events/s over 4 partitions) this reaches back
+# ~5 s, far more than a stream opened as its run starts needs (the ledger records the
+# run's first offset within milliseconds of publishing it); ~10 MB per process in all.
+RECENT_RECORDS_PER_PARTITION = 8192
+# A stream's backlog between the tail and its gRPC writer. A reader keeping up holds a
+# handful; at one event per token this is a few seconds of the fastest decode.
+SUBSCRIPTION_CAPACITY = 1024
 
 
 class TailFailed(Exception):
     """The live tail lost its consumer; the stream should be reopened (it resumes by cursor)."""
 
 
-@dataclass(slots=True)
+class SubscriptionOverflow(Exception):
+    """The reader fell `capacity` records behind the tail and was cut off."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(f"more than {capacity} events waited for this reader")
+        self.capacity = capacity
+
+
 class Subscription:
-    run_key: bytes
-    partition: int
-    start_offset: int                    # the tail delivers records at or after this offset
-    queue: asyncio.Queue[tuple[int, bytes] | BaseException] = field(default_factory=asyncio.Queue)
+    """Live records of one run for one reader, at offsets >= start_offset, at most `capacity` unread."""
+
+    __slots__ = ("_failure", "_items", "_wake", "capacity", "partition", "run_key", "start_offset")
+
+    def __init__(self, run_key: bytes, partition: int, start_offset: int, capacity: int) -> None:
+        self.run_key = run_key
+        self.partition = partition
+        self.start_offset = start_offset
+        self.capacity = capacity
+        self._items: deque[bytes] = deque()
+        self._failure: BaseException | None = None
+        self._wake = asyncio.Event()
+
+    def offer(self, value: bytes) -> bool:
+        """Buffer a record; False (and nothing buffered) when the buffer is full."""
+        if len(self._items) >= self.capacity:
+            return False
+        self._items.append(value)
+        self._wake.set()
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """End the subscription: the reader's next take() raises `error`; the buffer is freed."""
+        self._failure = error
+        self._items.clear()
+        self._wake.set()
+
+    async def take(self) -> list[bytes]:
+        """Every buffered record (at least one), oldest first: one wake-up per batch, not per record."""
+        while not self._items and self._failure is None:
+            self._wake.clear()
+            await self._wake.wait()
+        if self._failure is not None:
+            raise self._failure
+        batch = list(self._items)
+        self._items.clear()
+        return batch
+
+
+class RecentRecords:
+    """The last `limit` records of one partition, indexed by key; complete from `covered_from`."""
+
+    __slots__ = ("_by_key", "_order", "covered_from", "limit")
+
+    def __init__(self, covered_from: int, limit: int) -> None:
+        self.covered_from = covered_from        # every record at offset >= this is held (or evicted later)
+        self.limit = limit
+        self._order: deque[tuple[int, bytes]] = deque()                 # (offset, key), oldest first
+        self._by_key: dict[bytes, deque[tuple[int, bytes]]] = {}        # key -> (offset, value), oldest first
+
+    def add(self, offset: int, key: bytes, value: bytes) -> None:
+        self._order.append((offset, key))
+        self._by_key.setdefault(key, deque()).append((offset, value))
+        if len(self._order) > self.limit:
+            _, evicted_key = self._order.popleft()
+            held = self._by_key[evicted_key]
+            held.popleft()                      # a key's records are evicted in offset order too
+            if not held:
+                del self._by_key[evicted_key]
+            self.covered_from = self._order[0][0]
+
+    def since(self, key: bytes, offset: int) -> list[bytes] | None:
+        """The key's records at offsets >= `offset`, or None when they may reach back further than held."""
+        if offset < self.covered_from:
+            return None
+        return [value for at, value in self._by_key.get(key, ()) if at >= offset]
 
 
 class LiveTail:
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, capacity: int = SUBSCRIPTION_CAPACITY,
+                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
+        self.capacity = capacity
+        self.recent_per_partition = recent_per_partition
         self._consumer: AIOKafkaConsumer | None = None
         self._next: dict[int, int] = {}                      # partition -> next offset to dispatch
+        self._recent: dict[int, RecentRecords] = {}
         self._subscribers: dict[bytes, list[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -67,12 +156,19 @@ class LiveTail:
                 await self._task
         self._task, self._ready = None, None
 
-    def subscribe(self, run_id: str, partition: int) -> Subscription:
-        """Register for the run's live records (call after ensure_started)."""
+    @property
+    def subscriptions(self) -> int:
+        return sum(len(waiting) for waiting in self._subscribers.values())
+
+    def subscribe(self, run_id: str, partition: int,
+                  from_offset: int) -> tuple[Subscription, list[bytes] | None]:
+        """Register for the run's live records (call after ensure_started), with the run's recent
+        records at offsets in [from_offset, subscription.start_offset) when the tail still holds
+        all of them (None: the caller replays that range from the log)."""
         assert partition in self._next, f"partition {partition} is not followed by the tail of {self.topic}"
-        subscription = Subscription(run_id.encode(), partition, self._next[partition])
+        subscription = Subscription(run_id.encode(), partition, self._next[partition], self.capacity)
         self._subscribers.setdefault(subscription.run_key, []).append(subscription)
-        return subscription
+        return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
     def unsubscribe(self, subscription: Subscription) -> None:
         waiting = self._subscribers.get(subscription.run_key, [])
@@ -91,7 +187,8 @@ class LiveTail:
             consumer.assign(partitions)
             await consumer.seek_to_end(*partitions)
             for tp in partitions:
-                self._next[tp.partition] = await consumer.position(tp)
+                position = self._next[tp.partition] = await consumer.position(tp)
+                self._recent[tp.partition] = RecentRecords(position, self.recent_per_partition)
             self._consumer = consumer
             self._ready.set_result(None)
             while True:
@@ -110,7 +207,8 @@ class LiveTail:
                 self._ready.set_exception(failure)
             for waiting in self._subscribers.values():
                 for subscription in waiting:
-                    subscription.queue.put_nowait(failure)
+                    subscription.fail(failure)
+            self._subscribers.clear()
             self._ready = None   # the next stream starts a fresh tail
         finally:
             with contextlib.suppress(Exception):
@@ -120,6 +218,14 @@ class LiveTail:
     def _dispatch(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> None:
         if key is None or value is None:
             return
-        for subscription in self._subscribers.get(key, ()):
-            if subscription.partition == partition and offset >= subscription.start_offset:
-                subscription.queue.put_nowait((offset, value))
+        self._recent[partition].add(offset, key, value)
+        waiting = self._subscribers.get(key)
+        if not waiting:
+            return
+        for subscription in list(waiting):
+            if subscription.partition != partition or offset < subscription.start_offset:
+                continue
+            if not subscription.offer(value):
+                # Cut off: its buffer is freed now, and nothing more is kept for it.
+                subscription.fail(SubscriptionOverflow(subscription.capacity))
+                self.unsubscribe(subscription)
