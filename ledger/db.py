@@ -15,14 +15,16 @@ def configured_dsn() -> str:
 def make_engine(dsn: str | None = None, *, pool_size: int = 10, max_overflow: int = 10) -> AsyncEngine:
     """An asyncpg-backed engine; `dsn` defaults to the configured one.
 
-    pool_pre_ping keeps a service alive across a database restart (a stale pooled connection is
-    replaced instead of failing the first request after the restart).
+    No pre-ping: it would cost a round trip on every checkout, i.e. on every Submit. After a
+    database restart the first statement on a stale pooled connection fails (the caller gets
+    UNAVAILABLE, and every write is safe to retry) and SQLAlchemy then discards the whole pool
+    (its disconnect handling), so the statements after it reconnect.
     """
     return create_async_engine(
         dsn or configured_dsn(),
         pool_size=pool_size,
         max_overflow=max_overflow,
-        pool_pre_ping=True,
+        pool_pre_ping=False,
     )
 
 

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, RunStatus, Tenant
+from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, Tenant
 from sqlalchemy import (
     ColumnElement,
     Date,
@@ -33,8 +33,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
 from sqlalchemy.ext.asyncio import AsyncSession
-
-_ACCEPTED_LITERAL = f"'{RunStatus.ACCEPTED.value}'"
 
 
 def hash_api_key(key: str) -> str:
@@ -198,35 +196,6 @@ class ModelRepository:
         if not rows:
             return None
         return ModelCard(*next((row for row in rows if row[0] == name), rows[0]))
-
-    async def by_alias_or_version_with_backlog(self, name: str,
-                                               backlog_limit: int) -> tuple[ModelInfo, int] | None:
-        """The model, and how many of its runs wait ACCEPTED for a routing worker (counted up to
-        `backlog_limit`), in one round trip. An exact version wins over an alias of the same spelling.
-
-        The count scans ix_runs_model_version_accepted and stops after `backlog_limit` entries, so
-        its cost is bounded by the limit however long the backlog grows. It sees committed runs
-        only (READ COMMITTED): concurrent submits do not see each other until they commit.
-        """
-        waiting = (
-            select(literal_column("1"))
-            # A literal status, not a parameter: a generic plan can then still prove the partial
-            # index's predicate and use it.
-            .where(Run.model_version == Model.version, Run.status == literal_column(_ACCEPTED_LITERAL))
-            .limit(backlog_limit)
-            .correlate(Model)
-            .subquery()
-        )
-        backlog = select(func.count()).select_from(waiting).scalar_subquery()
-        rows = (
-            await self._session.execute(
-                select(Model, backlog).where(or_(Model.version == name, Model.alias == name))
-            )
-        ).all()
-        if not rows:
-            return None
-        model, count = next((row for row in rows if row[0].version == name), rows[0])
-        return ModelInfo.of(model), int(count)
 
 
 class RunRepository:

@@ -1,36 +1,46 @@
 """Admission: the only way work enters Sluice (protos/sluice/v1/admission.proto).
 
-One transaction per Submit, opened and committed in `AdmissionService.submit`:
+A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py):
+
+    API key from metadata (pure)             missing → UNAUTHENTICATED
+    READ   key → tenant, alias/version → model + its backlog (ACCEPTED runs), one SELECT
+           unknown/revoked key → UNAUTHENTICATED
+    request shape (pure)                     → INVALID_ARGUMENT
+    model                                    unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
+    backlog >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
+    tokenize (a worker thread for large inputs), prompt + cap <= context → INVALID_ARGUMENT
+    deadline >= queue wait + prefill + cap × token time → else DEADLINE_EXCEEDED naming what would do
+    WRITE  reserve prompt + cap on the budget row and INSERT the run, one statement
+           (its RETURNING carries NOTIFY sluice_runs_accepted: delivered at its commit)
+    answer: a returned run id always has its reservation committed.
+
+Everything else takes the transactional path, the same checks as one transaction:
 
     BEGIN
-      API key → tenant                     missing/unknown/revoked → UNAUTHENTICATED
-      request shape (pure)                 → INVALID_ARGUMENT
-      model alias/version → model          unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
-        + its backlog (ACCEPTED runs)      >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
-      tokenize, prompt + cap <= context    → INVALID_ARGUMENT
-      deadline >= queue wait + prefill + cap × token time → else DEADLINE_EXCEEDED naming what would do
       INSERT run ON CONFLICT (tenant, request_key) DO NOTHING RETURNING id
-        ├─ inserted → reserve prompt + cap on the budget row (one conditional UPDATE)
-        │             does not fit → ROLLBACK, RESOURCE_EXHAUSTED naming the cap that fits
-        │             (its RETURNING carries NOTIFY sluice_runs_accepted: delivered at COMMIT)
+        ├─ inserted → [tenant limits under a lock on the tenant row] → reserve (one conditional
+        │             UPDATE; a new month opens its period); does not fit → ROLLBACK,
+        │             RESOURCE_EXHAUSTED naming the cap that fits
         └─ conflict → same payload hash: the existing run (deduplicated=true)
                       another payload:   ALREADY_EXISTS
-    COMMIT, then answer: a returned run id always has its reservation committed.
+    COMMIT
 
-Refusals roll back, so bad input never writes anything. Shedding and the deadline check come
-before the INSERT, so an overloaded pool costs one bounded index count per refused submit; a
-refused submit whose request_key already names a run falls through to the idempotent answer
-instead (a retry of an accepted run gets that run, not a refusal).
+It is taken when the tenant has concurrency or tokens-per-minute limits (they need the lock),
+when the one-statement write wrote nothing (request key taken, budget does not fit, no period
+yet: it decides which and explains), and when a load check refused a retry of an accepted run.
+
+Refusals write nothing. Shedding and the deadline check come before any write, so an overloaded
+pool costs one bounded index count per refused submit; a refused submit whose request_key
+already names a run falls through to the idempotent answer instead (a retry of an accepted run
+gets that run, not a refusal).
 
 The backlog bound is approximate by design: each submit counts committed runs only, so submits
 racing on one model can each see room and together overshoot the bound by at most the number of
-Submit transactions in flight at once across all admission instances (their connection pools;
-a few dozen), which is fine for shedding (unlike budgets, which never overshoot).
+Submits in flight at once across all admission instances (their connection pools; a few dozen),
+which is fine for shedding (unlike budgets, which never overshoot).
 
-The budget row is locked only from the conditional UPDATE to COMMIT (one round trip), which is
-what bounds one tenant's submit rate. Reads and the write share one transaction to save round
-trips (~10% lower p50 than two); the backlog count rides on the model lookup and the NOTIFY on
-the INSERT for the same reason.
+The budget row is locked only for the one write statement (or from the conditional UPDATE to
+COMMIT), which is what bounds one tenant's submit rate.
 
 No raw prompt or API key is ever logged; logs carry the run id, tenant and token counts.
 """
@@ -46,16 +56,17 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc.aio
+from sluice.ledger.admission_sql import SubmitContext, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import (
     BudgetRepository,
     ModelInfo,
-    ModelRepository,
     RunRepository,
     TenantInfo,
     TenantRepository,
+    hash_api_key,
 )
 from sluice.services import tokenization
 from sluice.services.admission_rules import (
@@ -72,7 +83,7 @@ from sluice.services.admission_rules import (
     payload_hash,
     rate_window_retry_after,
 )
-from sluice.services.auth import Metadata, authenticate
+from sluice.services.auth import Metadata, api_key_from_metadata
 from sluice.services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
     BUDGET_TOO_SMALL_FOR_PROMPT,
@@ -84,18 +95,21 @@ from sluice.services.errors import (
     TIER_NOT_ALLOWED,
     TOKENS_PER_MINUTE_LIMIT,
     TOKENS_PER_MINUTE_NEVER_FITS,
+    UNKNOWN_API_KEY,
     UNKNOWN_MODEL,
     AlreadyExists,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
     SluiceError,
+    Unauthenticated,
     grpc_errors,
 )
 from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
@@ -154,23 +168,34 @@ class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
+        engine = sessionmaker.kw.get("bind")
+        assert isinstance(engine, AsyncEngine), "admission needs a sessionmaker bound to an AsyncEngine"
+        # Same pool; its connections run each statement as its own transaction (no BEGIN/COMMIT trips).
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
-        # Raising anywhere inside the block rolls the whole submit back.
+        key = api_key_from_metadata(metadata)
         pace = self._settings.pace
-        async with self._sessionmaker() as session, session.begin():
-            tenant = await authenticate(session, metadata)
-            text = check_request_shape(intent, self._settings.max_request_key_chars)
-            model, backlog = await self._permitted_model(session, tenant, intent.model, pace.max_backlog)
-            await _unless_a_retry(session, tenant, intent,
-                                  lambda: check_backlog(model.version, model.worker_pool, backlog, pace))
-            token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
-            prepared = self._prepare(tenant, model, intent, token_ids,
-                                     intent.deadline_ms or self._settings.default_deadline_ms)
-            await _unless_a_retry(session, tenant, intent, lambda: check_deadline(
-                prepared.deadline_ms, backlog, len(prepared.prompt_token_ids), intent.max_output_tokens,
-                pace))
-            admitted = await self._insert_or_match(session, prepared)
+        async with self._autocommit.connect() as connection:
+            context = await read_submit_context(connection, hash_api_key(key), intent.model, pace.max_backlog)
+        if context.tenant is None:
+            raise Unauthenticated(UNKNOWN_API_KEY)
+        tenant = context.tenant
+        text = check_request_shape(intent, self._settings.max_request_key_chars)
+        model = _permitted_model(context, tenant, intent.model)
+        retry = await self._unless_a_retry(tenant, intent, lambda: check_backlog(
+            model.version, model.worker_pool, context.backlog, pace))
+        prepared = await self._prepare(tenant, model, intent, text,
+                                       intent.deadline_ms or self._settings.default_deadline_ms)
+        retry = retry or await self._unless_a_retry(tenant, intent, lambda: check_deadline(
+            prepared.deadline_ms, context.backlog, len(prepared.prompt_token_ids), intent.max_output_tokens,
+            pace))
+        admitted = None
+        if not retry and not tenant.has_rate_limits:
+            admitted = await self._insert_reserving(prepared)
+        if admitted is None:
+            async with self._sessionmaker() as session, session.begin():
+                admitted = await self._insert_or_match(session, prepared)
         log.info(
             "admitted run %s tenant=%s model=%s input_tokens=%d cap=%d deduplicated=%s",
             admitted.run_id, tenant.name, admitted.model_version, admitted.input_tokens,
@@ -178,25 +203,43 @@ class AdmissionService:
         )
         return admitted
 
-    @staticmethod
-    async def _permitted_model(session: AsyncSession, tenant: TenantInfo, name: str,
-                               backlog_limit: int) -> tuple[ModelInfo, int]:
-        """The model and its backlog (ACCEPTED runs, counted up to `backlog_limit`)."""
-        found = await ModelRepository(session).by_alias_or_version_with_backlog(name, backlog_limit)
-        if found is None:
-            raise NotFound(UNKNOWN_MODEL.format(model=name))
-        model, backlog = found
-        if model.quality_tier not in tenant.allowed_tiers:
-            raise PermissionDenied(
-                TIER_NOT_ALLOWED.format(
-                    model=name, tier=model.quality_tier, allowed=", ".join(tenant.allowed_tiers) or "none"
-                )
-            )
-        return model, backlog
+    async def _unless_a_retry(self, tenant: TenantInfo, intent: SubmitIntent,
+                              check: Callable[[], None]) -> bool:
+        """Run a load check (shedding, deadline), letting a retry of an existing run through (True).
+
+        The check is cheap and runs first; only when it refuses is the request key looked up, and if
+        it already names a run the submit goes on to the idempotent answer (that run, or
+        ALREADY_EXISTS for another payload) instead of refusing a request that was already accepted.
+        """
+        try:
+            check()
+        except SluiceError:
+            async with self._sessionmaker() as session:
+                if await RunRepository(session).by_request_key(tenant.id, intent.request_key) is None:
+                    raise
+            return True
+        return False
+
+    async def _insert_reserving(self, prepared: _Prepared) -> Admitted | None:
+        """The one-statement write; None when it wrote nothing (the transactional path decides why)."""
+        values = self._run_values(prepared)
+        run = {name: values[name] for name in _WRITTEN_COLUMNS}
+        try:
+            async with self._autocommit.connect() as connection:
+                run_id = await insert_reserving(connection, run, prepared.deadline_ms,
+                                                (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
+        except IntegrityError:
+            return None          # the request key is taken: the idempotent answer comes from the other path
+        if run_id is None:
+            return None
+        return Admitted(run_id=run_id, status=RunStatus.ACCEPTED, model_version=prepared.model.version,
+                        input_tokens=len(prepared.prompt_token_ids),
+                        max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False)
 
     @staticmethod
-    def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, token_ids: list[int],
-                 deadline_ms: int) -> _Prepared:
+    async def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str,
+                       deadline_ms: int) -> _Prepared:
+        token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
         check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
         return _Prepared(
             tenant=tenant,
@@ -282,19 +325,19 @@ class AdmissionService:
         raise await _budget_refusal(budgets, prepared)
 
 
-async def _unless_a_retry(session: AsyncSession, tenant: TenantInfo, intent: SubmitIntent,
-                          check: Callable[[], None]) -> None:
-    """Run a load check (shedding, deadline), letting a retry of an existing run through.
+# The runs columns the one-statement write binds (the rest are literals or database defaults).
+_WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_version", "prompt_token_ids",
+                    "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
+                    "reserved_tokens", "reserved_cost_micros")
 
-    The check is cheap and runs first; only when it refuses is the request key looked up, and if
-    it already names a run the submit goes on to the idempotent answer (that run, or
-    ALREADY_EXISTS for another payload) instead of refusing a request that was already accepted.
-    """
-    try:
-        check()
-    except SluiceError:
-        if await RunRepository(session).by_request_key(tenant.id, intent.request_key) is None:
-            raise
+
+def _permitted_model(context: SubmitContext, tenant: TenantInfo, name: str) -> ModelInfo:
+    if context.model is None:
+        raise NotFound(UNKNOWN_MODEL.format(model=name))
+    if context.model.quality_tier not in tenant.allowed_tiers:
+        raise PermissionDenied(TIER_NOT_ALLOWED.format(
+            model=name, tier=context.model.quality_tier, allowed=", ".join(tenant.allowed_tiers) or "none"))
+    return context.model
 
 
 async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id: uuid.UUID) -> None:

@@ -1,0 +1,124 @@
+"""Submit's hot path in two statements, each its own autocommit round trip.
+
+    read   API key → tenant, alias/version → model, the model's backlog      (one SELECT)
+           ... the caller checks, tokenizes and prices outside any transaction ...
+    write  reserve on the budget row AND insert the run                       (one statement)
+
+The write is atomic without BEGIN/COMMIT because it is one statement:
+
+    WITH reserved AS (UPDATE budgets ... WHERE it fits RETURNING ...)
+    INSERT INTO runs SELECT ... FROM reserved RETURNING id, pg_notify(...)
+
+- fits, new request key: one budget row updated, one run inserted, committed together
+  (the NOTIFY in RETURNING is delivered at that commit);
+- does not fit, or no budget row for this period: nothing reserved, nothing inserted
+  (None: the caller takes the transactional path, which opens a period or explains the refusal);
+- request key already used: the INSERT's unique violation aborts the whole statement, the
+  reservation included (IntegrityError: the caller takes the transactional path, which gives
+  the idempotent answer). A concurrent duplicate waits on the unique index for the first to
+  commit, then fails the same way: no interleaving reserves twice or leaks a reservation.
+
+The budget row lock is held from the UPDATE to the statement's end, as it was to COMMIT.
+Statements are text with typed binds: SQLAlchemy compiles each once, and the asyncpg dialect
+prepares it once per connection (its prepared statement cache).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.ledger.models import RunStatus
+from sluice.ledger.repositories import ModelInfo, TenantInfo
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.types import Integer
+
+# A literal status, not a parameter: the plan can then prove ix_runs_model_version_accepted's predicate.
+_READ = text(f"""
+SELECT t.id AS tenant_id, t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
+       t.tokens_per_minute, t.shared_cache_scope,
+       m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
+       m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
+       (SELECT count(*) FROM (SELECT 1 FROM runs r
+                              WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
+                              LIMIT :backlog_limit) AS waiting) AS backlog
+FROM api_keys k
+JOIN tenants t ON t.id = k.tenant_id
+LEFT JOIN LATERAL (
+    SELECT * FROM models WHERE version = :name OR alias = :name
+    ORDER BY version = :name DESC   -- an exact version wins over an alias of the same spelling
+    LIMIT 1
+) m ON true
+WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL
+""")
+
+_WRITE = text(f"""
+WITH reserved AS (
+    UPDATE budgets
+       SET reserved_tokens = reserved_tokens + :reserved_tokens,
+           reserved_cost_micros = reserved_cost_micros + :reserved_cost_micros
+     WHERE tenant_id = :tenant_id
+       AND period_start = CAST(date_trunc('month', timezone('UTC', now())) AS date)
+       AND reserved_tokens + used_tokens + :reserved_tokens <= token_budget
+       AND reserved_cost_micros + used_cost_micros + :reserved_cost_micros <= cost_budget_micros
+    RETURNING tenant_id
+)
+INSERT INTO runs (id, tenant_id, request_key, payload_hash, model_version, status, prompt_token_ids,
+                  input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
+                  reserved_tokens, reserved_cost_micros)
+SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
+       :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
+       now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros
+FROM reserved
+RETURNING id, pg_notify(:channel, :pool)
+""").bindparams(
+    bindparam("id", type_=UUID(as_uuid=True)),
+    bindparam("tenant_id", type_=UUID(as_uuid=True)),
+    bindparam("prompt_token_ids", type_=ARRAY(Integer)),
+    bindparam("sampling", type_=JSONB),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitContext:
+    """What the read found; tenant None: the key is unknown or revoked (then nothing else is read)."""
+
+    tenant: TenantInfo | None
+    model: ModelInfo | None          # None: no model has that alias or version
+    backlog: int                     # the model's ACCEPTED runs, counted up to the limit asked
+
+
+async def read_submit_context(connection: AsyncConnection, key_hash: str, model_name: str,
+                              backlog_limit: int) -> SubmitContext:
+    row = (await connection.execute(_READ, {"key_hash": key_hash, "name": model_name,
+                                            "backlog_limit": backlog_limit})).one_or_none()
+    if row is None:
+        return SubmitContext(None, None, 0)
+    tenant = TenantInfo(id=row.tenant_id, name=row.tenant_name, allowed_tiers=tuple(row.allowed_tiers),
+                        max_concurrent_runs=row.max_concurrent_runs, tokens_per_minute=row.tokens_per_minute,
+                        shared_cache_scope=row.shared_cache_scope)
+    if row.version is None:
+        return SubmitContext(tenant, None, 0)
+    model = ModelInfo(
+        version=row.version, alias=row.alias, tokenizer=row.tokenizer, context_limit=row.context_limit,
+        worker_pool=row.worker_pool, quality_tier=row.quality_tier, end_id=row.end_id,
+        price_input_per_m_micros=row.price_input_per_m_micros,
+        price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
+        price_output_per_m_micros=row.price_output_per_m_micros)
+    return SubmitContext(tenant, model, int(row.backlog))
+
+
+async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,
+                           notify: tuple[str, str]) -> uuid.UUID | None:
+    """Reserve run["reserved_tokens"/"reserved_cost_micros"] and insert the run, atomically, on an
+    autocommit connection. The run's id, or None when the reservation does not fit the current
+    period (nothing written). Raises IntegrityError when the request key is taken (nothing written).
+
+    `run` holds the runs columns the statement names (id, tenant_id, request_key, ...)."""
+    channel, pool = notify
+    row = (await connection.execute(_WRITE, {**run, "deadline_ms": deadline_ms, "channel": channel,
+                                             "pool": pool})).first()
+    return None if row is None else row[0]
