@@ -15,6 +15,11 @@ Roles (each process may take several):
 routing worker + Routing API. Replicas are separate processes
 (`python -m sluice.replica.serve --name r0`). Every role starts through
 sluice.config.bootstrap.start_process: a bad configuration stops it before it binds anything.
+
+A box scales its gateway by processes: with [gateway].reuse_port = true several gateway
+processes listen on the same address (SO_REUSEPORT) and the kernel spreads new connections
+over them; false (the default) makes a second process on a taken port fail at start instead.
+The process runs on [gateway].event_loop (uvloop unless set to asyncio).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Sequence
 
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
-from sluice.services import replica_client
+from sluice.services import eventloop, replica_client
 from sluice.services.admission import add_admission_servicer
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
@@ -56,9 +61,19 @@ def gateway_addresses(config: Settings) -> list[str]:
     return list(dict.fromkeys(addresses))
 
 
+def grpc_server(reuse_port: bool) -> grpc.aio.Server:
+    """A gRPC server whose listening sockets are shared with other processes only when asked:
+    gRPC sets SO_REUSEPORT by default, which would let a second process bind a taken port silently."""
+    return grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+
+
 def _bind(server: grpc.aio.Server, addresses: Sequence[str]) -> None:
     for address in addresses:
-        if server.add_insecure_port(address) == 0:
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError:          # recent grpc raises where older versions returned 0
+            bound = 0
+        if bound == 0:
             raise SystemExit(f"cannot listen on {address}: the port is taken or the address is invalid")
 
 
@@ -76,7 +91,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
     try:
         if "gateway" in roles:
-            gateway = grpc.aio.server()
+            gateway = grpc_server(config.gateway.reuse_port)
             admission = add_admission_servicer(gateway, sessions, config)
             runs_service = add_runs_servicer(gateway, sessions, config, events)
             usage = add_usage_servicer(gateway, sessions, config)
@@ -91,7 +106,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                 await edge.start()
                 print(f"HTTP edge (seed 002 + OpenAI API) listening on {edge.address}", flush=True)
         if worker is not None and routing_listen:
-            api = grpc.aio.server()
+            api = grpc_server(reuse_port=False)
             add_routing_servicer(api, worker)
             _bind(api, [routing_listen])
             await api.start()
@@ -143,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     if "all" in chosen:
         chosen = {"gateway", "routing"}
         routing_api = True
-    asyncio.run(serve(config, chosen, args.listen or gateway_addresses(config),
-                      config.routing.listen if routing_api else None, args.name))
+    eventloop.run(serve(config, chosen, args.listen or gateway_addresses(config),
+                        config.routing.listen if routing_api else None, args.name), config.gateway.event_loop)
 
 
 if __name__ == "__main__":

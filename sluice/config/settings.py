@@ -108,6 +108,13 @@ class AdmissionSection(ListenSection):
     expected_ms_per_prompt_token: NonNegative = 0.03
 
 
+class GatewaySection(Section):
+    """How gateway processes (`services.main --role gateway`) run."""
+
+    reuse_port: bool = False                         # several gateway processes share each address
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+
+
 class RunsSection(ListenSection):
     listen: str = "127.0.0.1:50052"
 
@@ -213,6 +220,7 @@ class Settings(BaseSettings):
     database: DatabaseSection = DatabaseSection()
     kafka: KafkaSection = KafkaSection()
     admission: AdmissionSection = AdmissionSection()
+    gateway: GatewaySection = GatewaySection()
     runs: RunsSection = RunsSection()
     usage: UsageSection = UsageSection()
     http: HttpSection = HttpSection()
