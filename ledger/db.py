@@ -28,6 +28,14 @@ def make_engine(dsn: str | None = None, *, pool_size: int = 10, max_overflow: in
     )
 
 
+def autocommit_engine(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncEngine:
+    """The sessionmaker's engine (same pool) running each statement as its own transaction: a
+    single-statement read or write then costs one round trip, with no BEGIN and COMMIT around it."""
+    engine = sessionmaker.kw.get("bind")
+    assert isinstance(engine, AsyncEngine), "expected a sessionmaker bound to an AsyncEngine"
+    return engine.execution_options(isolation_level="AUTOCOMMIT")
+
+
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     # expire_on_commit=False: objects read in a transaction stay usable after it commits, so a
     # service can commit first and build its response afterwards without lazy-loading I/O.

@@ -58,6 +58,7 @@ from typing import Any, cast
 import grpc.aio
 from sluice.ledger.admission_sql import SubmitContext, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.db import autocommit_engine
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import (
@@ -109,7 +110,7 @@ from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
@@ -168,10 +169,7 @@ class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
-        engine = sessionmaker.kw.get("bind")
-        assert isinstance(engine, AsyncEngine), "admission needs a sessionmaker bound to an AsyncEngine"
-        # Same pool; its connections run each statement as its own transaction (no BEGIN/COMMIT trips).
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._autocommit = autocommit_engine(sessionmaker)
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         key = api_key_from_metadata(metadata)

@@ -3,8 +3,9 @@
 A NOTIFY issued inside a transaction is delivered only when that transaction
 commits, so a listener woken by it always finds the committed state when it
 re-reads the ledger. Notifications are a latency optimisation only: they are
-lost while a listener reconnects, so every waiter also re-polls the ledger on
-a timeout, and correctness never depends on a notification arriving.
+lost while a listener reconnects, so every waiter is woken once the listener is
+(re)connected (it re-reads what it waits for) and also re-polls the ledger on a
+timeout; correctness never depends on a notification arriving.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class ChannelListener:
         waits = [asyncio.ensure_future(closed.wait()), asyncio.ensure_future(self._closing.wait())]
         try:
             await conn.add_listener(self.channel, self._dispatch)
+            # Whatever was notified while no connection listened is lost: every waiter re-checks.
+            for waiting in self._waiters.values():
+                for event in waiting:
+                    event.set()
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
