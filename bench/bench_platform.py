@@ -27,7 +27,10 @@ this client are reported apart, never in the platform figure):
              workers stopped and the backlog claimed every 50 ms by a stand-in (as bench_submit);
              gateway CPU per Submit
 
-Prints every figure with its conditions; never fails on timing. --quick shrinks every phase.
+Prints every figure with its conditions and the box's load average; never fails on timing.
+--quick shrinks every phase. --py-spy SECONDS samples one gateway process and the routing worker
+with py-spy (installed apart: `pip install py-spy`) during stream-64 and prints each one's top
+five functions by own time.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -304,6 +311,42 @@ def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, backgroun
             f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)"]
 
 
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min) {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+
+
+Profile = tuple[str, Path, "subprocess.Popen[bytes]"]
+
+
+def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path) -> list[Profile]:
+    """py-spy record on gateway 0 and routing worker 0 (their main Python process), raw collapsed stacks."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    started = []
+    for label, service in (("gateway", stack.gateways[0]), ("routing worker", stack.workers[0])):
+        output = out_dir / f"{label.replace(' ', '-')}.txt"
+        command = [py_spy, "record", "--pid", str(service.process.pid), "--duration", str(seconds),
+                   "--format", "raw", "--output", str(output), "--nonblocking"]
+        started.append((label, output, subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                                        stderr=subprocess.DEVNULL)))
+    return started
+
+
+def top_functions(collapsed: Path, count: int = 5) -> list[str]:
+    """The functions with the most samples at the top of the stack (own time), from py-spy's raw output."""
+    own: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        if not stack or not samples.isdigit():
+            continue
+        frame = stack.rsplit(";", 1)[-1]
+        own[frame] = own.get(frame, 0) + int(samples)
+        total += int(samples)
+    ranked = sorted(own.items(), key=lambda item: -item[1])[:count]
+    return [f"{samples / max(total, 1):6.1%}  {frame}" for frame, samples in ranked]
+
+
 async def bench(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else FULL
     config = load_settings()
@@ -328,6 +371,7 @@ async def bench(args: argparse.Namespace) -> None:
               f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
               flush=True)
         await bounded(8, 4, lambda: client.run(4))                     # warm channels, tails, pools
+        print(f"[{load()}]", flush=True)
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
@@ -337,7 +381,15 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent; {outcome_counts(outcomes)}):"
               f" {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
         for width, runs in ((64, plan.stream_runs_64), (256, plan.stream_runs_256)):
+            profiles = start_profiles(stack, args.py_spy, log_dir) if args.py_spy and width == 64 else []
+            print(f"[{load()}]", flush=True)
             outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
+            for label, output, process in profiles:
+                await asyncio.to_thread(process.wait)
+                if output.exists():
+                    print(f"  py-spy top 5 by own time, {label} ({args.py_spy} s of stream-64):")
+                    for line in top_functions(output):
+                        print(f"    {line}")
             label = f"{width} concurrent {plan.stream_tokens}-token streams"
             for line in stream_lines(label, outcomes, spent, background):
                 print(line, flush=True)
@@ -347,6 +399,7 @@ async def bench(args: argparse.Namespace) -> None:
               f" concurrent, {spent.wall_s:.0f} s); outcomes: {outcome_counts(outcomes)}"
               + (f"; e.g. {interrupted_details(outcomes)}" if len(outcomes) > completed(outcomes) else ""),
               flush=True)
+        print(f"[{load()}]", flush=True)
         await asyncio.to_thread(stack.stop_workers)
         lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
         for line in lines:
@@ -370,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--routing-workers", type=int, default=1)
     parser.add_argument("--submit-rate", type=float, default=500.0)
+    parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
+                        help="profile a gateway and the routing worker this long during stream-64")
     asyncio.run(bench(parser.parse_args(argv)))
 
 
