@@ -106,7 +106,7 @@ async def test_a_run_whose_start_was_never_recorded_is_found_by_time(log):
 
 async def test_a_follower_that_stops_reading_is_cut_off_and_resumes_exactly_where_it_stopped():
     capacity = 8
-    log = KafkaEventLog.from_config(load_config())
+    log = KafkaEventLog.from_config(load_settings())
     log.stream_capacity = capacity
     await log.start()
     try:
@@ -132,7 +132,7 @@ async def test_a_follower_that_stops_reading_is_cut_off_and_resumes_exactly_wher
 async def test_many_concurrent_followers_share_the_process_tail_and_one_replay_reader():
     # The tail starts with the first follow(), after the runs' first events: every follower
     # replays that start through the shared reader, then all 64 wait on the one tail.
-    log = KafkaEventLog.from_config(load_config())
+    log = KafkaEventLog.from_config(load_settings())
     await log.start()
     try:
         runs = [str(uuid.uuid4()) for _ in range(8)]
