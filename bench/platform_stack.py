@@ -171,6 +171,8 @@ class PlatformStack:
             "SLUICE_ROUTING__MAX_RUNS_PER_WORKER": json.dumps(self.settings.max_runs_per_worker),
             "SLUICE_ROUTING__METRICS_PORT": "0",
             "SLUICE_ADMISSION__MAX_BACKLOG_PER_POOL": json.dumps(self.settings.max_backlog_per_pool),
+            # The bench drives the gRPC services; each gateway would otherwise bind the one HTTP port.
+            "SLUICE_HTTP__ENABLED": "false",
             "SLUICE_REPLICAS": json.dumps(self.replica_tables),
             "PYTHONPATH": str(REPO_ROOT),
         })

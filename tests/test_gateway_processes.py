@@ -29,8 +29,10 @@ ADMITTED = "admitted run"
 
 class Gateway:
     def __init__(self, dsn: str, address: str, reuse_port: bool, log_path: Path) -> None:
+        # The HTTP edge off: its own port is not what these tests share (and one box has one 8080).
         env = {**os.environ, "SLUICE_DATABASE__DSN": dsn, "PYTHONPATH": str(REPO_ROOT),
-               "SLUICE_GATEWAY__REUSE_PORT": "true" if reuse_port else "false"}
+               "SLUICE_GATEWAY__REUSE_PORT": "true" if reuse_port else "false",
+               "SLUICE_HTTP__ENABLED": "false"}
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
