@@ -33,7 +33,7 @@ test-unit: setup             ## pure tests only (no servers)
 	$(PYTEST) -q -m "not integration"
 
 fuzz: infra-up               ## every RPC's fields fuzzed (hypothesis), 400 requests per property (make test: 40)
-	SLUICE_FUZZ_EXAMPLES=400 $(PYTEST) -q tests/test_fuzz_rpcs.py
+	SLUICE_FUZZ_EXAMPLES=400 $(PYTEST) -q -s tests/test_fuzz_rpcs.py
 
 chaos: infra-up              ## the fault suite (burst, PostgreSQL restart, Kafka kills, replica/worker SIGKILL+SIGSTOP, ...), a table
 	SLUICE_CHAOS=1 $(PYTEST) -q -rfEs tests/test_chaos.py tests/test_chaos_infra.py tests/test_chaos_postgres.py

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +36,12 @@ def infra(script: str, command: str, env: dict[str, str], *args: str, timeout_s:
                    env={**os.environ, **env}, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
 
 
+def throwaway_dir(name: str) -> str:
+    """A data dir of its own, outside pytest's basetemp: concurrent pytest sessions of the same
+    user prune each other's basetemps, which would pull a data dir from under a running server."""
+    return tempfile.mkdtemp(prefix=f"sluice-{name}-")
+
+
 def kill_single_broker(env: dict[str, str]) -> None:
     """SIGKILL the throwaway broker (infra/kafka.sh keeps its pid under <data_dir>/kafka)."""
     pid_file = Path(env["SLUICE_PATHS__DATA_DIR"]) / "kafka" / "kafka.pid"
@@ -41,10 +49,10 @@ def kill_single_broker(env: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def throwaway_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def throwaway_broker() -> Iterator[dict[str, str]]:
     """A single Kafka broker of its own (ports, data dir)."""
     broker, controller = free_ports(2)
-    env = {"SLUICE_PATHS__DATA_DIR": str(tmp_path_factory.mktemp("chaos-kafka")),
+    env = {"SLUICE_PATHS__DATA_DIR": throwaway_dir("chaos-kafka"),
            "SLUICE_KAFKA__BOOTSTRAP": f"127.0.0.1:{broker}", "SLUICE_KAFKA__CONTROLLER_PORT": str(controller)}
     infra("kafka.sh", "start", env)
     try:
@@ -52,13 +60,14 @@ def throwaway_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         yield env
     finally:
         infra("kafka.sh", "stop", env)
+        shutil.rmtree(env["SLUICE_PATHS__DATA_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def kafka_cluster() -> Iterator[dict[str, str]]:
     """The three-node KRaft cluster of infra/kafka_cluster.sh, on ports and a data dir of its own."""
     ports = free_ports(6)
-    env = {"SLUICE_PATHS__DATA_DIR": str(tmp_path_factory.mktemp("chaos-cluster")),
+    env = {"SLUICE_PATHS__DATA_DIR": throwaway_dir("chaos-cluster"),
            "SLUICE_KAFKA__BROKERS": "3",
            "SLUICE_KAFKA__CLUSTER_BOOTSTRAP": ",".join(f"127.0.0.1:{p}" for p in ports[:3]),
            "SLUICE_KAFKA__CLUSTER_CONTROLLER_PORTS": ",".join(str(p) for p in ports[3:])}
@@ -68,6 +77,7 @@ def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         yield env
     finally:
         infra("kafka_cluster.sh", "stop", env)
+        shutil.rmtree(env["SLUICE_PATHS__DATA_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

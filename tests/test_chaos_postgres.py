@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +21,7 @@ from tests.support.chaos import ChaosResult, Load, conclude, expect_no_healthy_r
 from tests.support.db import run_alembic
 from tests.support.replica_proc import free_ports
 from tests.support.routing_stack import Stack
-from tests.test_chaos_infra import PROMPT, infra
+from tests.test_chaos_infra import PROMPT, infra, throwaway_dir
 
 pytestmark = [pytest.mark.integration, full_only]
 
@@ -28,9 +29,9 @@ RESTARTS = 3
 
 
 @pytest.fixture(scope="module")
-def throwaway_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def throwaway_postgres() -> Iterator[dict[str, str]]:
     (port,) = free_ports(1)
-    env = {"SLUICE_PATHS__DATA_DIR": str(tmp_path_factory.mktemp("chaos-pg")),
+    env = {"SLUICE_PATHS__DATA_DIR": throwaway_dir("chaos-pg"),
            "SLUICE_DATABASE__PORT": str(port)}
     infra("postgres.sh", "start", env)
     try:
@@ -38,6 +39,7 @@ def throwaway_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         yield {**env, "dsn": f"postgresql+asyncpg://sluice:sluice@127.0.0.1:{port}/sluice"}
     finally:
         infra("postgres.sh", "stop", env)
+        shutil.rmtree(env["SLUICE_PATHS__DATA_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
