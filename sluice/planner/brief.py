@@ -11,7 +11,7 @@ the typed brief holds SI units (s, bytes, bytes/s, FLOP/s).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -146,6 +146,15 @@ class Reference:
 
 
 @dataclass(frozen=True, slots=True)
+class Lora:
+    """Fine-tuned variants served as LoRA adapters on one base model (seed 003 §9 C)."""
+
+    adapters: int         # resident adapters
+    adapter_bytes: float  # each (rank-16 on a 70B: ~40 MB)
+    overhead: float       # step-time overhead of the batched adapter matmuls (seed: 5–15%)
+
+
+@dataclass(frozen=True, slots=True)
 class Brief:
     name: str
     model: ModelProfile               # at the brief's weight and KV precision
@@ -162,6 +171,7 @@ class Brief:
     average_to_peak_traffic: float    # daily average ÷ peak output traffic, for $ per token
     scenarios: Scenarios
     reference: Reference | None
+    lora: Lora | None                 # multi-LoRA serving (seed 003 §9 C), already folded into `factors`
     defaults: tuple[str, ...]         # "field = value (why)" for every default taken
 
 
@@ -183,7 +193,8 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
         raise BriefError("brief", NOT_A_BRIEF.format(value=data))
     defaults: list[str] = []
     root = Reader(data, "", defaults, ("name", "model", "hardware", "sizing", "demand", "workload", "slo",
-                                       "efficiency", "latency", "engine", "cost", "scenarios", "reference"))
+                                       "efficiency", "latency", "engine", "cost", "scenarios", "reference",
+                                       "lora"))
     name = root.text("name", default_name)
     hardware_section = root.section("hardware", ("preset",) + _HARDWARE_SHAPE + (
         "gpus_per_node", "price_per_gpu_hour"))
@@ -201,6 +212,7 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
     demand = _demand(demand_section)
     _check_turn_outlasts_answer(demand, workload, slo, demand_section)
     engine = _engine(root.section("engine", ("memory_fraction", "max_num_seqs_headroom"), required=False))
+    lora = _lora(root.section("lora", ("adapters", "adapter_gb", "overhead"), required=False))
     return Brief(
         name=name,
         model=model,
@@ -214,10 +226,10 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
         demand=demand,
         workload=workload,
         slo=slo,
-        factors=_factors(root.section("efficiency", (
+        factors=_with_lora(_factors(root.section("efficiency", (
             "achieved_bandwidth_fraction", "achieved_flops_fraction", "allreduce_fraction",
             "fixed_overhead_ms", "activation_reserve_gb", "compute_dtype"),
-            required=False), hardware, engine),
+            required=False), hardware, engine), lora),
         latency=_latency(root.section("latency", (
             "network_rtt_ms", "gateway_ms", "tokenization_ms", "first_sample_ms", "sse_first_write_ms",
             "scheduler_overhead_ms"), required=False)),
@@ -227,6 +239,7 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
         scenarios=_scenarios(root.section("scenarios", (
             "prefix_hit_rate", "traffic_factor", "input_factor", "nodes_lost"), required=False)),
         reference=_reference(root.section("reference", ("source", "figures"), required=False)),
+        lora=lora,
         defaults=tuple(defaults),
     )
 
@@ -412,6 +425,29 @@ def _factors(section: Reader, hardware: HardwareProfile, engine: EngineChoices) 
         memory_fraction=engine.memory_fraction,
         compute_dtype=dtype,
     )
+
+
+def _lora(section: Reader) -> Lora | None:
+    if not section.has("adapters"):
+        return None
+    return Lora(
+        adapters=section.integer("adapters"),
+        adapter_bytes=section.number("adapter_gb", 0.04, "seed 003 §9 C: ~4 GB for 100 adapters") * 1e9,
+        overhead=section.fraction("overhead", 0.10, "seed 003 §9 C: 5–15% overhead, the middle"),
+    )
+
+
+def _with_lora(factors: CostFactors, lora: Lora | None) -> CostFactors:
+    """Adapters live in every GPU's HBM beside the weights (held whole: the conservative side of TP
+    sharding), and their batched matmuls slow every step by `overhead`."""
+    if lora is None:
+        return factors
+    slower = 1.0 + lora.overhead
+    adapters = lora.adapters * lora.adapter_bytes
+    return replace(factors,
+                   activation_reserve_bytes=factors.activation_reserve_bytes + adapters,
+                   achieved_bandwidth_fraction=factors.achieved_bandwidth_fraction / slower,
+                   achieved_flops_fraction=factors.achieved_flops_fraction / slower)
 
 
 def _latency(section: Reader) -> LatencyBudget:

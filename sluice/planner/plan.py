@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 
 from sluice.planner import fmt
-from sluice.planner.brief import FIXED_BUDGET, Brief
+from sluice.planner.brief import GOODPUT, Brief
 from sluice.planner.cost import cost_section
 from sluice.planner.demand import Load, demand
 from sluice.planner.engine_config import EngineConfig, engine_config
@@ -220,7 +220,11 @@ def _dependencies(brief: Brief, rep: Replica, load: Load, base: Split,
                 "replica's decode "
                 "step "
                 "and prefill rate first.")
-    if brief.sizing.mode != FIXED_BUDGET:
+    if brief.lora is not None:
+        deps.append(f"Multi-LoRA: {brief.lora.adapters} adapters on one base model; route adapter-aware (a "
+                    "request to a replica that has its adapter loaded, affinity as for prefixes) and measure "
+                    f"the batched-adapter overhead ({fmt.pct(brief.lora.overhead)} assumed).")
+    if brief.sizing.mode == GOODPUT:
         deps.append(f"Measured goodput ({fmt.num(brief.sizing.goodput_tok_per_s_per_replica or 0)} tok/s per "
                     f"replica) and prefill share ({fmt.pct(brief.sizing.prefill_share or 0)}) are inputs: "
                     "re-measure them for each model, GPU and SLO.")

@@ -154,6 +154,15 @@ def memory_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
                f"{fmt.count(fit)} × {replicas} replicas = {fmt.count(fleet_fit)} vs "
                f"{fmt.num(load.generating)} generating: {binding}"),
     )
+    if brief.lora is not None:
+        lora = brief.lora
+        adapters = lora.adapters * lora.adapter_bytes
+        figures = (*figures, Figure(
+            "memory.lora_bytes", "LoRA adapters held on each GPU", adapters, "B",
+            f"{lora.adapters} adapters × {fmt.gb(lora.adapter_bytes)} = {fmt.gb(adapters)}, held beside the "
+            f"{fmt.gb(f.activation_reserve_bytes - adapters)} "
+            f"activation reserve (in the pool above); their batched matmuls slow every step by "
+            f"{fmt.pct(lora.overhead)} (achieved bandwidth and FLOP/s ÷ {fmt.num(1 + lora.overhead)})"))
     return Section("memory", "Memory: weights, tensor parallelism, KV", figures)
 
 
