@@ -122,7 +122,7 @@ def memory_section(brief: Brief, rep: Replica, load: Load, replicas: int) -> Sec
     fleet_fit = fit * replicas
     binding = ("memory is not the constraint ✓" if fleet_fit >= load.generating
                else "memory binds: not every generating sequence's KV fits ✗")
-    figures = (
+    figures: tuple[Figure, ...] = (
         Figure("memory.weight_bytes", "weights", weights, "B",
                f"{fmt.num(m.num_params / 1e9)}e9 params × {fmt.num(m.bytes_per_weight)} B "
                f"({m.weight_precision}) = {fmt.gb(weights)}"),
