@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-routing sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-http bench-routing sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -47,6 +47,9 @@ bench: infra-up              ## benchmarks print figures and ratios; they never 
 
 bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small
 	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,)
+
+bench-http: infra-up         ## HTTP edge vs gRPC, the same requests side by side: added p50/p95 (issue 11: <= 3 ms p95)
+	$(PY) -m bench.bench_http_edge
 
 bench-routing: setup         ## every routing policy (Sluice's and its peers') on every workload, simulated; tables + PNGs
 	$(PY) -m bench.bench_routing
