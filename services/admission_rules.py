@@ -66,7 +66,7 @@ class SubmitIntent:
     sampling: Sampling
     conversation_id: str | None      # routing affinity hint
     # The input is already the model's whole prompt (the HTTP edge rendered chat messages with the
-    # registry's template, or got a raw completions prompt): admission does not wrap it in a turn.
+    # registry's template): admission must not wrap it in a chat turn again.
     rendered: bool = False
 
 

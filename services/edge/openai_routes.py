@@ -92,15 +92,16 @@ async def chat_prompt(edge: EdgeServices, metadata: Metadata, model: str, messag
 
 
 async def submit(edge: EdgeServices, request: Request, model: str, prompt: str, cap: int,
-                 temperature: float | None, top_p: float | None, seed: int | None) -> Admitted:
-    """Submit `prompt` as the model's whole prompt: chat messages were rendered here with the
-    registry's template, and a completions prompt is taken as it is (as OpenAI does), so
-    admission must not wrap either in a chat turn again (`rendered`)."""
+                 temperature: float | None, top_p: float | None, seed: int | None,
+                 rendered: bool) -> Admitted:
+    """`rendered`: chat messages were rendered here with the registry's template, so admission
+    must not wrap them in a chat turn again. A completions prompt is not: it is the same input a
+    gRPC Submit or POST /v1/inference sends, and the same key and payload there is the same run."""
     key = request.headers.get(IDEMPOTENCY_KEY_HEADER) or f"openai-{uuid.uuid4().hex}"
     sampling = Sampling(temperature=normalize_float(temperature or 0.0), top_p=normalize_float(top_p or 0.0),
                         seed=seed or 0)
     intent = SubmitIntent(model=model, input=prompt.encode(), max_output_tokens=cap, request_key=key,
-                          deadline_ms=0, sampling=sampling, conversation_id=None, rendered=True)
+                          deadline_ms=0, sampling=sampling, conversation_id=None, rendered=rendered)
     return await edge.admission.submit(caller(request), intent)
 
 
@@ -183,7 +184,8 @@ async def chat_completions(request: Request) -> Response:
     body = parse_body(await read_body(request, edge.settings.max_body_bytes), ChatBody)
     cap = output_cap(body) or edge.settings.default_max_tokens
     prompt = await chat_prompt(edge, caller(request), body.model, chat_messages(body.messages))
-    admitted = await submit(edge, request, body.model, prompt, cap, body.temperature, body.top_p, body.seed)
+    admitted = await submit(edge, request, body.model, prompt, cap, body.temperature, body.top_p, body.seed,
+                            rendered=True)
     return await answer_reply(edge, request, admitted, body, chat=True)
 
 
@@ -193,7 +195,7 @@ async def completions(request: Request) -> Response:
     body = parse_body(await read_body(request, edge.settings.max_body_bytes), CompletionBody)
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     admitted = await submit(edge, request, body.model, prompt, body.max_tokens, body.temperature, body.top_p,
-                            body.seed)
+                            body.seed, rendered=False)
     return await answer_reply(edge, request, admitted, body, chat=False)
 
 
@@ -250,7 +252,7 @@ async def create_response(request: Request) -> Response:
     prompt = await chat_prompt(edge, metadata, body.model, chat_messages(items, body.instructions))
     admitted = await submit(edge, request, body.model, prompt,
                             body.max_output_tokens or edge.settings.default_max_tokens,
-                            body.temperature, body.top_p, None)
+                            body.temperature, body.top_p, None, rendered=True)
     run_id = str(admitted.run_id)
     headers = {RUN_ID_HEADER: run_id}
     state = ResponseState(run_id=run_id, created_at=int(time.time()), model=admitted.model_version,

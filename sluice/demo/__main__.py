@@ -1,6 +1,7 @@
 """The Sluice demo: a streamed answer, a disconnect and resume, a cancel, a worker
-loss, a follow-up turn served from the prefix cache and the usage report, on real
-PostgreSQL, Kafka, Triton and gRPC processes.
+loss, a follow-up turn served from the prefix cache, the usage report, and the HTTP edge
+(the same answer through the official openai package, a curl resume by Last-Event-ID), on
+real PostgreSQL, Kafka, Triton and gRPC processes.
 
 `make demo` seeds the ledger first; run alone, this expects `make seed` done.
 """
@@ -17,6 +18,7 @@ from sluice_client.sdk import Addresses, SluiceClient, status_name
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
+from sluice.demo.http_door import EarlierRun, curl_resume, same_answer_through_openai
 from sluice.demo.processes import Child, gateway, replica, routing
 from sluice.ledger.seed import DEMO_API_KEY
 from sluice.v1 import runs_pb2
@@ -26,6 +28,7 @@ from sluice.v1 import runs_pb2
 MODEL = "chat-small"
 PROMPT = "Explain in one paragraph why a stream must be resumable by cursor."
 LONG_CAP = 400          # long enough to interrupt mid-stream
+DROP_AFTER = 10
 
 
 def say(text: str = "") -> None:
@@ -38,7 +41,7 @@ def usage_line(event: runs_pb2.RunEvent) -> str:
             f"${usage.cost_micros / 1e6:.6f}" + (f" ({event.detail})" if event.detail else ""))
 
 
-async def streamed_answer(client: SluiceClient) -> None:
+async def streamed_answer(client: SluiceClient) -> EarlierRun:
     say("1. A streamed answer  (what `sluice chat` does)")
     key = f"demo-{uuid.uuid4().hex[:8]}"
     run = await client.submit(PROMPT, model=MODEL, max_output_tokens=40, request_key=key)
@@ -54,9 +57,10 @@ async def streamed_answer(client: SluiceClient) -> None:
         elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
             say(f"   > {''.join(text)!r}"[:220])
             say(f"   {usage_line(event)}; {event.sequence} events")
+    return EarlierRun(key, PROMPT, 48, "".join(text))
 
 
-async def disconnect_and_resume(client: SluiceClient, drop_after: int = 10) -> None:
+async def disconnect_and_resume(client: SluiceClient, drop_after: int = DROP_AFTER) -> str:
     say(f"2. Disconnect after event {drop_after}, then resume by cursor")
     run = await client.submit(PROMPT, model=MODEL, max_output_tokens=24)
     first = []
@@ -74,6 +78,7 @@ async def disconnect_and_resume(client: SluiceClient, drop_after: int = 10) -> N
     say(f"   Stream(after={drop_after}) replayed and followed events "
         f"{sequences[0]}..{sequences[-1]}: {verdict}")
     say(f"   {usage_line(resumed[-1])}")
+    return run.run_id
 
 
 async def cancel_mid_stream(client: SluiceClient, cancel_after: int = 8) -> None:
@@ -146,12 +151,19 @@ async def usage_report(client: SluiceClient) -> None:
         f"(${f.reserved_cost_micros / 1e6:.6f}); budget {report.budget_tokens} tokens")
 
 
+async def http_edge(config: Settings, first: EarlierRun, resumable: str) -> None:
+    base_url = f"http://{config.http.listen}"
+    say(f"7. The HTTP edge ({base_url}): the same run through the OpenAI door, and a curl resume")
+    await same_answer_through_openai(base_url, first, say)
+    curl_resume(base_url, resumable, DROP_AFTER, say)
+
+
 async def scenario(config: Settings, replicas: dict[str, Child]) -> None:
     addresses = Addresses(config.admission.listen, config.runs.listen, config.usage.listen)
     async with SluiceClient(addresses, api_key=DEMO_API_KEY) as client:
-        await streamed_answer(client)
+        first = await streamed_answer(client)
         say()
-        await disconnect_and_resume(client)
+        resumable = await disconnect_and_resume(client)
         say()
         await cancel_mid_stream(client)
         say()
@@ -160,6 +172,9 @@ async def scenario(config: Settings, replicas: dict[str, Child]) -> None:
         await follow_up_turn(client)
         say()
         await usage_report(client)
+        if config.http.enabled:
+            say()
+            await http_edge(config, first, resumable)
 
 
 def main() -> int:
