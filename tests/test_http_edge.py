@@ -266,6 +266,14 @@ async def test_bad_input_gets_its_status_and_an_openai_shaped_error_and_writes_n
             assert error["type"] in ("invalid_request_error", "authentication_error") and error["message"]
     async with edge.http.post(f"{edge.url}{CHAT}", json={"model": "chat", "messages": HELLO}) as reply:
         assert (reply.status, (await reply.json())["error"]["code"]) == (401, "invalid_api_key")
+
+    async def chunked_10_mb():                 # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b"a" * (1024 * 1024)
+
+    async with edge.http.post(f"{edge.url}{CHAT}", data=chunked_10_mb(),
+                              headers=bearer(stack.tenant.api_key)) as reply:
+        assert (reply.status, (await reply.json())["error"]["code"]) == (413, "request_too_large")
     assert await count_runs(stack.sessionmaker) == 0
     assert (await budget_row(stack.sessionmaker, stack.tenant.id)).reserved_tokens == 0
 
@@ -292,3 +300,46 @@ async def test_20_concurrent_identical_posts_with_one_idempotency_key_make_one_r
     assert budget.reserved_tokens == replies[0][1]["inputTokens"] + 7      # one reservation
     async with edge.http.post(f"{edge.url}/v1/inference", headers=headers, json=inference_body(8)) as reply:
         assert (reply.status, (await reply.json())["error"]["code"]) == (409, "idempotency_key_reused")
+
+
+async def test_a_completions_request_with_the_key_of_an_inference_post_is_the_same_run(edge: Edge):
+    stack = edge.stack
+    await stack.start_worker()
+    headers = bearer(stack.tenant.api_key, **SSE)
+    async with edge.http.post(f"{edge.url}/v1/inference", headers=headers,
+                              json=inference_body(12, "one-run", prompt="Sluice gates")) as reply:
+        run_id = reply.headers["x-sluice-run-id"]
+        first = delta_text(await asyncio.wait_for(sse_events(reply), 30))
+
+    stream = await edge.openai(stack.tenant.api_key).completions.create(
+        model="chat", prompt="Sluice gates", max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"Idempotency-Key": "one-run"})
+    chunks = [chunk async for chunk in stream]
+
+    assert {chunk.id for chunk in chunks} == {f"cmpl-{run_id}"}
+    assert "".join(choice.text for chunk in chunks for choice in chunk.choices) == first
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert await count_runs(stack.sessionmaker) == 1
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+async def test_chat_messages_are_billed_as_the_registry_template_renders_them_never_wrapped_twice(
+        edge: Edge):
+    """SmolLM2's tokenizer ships chat.json, which admission wraps a plain input in; a chat request
+    is rendered at the door with the registry's template and must reach the model as it is."""
+    stack = edge.stack
+    tokenizer = "smollm2-135m-instruct/tokenizer.json"
+    async with stack.sessionmaker() as session, session.begin():
+        await add_model(session, tokenizer, ModelSpec(version="smol-v1", alias="smol", chat_template=CHATML))
+    client = edge.openai(stack.tenant.api_key)
+    created = await client.responses.create(model="smol", instructions="Be brief.", input="Why sluices?",
+                                            background=True, max_output_tokens=8)
+    run = await stack.run_row(str(uuid.UUID(hex=created.id.removeprefix("resp_"))))
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhy sluices?<|im_end|>\n" \
+               "<|im_start|>assistant\n"
+    exact = tokenization.load_tokenizer(tokenizer).encode(rendered, add_special_tokens=False).ids
+    assert run.input_tokens == len(exact) and list(run.prompt_token_ids) == list(exact)
