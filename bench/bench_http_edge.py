@@ -38,7 +38,7 @@ from sluice.services.usage import UsageQueryService
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench.bench_submit import PROMPT, _admin, _claim_backlog, _prepare, _url, bench_key
-from sluice.config import load_config
+from sluice.config import Settings, load_settings
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import admission_pb2, admission_pb2_grpc, runs_pb2, runs_pb2_grpc
 
@@ -120,7 +120,7 @@ def report(samples: dict[str, list[float]], count: int, loop: str) -> str:
     return "\n".join(lines)
 
 
-async def serve_and_measure(sessions: async_sessionmaker[AsyncSession], config: dict, count: int,
+async def serve_and_measure(sessions: async_sessionmaker[AsyncSession], config: Settings, count: int,
                             warmup: int) -> dict[str, list[float]]:
     events = KafkaEventLog.from_config(config)     # GetRun never reads the log; never started
     server = grpc.aio.server()
@@ -128,8 +128,7 @@ async def serve_and_measure(sessions: async_sessionmaker[AsyncSession], config: 
     runs = add_runs_servicer(server, sessions, config, events)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    http_section = {**config.get("http", {}), "listen": "127.0.0.1:0"}
-    settings = HttpSettings.from_config({**config, "http": http_section})
+    settings = HttpSettings.from_config(config.updated(http={"listen": "127.0.0.1:0"}))
     edge = EdgeServer(EdgeServices(admission, runs, UsageQueryService(sessions), sessions,
                                    ModelCards(sessions, settings.model_card_ttl_s), settings))
     await edge.start()
@@ -149,8 +148,7 @@ async def run(count: int, warmup: int) -> dict[str, list[float]]:
     database = f"sluice_bench_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE DATABASE "{database}"')
     dsn = _url(configured_dsn(), database)
-    config = load_config()
-    config["database"] = {**config["database"], "dsn": dsn}
+    config = load_settings().updated(database={"dsn": dsn})
     stop = asyncio.Event()
     claimer: asyncio.Task[None] | None = None
     try:

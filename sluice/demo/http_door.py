@@ -30,7 +30,8 @@ async def same_answer_through_openai(base_url: str, run: EarlierRun, say: Callab
     stream = await client.completions.create(
         model="chat", prompt=run.prompt, max_tokens=run.cap, stream=True,
         stream_options={"include_usage": True}, extra_headers={"Idempotency-Key": run.request_key})
-    pieces, usage, object_id = [], None, ""
+    pieces: list[str] = []
+    usage, object_id = None, ""
     async for chunk in stream:
         object_id = chunk.id
         pieces.extend(choice.text for choice in chunk.choices)
