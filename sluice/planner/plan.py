@@ -28,7 +28,7 @@ from sluice.planner.fleet import (
 )
 from sluice.planner.latency import Ttft, latency_section, ttft
 from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario
-from sluice.planner.solve import solve, traffic_headroom
+from sluice.planner.solve import load_curve, solve, traffic_headroom
 from sluice.planner.supply import (
     Replica,
     decode_section,
@@ -121,6 +121,12 @@ def plan(brief: Brief) -> Plan:
         assumptions=brief.defaults + _MODELLING_NOTES,
         reference_source=brief.reference.source if brief.reference else "",
         reference_checks=(),
+        curves=load_curve(brief, rep, load, n),
+        limits=(brief.sizing.max_utilization, brief.slo.ttft_p95_s, brief.slo.itl_p95_s),
+        architecture=(brief.model.name,
+                      f"{brief.model.weight_precision} weights, {brief.model.kv_precision} KV",
+                      brief.hardware.name, str(rep.tp), str(rep.replicas_per_node), str(brief.gpus_per_node),
+                      str(brief.sizing.spare_replicas)),
     )
     return _compare_with_reference(brief, result)
 

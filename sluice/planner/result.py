@@ -7,6 +7,7 @@ same data, and a reader can change any input and see what moves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sluice.planner import fmt
@@ -79,6 +80,16 @@ REFERENCE_TOLERANCE = 0.005   # a printed figure within 0.5% is the same figure,
 
 
 @dataclass(frozen=True, slots=True)
+class LoadPoint:
+    """The per-replica model of the planned fleet (spares serving) at a multiple of the brief's traffic."""
+
+    traffic: float        # × the brief's users
+    utilization: float
+    ttft_p95_s: float
+    itl_p95_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class SimulatedFigure:
     label: str
     analytical: float
@@ -95,6 +106,9 @@ class Simulation:
     figures: tuple[SimulatedFigure, ...]
     slo_holds: bool
     summary: str
+    ttft_p95_s: float = math.nan     # end to end (fixed latency added)
+    itl_p95_s: float = math.nan
+    busy_fraction: float = math.nan  # mean GPU busy share across replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +127,9 @@ class Plan:
     reference_source: str                       # "" when the brief has no reference figures
     reference_checks: tuple[ReferenceCheck, ...]
     simulation: Simulation | None = None
+    curves: tuple[LoadPoint, ...] = ()          # utilization, p95 TTFT and ITL against load (the report)
+    architecture: tuple[str, ...] = ()          # model, precision, GPU, TP, replicas/node, node GPUs, spares
+    limits: tuple[float, float, float] = (0.85, math.inf, math.inf)   # ceiling, p95 TTFT SLO, p95 ITL SLO (s)
 
     def figure(self, key: str) -> Figure:
         section, _, name = key.partition(".")

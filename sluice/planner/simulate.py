@@ -166,4 +166,5 @@ def _compare(brief: Brief, result: Plan, setup: SimInputs, report: FleetReport, 
     if setup.notes:
         summary += " Workload: " + "; ".join(setup.notes) + "."
     return Simulation(simulated_s=report.duration_s, requests=report.requests_completed, figures=figures,
-                      slo_holds=holds, summary=summary)
+                      slo_holds=holds, summary=summary, ttft_p95_s=report.ttft.p95 + fixed,
+                      itl_p95_s=report.itl.p95, busy_fraction=busy)

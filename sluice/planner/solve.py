@@ -30,6 +30,7 @@ from sluice.planner.brief import Brief
 from sluice.planner.demand import Load
 from sluice.planner.engine_config import engine_config
 from sluice.planner.latency import Ttft, ttft
+from sluice.planner.result import LoadPoint
 from sluice.planner.supply import Replica, batch_per_replica
 
 # Past this many serving replicas the floor binds: more replicas cannot help.
@@ -111,6 +112,15 @@ def floor_reason(brief: Brief, rep: Replica, load: Load) -> str:
     return (f"even {fmt.count(MAX_REPLICAS)} replicas fail ({'; '.join(last.failures)}): more replicas "
             f"cannot shorten a step below its weight read ({fmt.ms(floor)} at batch 1) nor a prefill below "
             f"{fmt.num(rep.cost.prefill_tokens_per_s())} tok/s per replica")
+
+
+def load_curve(brief: Brief, rep: Replica, load: Load, serving: int) -> tuple[LoadPoint, ...]:
+    """Utilization, p95 TTFT and p95 ITL of `serving` replicas from 0.1× to 2× the brief's traffic."""
+    points = []
+    for tenth in range(1, 21):
+        got = evaluate(brief, rep, load.scaled(traffic=tenth / 10), serving)
+        points.append(LoadPoint(tenth / 10, got.utilization, got.ttft.p95_s, got.itl_p95_s))
+    return tuple(points)
 
 
 def traffic_headroom(brief: Brief, rep: Replica, load: Load, serving: int) -> float:
