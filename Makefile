@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-http bench-routing sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -53,6 +53,9 @@ bench-http: infra-up         ## HTTP edge vs gRPC, the same requests side by sid
 
 bench-routing: setup         ## every routing policy (Sluice's and its peers') on every workload, simulated; tables + PNGs
 	$(PY) -m bench.bench_routing
+
+bench-autoscaler: setup      ## seed 000's traffic step on the simulator, with and without a warm pool; table + PNG
+	$(PY) -m bench.bench_autoscaler
 
 sim: setup                   ## seed 003's fleet on the simulator
 	$(PY) -m sluice.sim --preset seed003

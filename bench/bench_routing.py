@@ -22,7 +22,8 @@ Workloads (fixed seeds, open-loop arrivals of new conversations):
   slow     chat, replica r0's GPUs throttled to 60% (seed 000's slow replica)
 Load: 50% and 80% of the fleet's capacity for that workload, capacity being the
 oracle's highest completed request rate as the offered rate grows by 1.5x steps
-until completions fall 10% short of it (measured first, printed).
+until the fleet saturates: p95 TTFT past 2 s or completions under 80% of
+arrivals (measured first, printed).
 
 Figures per row: prompt-cache hit rate, p95 TTFT, p95 ITL, goodput at seed
 000's SLOs (TTFT <= 500 ms and TPOT <= 50 ms), load CoV (across replicas, of
@@ -59,6 +60,8 @@ KV_BLOCKS = 30_000
 LOADS = (0.5, 0.8)
 CAPACITY_GUESS_RPS = 150.0           # the capacity sweep's first offered rate
 CAPACITY_STEP = 1.5
+SATURATED_TTFT_S = 2.0               # p95 TTFT this far past seed 000's 500 ms SLO: the queue is growing
+SATURATED_COMPLETION = 0.8
 RESTART_REPLICA, RESTART_DOWN_S = 3, 10.0
 SLOW_REPLICA, SLOW_SPEED = 0, 0.6
 RECOVERED_AT = 0.95                  # of the hit rate before the restart
@@ -150,13 +153,19 @@ class Capacity:
 
 def capacity(workload: Workload, duration_s: float) -> Capacity:
     """The oracle's highest completed request rate over offered rates growing by CAPACITY_STEP until
-    completions fall 10% short of what arrived (the fleet is saturated)."""
+    the fleet is saturated."""
     rate, best, ratio = CAPACITY_GUESS_RPS, 0.0, 0.0
     while True:
         report = run(workload, "oracle", rate, duration_s)
+        print(f"  {workload.name} capacity sweep: asked {rate:.0f} req/s, {report.offered_rate:.1f} arrived, "
+              f"{report.request_throughput:.1f} completed", flush=True)
         ratio = ratio or report.offered_rate / rate
         best = max(best, report.request_throughput)
-        if report.request_throughput < 0.9 * report.offered_rate or rate > 100 * CAPACITY_GUESS_RPS:
+        # Saturated: queues build (p95 TTFT past SATURATED_TTFT_S) or completions fall well short of
+        # arrivals (a short window always ends with some runs in flight, hence not 0.9).
+        saturated = (report.ttft.p95 > SATURATED_TTFT_S
+                     or report.request_throughput < SATURATED_COMPLETION * report.offered_rate)
+        if saturated or rate > 100 * CAPACITY_GUESS_RPS:
             return Capacity(best, ratio)
         rate *= CAPACITY_STEP
 
@@ -217,7 +226,7 @@ def print_table(rows: Sequence[Row], workload: str, load: float, capacity_rps: f
     print(f"{'policy':<{width}}{'req/s':>8}{'hit':>8}{'TTFT p95':>12}{'ITL p95':>10}{'goodput':>9}{'CoV':>8}"
           f"{'sim s':>7}")
     for row in rows:
-        print(format_row(row, width))
+        print(format_row(row, width), flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     verdicts: list[Verdict] = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
-        measured = capacity(workload, args.duration / 2)
+        measured = capacity(workload, args.duration)
         for load in (float(value) for value in args.loads.split(",")):
             at_load = [make_row(workload, load, policy, measured.rate_for(load), args.duration)
                        for policy in policies]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Model, Run, RunStatus
-from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.notify import notify
 from sqlalchemy import Integer, and_, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -48,7 +47,6 @@ class ClaimedRun:
     queued_at: dt.datetime | None
     created_at: dt.datetime | None = None   # the submit (TTFT runs from here)
     cache_salt: int = 0          # the run's trust scope as the replica's cache_salt_id (trust_scope.py)
-    sampling: Sampling = ENGINE_DEFAULT   # the submit's, from runs.sampling; 0 = the replica's default
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:

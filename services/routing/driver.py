@@ -34,7 +34,6 @@ from typing import Protocol
 
 from sluice.ledger.models import RunStatus
 from sluice.services import replica_client
-from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from sluice.services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
@@ -63,8 +62,8 @@ DETAIL_FAILED_BEFORE_START = "replica {replica} failed before the first token: {
 
 class ReplicaClient(Protocol):
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
-                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *,
+                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
         ...
 
     async def stop(self, address: str, request_id: str) -> None:
@@ -75,12 +74,10 @@ class _ModuleReplicaClient:
     """The Triton client module as a ReplicaClient (the seam tests never need to replace)."""
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
-                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
-        # A 0 field is left out: the replica then applies its default (TensorRT-LLM's).
+                        max_new_tokens: int, end_id: int | None = None, *,
+                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
         return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
-                                              cache_salt=cache_salt, temperature=sampling.temperature or None,
-                                              top_p=sampling.top_p or None, seed=sampling.seed or None)
+                                              cache_salt=cache_salt)
 
     async def stop(self, address: str, request_id: str) -> None:
         await replica_client.stop(address, request_id)
@@ -313,7 +310,7 @@ class RunDriver:
         try:
             stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
                                                    claim.max_output_tokens, claim.end_id,
-                                                   cache_salt=claim.cache_salt, sampling=claim.sampling)
+                                                   cache_salt=claim.cache_salt)
             async for chunk in stream:
                 pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
                 # Never more than the cap the budget reserved for, whatever the replica sends.

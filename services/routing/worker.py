@@ -36,7 +36,6 @@ from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services import replica_client
-from sluice.services.admission_rules import Sampling
 from sluice.services.finish import (
     Ending,
     TerminalRecord,
@@ -290,7 +289,7 @@ class RoutingWorker:
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at, cache_salt=salt, sampling=Sampling.from_json(run.sampling))
+            created_at=run.created_at, cache_salt=salt)
         return _Routed(claim, request, decision)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:

@@ -64,12 +64,15 @@ from sluice.sim.metrics import (
     hit_timeline,
     meets_slo,
 )
+from sluice.sim.scaling import Autoscaling, ScalingHost
 from sluice.sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
 
 UNKNOWN_REPLICA = "the policy chose {name!r}, which is not a replica of this fleet"
 DOWN_REPLICA = "the policy chose {name!r}, which is down and was not among the candidates"
 
-_WAKE, _ARRIVAL, _DOWN, _UP = range(4)
+_WAKE, _ARRIVAL, _DOWN, _UP, _SCALE, _READY, _PROMOTED = range(7)
+_CONTROL_KINDS = {"scale": _SCALE, "ready": _READY, "promoted": _PROMOTED}
+_CONTROL_NAMES = {code: name for name, code in _CONTROL_KINDS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,8 @@ class FleetConfig:
     # (replica index, speed): that replica's GPUs run at this fraction of their peak bandwidth and
     # FLOP/s (a throttled or degraded GPU: seed 000's slow replica that least-loaded routing hides)
     slow_replicas: tuple[tuple[int, float], ...] = ()
+    # An autoscaler over `replicas` slots (sim/scaling.py); None: every replica serves throughout.
+    autoscaling: Autoscaling | None = None
 
     def cost_model(self, replica: int | None = None) -> CostModel:
         speed = dict(self.slow_replicas).get(replica, 1.0) if replica is not None else 1.0
@@ -116,12 +121,15 @@ def throttled(hardware: HardwareProfile, speed: float) -> HardwareProfile:
                    dense_flops_per_s=flops)
 
 
+OFF, STARTING, WARM, SERVING, DRAINING = "off", "starting", "warm", "serving", "draining"
+
+
 class SimReplica:
     """One engine core plus what the host knows about it: its plan, wake version and gauges."""
 
     __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
                  "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
-                 "paused", "down", "start_time", "retired")
+                 "paused", "down", "start_time", "retired", "state")
 
     def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
         self.name = name
@@ -142,6 +150,7 @@ class SimReplica:
         self.down = False
         self.start_time = 0.0                  # changes at a restart, as the replica's gauge does
         self.retired: list[EngineStats] = []   # final stats of engines lost to restarts
+        self.state = SERVING                   # autoscaling: off | starting | warm | serving | draining
 
     def view(self, pool: str) -> ReplicaView:
         engine = self.engine
@@ -214,6 +223,8 @@ class _Run:
         self.arrived_measured = 0
         self.outcomes: Counter[str] = Counter()
         self.events = 0
+        settings = fleet.config.autoscaling
+        self.scaling = ScalingHost(self, settings) if settings is not None else None
 
     # --- event plumbing ---------------------------------------------------------------------
 
@@ -228,6 +239,11 @@ class _Run:
         self.counter += 1
         heapq.heappush(self.heap, (at, self.counter, _ARRIVAL, None, 0, what))
 
+    def push_control(self, at: float, replica: SimReplica | None, kind: str) -> None:
+        """An autoscaling event (sim/scaling.py): its control tick, a cold start done, a promotion done."""
+        self.counter += 1
+        heapq.heappush(self.heap, (at, self.counter, _CONTROL_KINDS[kind], replica, 0, None))
+
     def push_restart(self, restart: ReplicaRestart) -> None:
         replica = self.fleet.replicas[restart.replica]
         for at, kind in ((restart.at_s, _DOWN), (restart.at_s + restart.down_s, _UP)):
@@ -240,6 +256,8 @@ class _Run:
             self.push_arrival(at, conversation)
         for restart in self.fleet.config.restarts:
             self.push_restart(restart)
+        if self.scaling is not None:
+            self.scaling.place_initial(self.fleet.replicas)
         end = self.config.duration_s
         heap = self.heap
         while heap and heap[0][0] <= end:
@@ -249,6 +267,8 @@ class _Run:
                 turn = arriving if isinstance(arriving, Turn) else self.draw_turn(arriving)
                 if turn is not None:
                     self.arrive(turn, at)
+            elif kind in _CONTROL_NAMES and self.scaling is not None:
+                self.scaling.on_control(_CONTROL_NAMES[kind], replica, at)
             elif replica is None:
                 continue
             elif kind == _WAKE:
@@ -278,7 +298,10 @@ class _Run:
         request = RouteRequest(request_id=turn.request_id, model_version=self.pool, token_ids=turn.prompt,
                                max_output_tokens=turn.max_output_tokens,
                                conversation_id=turn.conversation.conversation_id)
-        views = [replica.view(self.pool) for replica in self.fleet.replicas if not replica.down]
+        if self.scaling is not None and self.scaling.shed(turn, at):
+            return
+        views = [replica.view(self.pool) for replica in self.fleet.replicas
+                 if not replica.down and replica.state == SERVING]
         decision = self.policy.choose(request, views, at)
         if decision is None:
             self.reject(turn, at)
@@ -428,6 +451,8 @@ class _Run:
         if output.first_token:
             record.first_token_s = at
             record.cached_tokens = output.num_cached_tokens
+            if self.scaling is not None:
+                self.scaling.first_token(at, at - record.arrival_s)
         if not output.finished:
             return
         record.finish_s = at
@@ -436,6 +461,8 @@ class _Run:
         turn, request, _ = self.turns.pop(output.request_id)
         replica.in_flight -= 1
         self.policy.on_finished(request, replica.name, at)
+        if self.scaling is not None:
+            self.scaling.finished(replica, at)
         self.workload.answer_finished(turn, output.num_output_tokens)
         self.push_arrival(at + self.workload.think_time(), turn.conversation)
 
@@ -476,6 +503,8 @@ class _Run:
             sim_cpu_s=cpu_s, sim_wall_s=wall_s, events=self.events,
             hit_timeline=hit_timeline(list(self.records.values())),
             offered_rate=self.arrived_measured / window,
+            requests_shed=self.scaling.shed_total if self.scaling is not None else 0,
+            scaling=tuple(self.scaling.samples) if self.scaling is not None else (),
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

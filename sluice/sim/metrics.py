@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sluice.sim.scaling import ScalingSample
+
 PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 HIT_WINDOW_S = 5.0
 
@@ -158,6 +160,8 @@ class FleetReport:
     # every HIT_WINDOW_S from the start of the run, warm-up included: how a restart dents the hit rate
     hit_timeline: tuple[tuple[float, float], ...] = ()
     offered_rate: float = 0.0        # requests arriving in the measured window / s (resends included)
+    requests_shed: int = 0           # refused by the gateway with a retry-after (autoscaling runs)
+    scaling: tuple[ScalingSample, ...] = ()   # the autoscaler's view at each control tick
 
     def format(self) -> str:
         slo = self.slo

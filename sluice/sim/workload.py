@@ -63,6 +63,11 @@ class WorkloadConfig:
     conversation_rate: float = 1.0          # "poisson": new conversations per second ("bursty": while on)
     burst_on_s: float = 20.0                # "bursty": length of each burst
     burst_off_s: float = 20.0               # "bursty": silence between bursts
+    # "poisson": the rate steps from conversation_rate to ramp_factor times it, linearly over ramp_s
+    # from ramp_start_s (seed 000: "traffic doubles in five minutes"); 1.0 = a constant rate
+    ramp_factor: float = 1.0
+    ramp_start_s: float = 0.0
+    ramp_s: float = 300.0
     trace_arrivals: tuple[float, ...] = ()  # "trace": start times of conversations
     turns: LengthDistribution = GeometricLength(2.5)
     system_prompt_tokens: int = 400
@@ -123,11 +128,23 @@ class Workload:
         if config.arrival == "trace":
             return [(at, self.new_conversation(-1)) for at in config.trace_arrivals if at < config.duration_s]
         starts: list[tuple[float, Conversation]] = []
-        on_clock = rng.expovariate(config.conversation_rate)
+        peak = config.conversation_rate * max(config.ramp_factor, 1.0)
+        on_clock = rng.expovariate(peak)
         while (at := self._wall_time(on_clock)) < config.duration_s:
-            starts.append((at, self.new_conversation(-1)))
-            on_clock += rng.expovariate(config.conversation_rate)
+            # Thinning: a Poisson process at the peak rate, each arrival kept with rate(t) / peak.
+            if config.ramp_factor == 1.0 or rng.random() * peak < self.rate_at(at):
+                starts.append((at, self.new_conversation(-1)))
+            on_clock += rng.expovariate(peak)
         return starts
+
+    def rate_at(self, at: float) -> float:
+        """New conversations per second at time `at` (the ramp; bursts aside)."""
+        config = self.config
+        if at < config.ramp_start_s:
+            progress = 0.0
+        else:
+            progress = min((at - config.ramp_start_s) / config.ramp_s, 1.0) if config.ramp_s > 0 else 1.0
+        return config.conversation_rate * (1.0 + (config.ramp_factor - 1.0) * progress)
 
     def _wall_time(self, on_clock: float) -> float:
         """Poisson arrivals are drawn on a clock that runs only while arrivals are on; "bursty"

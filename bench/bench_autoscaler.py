@@ -1,0 +1,167 @@
+"""Seed 000's traffic step on the simulator: the autoscaler with and without a warm pool.
+
+    .venv/bin/python -m bench.bench_autoscaler            # make bench-autoscaler (~ a few minutes)
+    .venv/bin/python -m bench.bench_autoscaler --quick    # shorter, smaller
+
+"Traffic doubles in five minutes: the autoscaler is a minute behind, the warm pool absorbs the first
+step, and beyond that the gateway rejects with a retry-after." (seed 000)
+
+Fleet: seed 000's replicas, Llama-3-70B bf16 on 8 x H100 (TP8), cold start 90 s
+(weights and warm-up; "a minute or more"), promotion of a warm replica 5 s. Workload: chat with seed
+000's shape (1,000-token system prompt, ~500-token messages, ~300-token answers, 45 s to read and
+type), new conversations Poisson at ~24 requests/s, doubling linearly over five minutes from t = 300 s.
+Each replica takes 16 sequences (max_num_seqs): that keeps the simulation cheap on a small machine
+and scales every count down together; the shape (the scaler a cold start behind, the warm pool
+absorbing the first step, shedding beyond it) does not depend on it. The control loop (sluice/autoscaler/control.py) runs every 5 s on 30 s windows; the gateway
+sheds when the predicted queue wait passes 5 s. Each configuration starts with the replicas the base
+load needs and runs to 900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sluice.autoscaler.control import ScalerConfig
+from sluice.engine.profiles import get_hardware, get_model
+from sluice.engine.sampling import GeometricLength, LogNormalLength
+from sluice.engine.types import EngineConfig
+from sluice.router.factory import make_policy
+from sluice.sim.fleet import Fleet, FleetConfig
+from sluice.sim.metrics import FleetReport
+from sluice.sim.scaling import Autoscaling
+from sluice.sim.workload import WorkloadConfig
+
+SLOTS = 16                     # replica slots (GPU nodes) the pool may use
+BASE_SERVING = 5
+COLD_START_S = 90.0
+MINUTE = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    duration_s: float = 900.0
+    ramp_start_s: float = 300.0
+    ramp_s: float = 300.0
+    conversations_per_s: float = 6.0        # ~24 req/s: what 5 replicas serve at 3/4 of 16 sequences each
+
+
+def fleet(warm_pool: int) -> FleetConfig:
+    scaler = ScalerConfig(runs_per_replica=16, min_replicas=BASE_SERVING, max_replicas=SLOTS,
+                          warm_pool=warm_pool, target_utilization=0.75, scale_in_utilization=0.4,
+                          cold_start_s=COLD_START_S,
+                          scale_out_cooldown_s=15.0, scale_in_cooldown_s=180.0)
+    return FleetConfig(
+        replicas=SLOTS, model=get_model("llama-3-70b", weights="bf16", kv="bf16"),
+        hardware=get_hardware("h100-sxm"), tp=8,
+        engine=EngineConfig(block_size=32, max_num_seqs=16, max_num_tokens=4096, stream_tokens=False),
+        autoscaling=Autoscaling(scaler=scaler, initial_serving=BASE_SERVING, initial_warm=warm_pool,
+                                shed_queue_wait_s=5.0))
+
+
+def workload(scenario: Scenario) -> WorkloadConfig:
+    return WorkloadConfig(
+        duration_s=scenario.duration_s, arrival="poisson", conversation_rate=scenario.conversations_per_s,
+        think_time_s=45.0, turns=GeometricLength(4.0), system_prompt_tokens=1000,
+        user_tokens=LogNormalLength.from_mean_p95(500, 1500),
+        output_tokens=LogNormalLength.from_mean_p95(300, 900),
+        ramp_factor=2.0, ramp_start_s=scenario.ramp_start_s, ramp_s=scenario.ramp_s, warmup_s=120.0, seed=5)
+
+
+def run(scenario: Scenario, warm_pool: int) -> FleetReport:
+    simulated = Fleet(fleet(warm_pool), workload(scenario))
+    return simulated.run(make_policy("prefix_aware"))
+
+
+def per_minute(report: FleetReport) -> list[tuple[float, float, int, int]]:
+    """(minute start, worst p95 TTFT of its ticks, most serving replicas, runs shed) per minute."""
+    minutes: dict[int, list[tuple[float, int, int]]] = {}
+    for sample in report.scaling:
+        minutes.setdefault(int(sample.at_s // MINUTE), []).append(
+            (sample.ttft_p95_s, sample.serving, sample.shed_in_interval))
+    rows = []
+    for minute in sorted(minutes):
+        ticks = minutes[minute]
+        ttfts = [ttft for ttft, _, _ in ticks if not math.isnan(ttft)]
+        rows.append((minute * MINUTE, max(ttfts) if ttfts else math.nan, max(s for _, s, _ in ticks),
+                     sum(shed for _, _, shed in ticks)))
+    return rows
+
+
+def print_comparison(reports: dict[int, FleetReport], scenario: Scenario) -> None:
+    print(f"\nTraffic doubles from t = {scenario.ramp_start_s:.0f} s over {scenario.ramp_s:.0f} s; cold "
+          f"start {COLD_START_S:.0f} s. Per minute: worst p95 TTFT (30 s windows), serving replicas, "
+          "runs shed")
+    header = "minute" + "".join(f"   warm pool {pool}: p95 TTFT  serving  shed" for pool in reports)
+    print(header)
+    columns = {pool: per_minute(report) for pool, report in reports.items()}
+    for index in range(max(len(rows) for rows in columns.values())):
+        line = ""
+        for rows in columns.values():
+            if index < len(rows):
+                _, ttft, serving, shed = rows[index]
+                line += f"   {'':>12}{ttft * 1e3:>9.0f} ms {serving:>8} {shed:>5}"
+        minute = next(rows[index][0] for rows in columns.values() if index < len(rows))
+        print(f"{minute / MINUTE:>6.0f}{line}")
+    for pool, report in reports.items():
+        after = [sample.ttft_p95_s for sample in report.scaling
+                 if sample.at_s >= scenario.ramp_start_s and not math.isnan(sample.ttft_p95_s)]
+        peak = max(after) if after else math.nan
+        print(f"warm pool {pool}: peak p95 TTFT after the step {peak * 1e3:,.0f} ms, {report.requests_shed} "
+              f"runs shed with a retry-after, {report.requests_interrupted} interrupted, p95 TTFT overall "
+              f"{report.ttft.p95 * 1e3:,.0f} ms, goodput {report.goodput:.1f} req/s")
+
+
+def plot(reports: dict[int, FleetReport], out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ttft_axis, serving_axis) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for pool, report in reports.items():
+        times = [sample.at_s for sample in report.scaling]
+        ttft_axis.plot(times, [sample.ttft_p95_s * 1e3 for sample in report.scaling],
+                       label=f"warm pool {pool}")
+        serving_axis.step(times, [sample.serving for sample in report.scaling], where="post",
+                          label=f"serving, warm pool {pool}")
+    ttft_axis.set_yscale("log")
+    ttft_axis.set_ylabel("p95 TTFT, last 30 s (ms)")
+    ttft_axis.axhline(500, color="grey", linestyle="--", linewidth=0.8)
+    ttft_axis.legend()
+    serving_axis.set_ylabel("serving replicas")
+    serving_axis.set_xlabel("simulated seconds (traffic doubles from 300 s to 600 s)")
+    serving_axis.legend()
+    fig.suptitle("Seed 000: traffic doubles in five minutes, 70B bf16 TP8, cold start 90 s")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="600 s, ramp from 120 s over 240 s")
+    parser.add_argument("--warm-pools", default="2,0")
+    parser.add_argument("--plot", default=".sluice/bench/autoscaler.png")
+    args = parser.parse_args(argv)
+    quick = replace(Scenario(), duration_s=600.0, ramp_start_s=120.0, ramp_s=240.0)
+    scenario = quick if args.quick else Scenario()
+    reports = {}
+    for pool in (int(value) for value in args.warm_pools.split(",")):
+        reports[pool] = run(scenario, pool)
+        print(f"  warm pool {pool}: simulated in {reports[pool].sim_cpu_s:.0f} s CPU", flush=True)
+    print_comparison(reports, scenario)
+    if args.plot and (path := plot(reports, Path(args.plot))) is not None:
+        print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
