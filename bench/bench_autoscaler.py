@@ -13,8 +13,8 @@ type), new conversations Poisson at ~24 requests/s, doubling linearly over five 
 Each replica takes 16 sequences (max_num_seqs): that keeps the simulation cheap on a small machine
 and scales every count down together; the shape (the scaler a cold start behind, the warm pool
 absorbing the first step, shedding beyond it) does not depend on it. The control loop
-(sluice/autoscaler/control.py) runs every 5 s on 30 s windows; the gateway sheds when the predicted queue wait passes 5 s. Each configuration starts with the replicas the base
-load needs and runs to 900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
+(sluice/autoscaler/control.py) runs every 5 s on 30 s windows; the gateway sheds when the predicted
+queue wait passes 5 s. Each configuration starts with the replicas the base load needs and runs to 900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
 """
 
 from __future__ import annotations
