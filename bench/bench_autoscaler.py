@@ -6,15 +6,16 @@
 "Traffic doubles in five minutes: the autoscaler is a minute behind, the warm pool absorbs the first
 step, and beyond that the gateway rejects with a retry-after." (seed 000)
 
-Fleet: seed 000's replicas, Llama-3-70B bf16 on 8 x H100 (TP8), cold start 90 s
-(weights and warm-up; "a minute or more"), promotion of a warm replica 5 s. Workload: chat with seed
-000's shape (1,000-token system prompt, ~500-token messages, ~300-token answers, 45 s to read and
-type), new conversations Poisson at ~24 requests/s, doubling linearly over five minutes from t = 300 s.
-Each replica takes 16 sequences (max_num_seqs): that keeps the simulation cheap on a small machine
-and scales every count down together; the shape (the scaler a cold start behind, the warm pool
-absorbing the first step, shedding beyond it) does not depend on it. The control loop
+Fleet: seed 000's replicas, Llama-3-70B bf16 on 8 x H100 (TP8), cold start 90 s (weights and warm-
+up; "a minute or more"), promotion of a warm replica 5 s. Workload: chat with seed 000's shape
+(1,000-token system prompt, ~500-token messages, ~300-token answers, 45 s to read and type), new
+conversations Poisson at ~24 requests/s, doubling linearly over five minutes from t = 300 s. Each
+replica takes 16 sequences (max_num_seqs): that keeps the simulation cheap on a small machine and
+scales every count down together; the shape (the scaler a cold start behind, the warm pool absorbing
+the first step, shedding beyond it) does not depend on it. The control loop
 (sluice/autoscaler/control.py) runs every 5 s on 30 s windows; the gateway sheds when the predicted
-queue wait passes 5 s. Each configuration starts with the replicas the base load needs and runs to 900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
+queue wait passes 5 s. Each configuration starts with the replicas the base load needs and runs to
+900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
 """
 
 from __future__ import annotations
