@@ -303,7 +303,7 @@ def plot(rows: Sequence[Row], workload: str, out_dir: Path) -> Path | None:
             axis.set_xticklabels(names, rotation=40, ha="right", fontsize=8)
     axes[0].set_yscale("log")
     axes[0].legend()
-    fig.suptitle(f"{workload}: Sluice's policies, its peers and the oracle (8 x 70B FP8 TP8, simulated)")
+    fig.suptitle(f"{workload}: Sluice's policies, its peers and the oracle (70B FP8 TP8 replicas, simulated)")
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"routing-{workload}.png"
@@ -319,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS))
     parser.add_argument("--duration", type=float, default=120.0, help="simulated seconds per run")
+    parser.add_argument("--replicas", type=int, default=8, help="replicas in the fleet (seed 003: 8)")
     parser.add_argument("--quick", action="store_true", help="chat and slow only, 60 s runs, 80% load")
     parser.add_argument("--plots", default=".sluice/bench/routing", help="folder for the PNGs ('' for none)")
     args = parser.parse_args(argv)
@@ -331,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     verdicts: list[Verdict] = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
+        workload = replace(workload, fleet=replace(workload.fleet, replicas=args.replicas))
         measured = capacity(workload, args.duration)
         for load in (float(value) for value in args.loads.split(",")):
             at_load = [make_row(workload, load, policy, measured.rate_for(load), args.duration)
