@@ -50,9 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import asyncpg
 import grpc.aio
 from sluice.ledger.seed import TINY_CHAT
 from sluice.services import replica_client
+from sluice.services.notify import asyncpg_dsn
 from sluice.services.tokenization import encode
 
 from bench.bench_submit import _claim_backlog
@@ -114,6 +116,9 @@ class RunOutcome:
     events: int
     status: str            # terminal status name, or "ERROR <code>" when the call failed
     detail: str
+    run_id: str = ""
+    submitted_at: float = 0.0   # wall clock (time.time()) when Submit was called
+    first_at: float = 0.0       # wall clock when the first DELTA arrived (0: none)
 
 
 class Client:
@@ -143,6 +148,7 @@ class Client:
 
     async def run(self, tokens: int) -> RunOutcome:
         gateway, tenant = self.pick()
+        submitted_at, first_at, run_id = time.time(), 0.0, ""
         started = time.perf_counter()
         first = float("nan")
         received = events = 0
@@ -156,13 +162,14 @@ class Client:
                 if event.type == runs_pb2.EVENT_TYPE_DELTA:
                     if received == 0:
                         first = time.perf_counter() - started
+                        first_at = time.time()
                     received += len(event.token_ids)
                 elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
                     status = common_pb2.RunStatus.Name(event.status).removeprefix("RUN_STATUS_")
                     detail = event.detail
         except grpc.aio.AioRpcError as error:
             status, detail = f"ERROR {error.code().name}", error.details() or ""
-        return RunOutcome(first, received, events, status, detail)
+        return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at)
 
 
 async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]) -> list[T]:
@@ -218,7 +225,37 @@ def interrupted_details(outcomes: Sequence[RunOutcome]) -> str:
     return "; ".join(sorted(details)[:3])
 
 
-async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan) -> list[str]:
+# Where a run's first token spends its time, from the ledger's timestamps (database clock, same box).
+_LEDGER_TIMES = """
+SELECT id::text, extract(epoch FROM created_at) AS created, extract(epoch FROM queued_at) AS queued,
+       extract(epoch FROM started_at) AS started
+FROM runs WHERE id::text = ANY($1::text[])
+"""
+
+
+async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
+    """Median of each leg: Submit → run row committed → claimed (QUEUED) → first token recorded
+    (RUNNING: replica TTFT + first append + ledger) → first DELTA at the client (gateway delivery)."""
+    connection = await asyncpg.connect(asyncpg_dsn(dsn))
+    try:
+        rows = {row["id"]: row for row in await connection.fetch(_LEDGER_TIMES, [o.run_id for o in outcomes])}
+    finally:
+        await connection.close()
+    legs: dict[str, list[float]] = {name: [] for name in ("submit", "claim", "first token recorded",
+                                                          "gateway delivery")}
+    for outcome in outcomes:
+        row = rows.get(outcome.run_id)
+        if row is None or row["started"] is None or row["queued"] is None or not outcome.first_at:
+            continue
+        created, queued, started = float(row["created"]), float(row["queued"]), float(row["started"])
+        legs["submit"].append(created - outcome.submitted_at)
+        legs["claim"].append(queued - created)
+        legs["first token recorded"].append(started - queued)
+        legs["gateway delivery"].append(outcome.first_at - started)
+    return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms (p50)"
+
+
+async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str) -> list[str]:
     prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
 
     async def direct(index: int) -> float:
@@ -229,8 +266,12 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan) -> lis
             return time.perf_counter() - started
         return float("nan")
 
+    outcomes: list[RunOutcome] = []
+
     async def platform() -> float:
-        return (await client.run(4)).ttft_s
+        outcome = await client.run(4)
+        outcomes.append(outcome)
+        return outcome.ttft_s
 
     lines = []
     levels = (("one at a time", 1, plan.ttft_serial), ("16 concurrent", 16, plan.ttft_rounds))
@@ -245,6 +286,8 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan) -> lis
         lines.append(f"TTFT {label} ({len(platform_s)} each): direct p50 {d50:.1f} / p95 {d95:.1f} ms;"
                      f" platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
                      f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
+        lines.append(f"  where the platform's time goes: {await ttft_split(dsn, outcomes)}")
+        outcomes.clear()
     return lines
 
 
@@ -375,7 +418,7 @@ async def bench(args: argparse.Namespace) -> None:
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
-        for line in await phase_ttft(client, stack.replica_addresses, plan):
+        for line in await phase_ttft(client, stack.replica_addresses, plan, dsn):
             print(line, flush=True)
         outcomes, spent = await phase_runs(meter, client, plan.cost_runs, 16, 2)
         print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent; {outcome_counts(outcomes)}):"
