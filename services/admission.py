@@ -351,14 +351,16 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
     usage = await runs.limit_usage(tenant.id, RATE_WINDOW, excluding=run_id)
     max_runs = tenant.max_concurrent_runs
     if max_runs is not None and usage.active_runs >= max_runs:
-        raise ResourceExhausted(CONCURRENCY_LIMIT.format(active=usage.active_runs, limit=max_runs))
+        raise ResourceExhausted(CONCURRENCY_LIMIT.format(active=usage.active_runs, limit=max_runs),
+                                reason="CONCURRENT_RUNS")
     limit, needed = tenant.tokens_per_minute, prepared.reserved_tokens
     if limit is None or usage.tokens_in_window + needed <= limit:
         return
     if needed > limit:
         advice = limit_advice(limit, len(prepared.prompt_token_ids))
         raise ResourceExhausted(
-            TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice)
+            TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice),
+            reason="TOKENS_PER_MINUTE",
         )
     entries = await runs.admitted_in_window(tenant.id, RATE_WINDOW, excluding=run_id)
     wait = rate_window_retry_after(entries, limit, needed, RATE_WINDOW)
@@ -367,14 +369,14 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
         TOKENS_PER_MINUTE_LIMIT.format(
             admitted=usage.tokens_in_window, limit=limit, needed=needed, retry_after_ms=wait_ms
         ),
-        metadata=[(RETRY_AFTER_MS_KEY, str(wait_ms))],
+        metadata=[(RETRY_AFTER_MS_KEY, str(wait_ms))], reason="TOKENS_PER_MINUTE",
     )
 
 
 async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> ResourceExhausted:
     state = await budgets.current(prepared.tenant.id)
     if state is None:
-        return ResourceExhausted(NO_BUDGET)
+        return ResourceExhausted(NO_BUDGET, reason="NO_BUDGET")
     prompt = len(prepared.prompt_token_ids)
     fit = largest_cap_that_fits(
         prepared.model, prompt, state.tokens_left, state.cost_left_micros, prepared.model.context_limit
@@ -382,11 +384,12 @@ async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> Res
     amounts = {"tokens_left": state.tokens_left, "cost_left_micros": state.cost_left_micros, "prompt": prompt}
     if fit <= 0:
         return ResourceExhausted(
-            BUDGET_TOO_SMALL_FOR_PROMPT.format(**amounts), metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, "0")]
+            BUDGET_TOO_SMALL_FOR_PROMPT.format(**amounts), metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, "0")],
+            reason="BUDGET_EXCEEDED",
         )
     return ResourceExhausted(
         BUDGET_TOO_SMALL_FOR_CAP.format(**amounts, cap=prepared.intent.max_output_tokens, fit=fit),
-        metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, str(fit))],
+        metadata=[(MAX_OUTPUT_TOKENS_THAT_FIT_KEY, str(fit))], reason="BUDGET_EXCEEDED",
     )
 
 

@@ -78,29 +78,32 @@ def normalize_float(value: float) -> float:
 def check_request_shape(intent: SubmitIntent, max_request_key_chars: int) -> str:
     """Checks that need no database; returns the decoded input text."""
     if not intent.request_key:
-        raise InvalidArgument(REQUEST_KEY_MISSING.format(limit=max_request_key_chars))
+        raise InvalidArgument(REQUEST_KEY_MISSING.format(limit=max_request_key_chars), field="request_key")
     if len(intent.request_key) > max_request_key_chars:
         raise InvalidArgument(
-            REQUEST_KEY_TOO_LONG.format(length=len(intent.request_key), limit=max_request_key_chars)
+            REQUEST_KEY_TOO_LONG.format(length=len(intent.request_key), limit=max_request_key_chars),
+            field="request_key",
         )
     if intent.max_output_tokens <= 0:
-        raise InvalidArgument(OUTPUT_CAP_NOT_POSITIVE.format(cap=intent.max_output_tokens))
+        raise InvalidArgument(OUTPUT_CAP_NOT_POSITIVE.format(cap=intent.max_output_tokens),
+                              field="max_output_tokens")
     if intent.deadline_ms < 0:
-        raise InvalidArgument(DEADLINE_NEGATIVE.format(deadline_ms=intent.deadline_ms))
+        raise InvalidArgument(DEADLINE_NEGATIVE.format(deadline_ms=intent.deadline_ms), field="deadline_ms")
     _check_range("temperature", intent.sampling.temperature, TEMPERATURE_RANGE)
     _check_range("top_p", intent.sampling.top_p, TOP_P_RANGE)
     if not intent.input:
-        raise InvalidArgument(EMPTY_INPUT)
+        raise InvalidArgument(EMPTY_INPUT, field="input")
     try:
         return intent.input.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InvalidArgument(INPUT_NOT_UTF8.format(position=error.start)) from None
+        raise InvalidArgument(INPUT_NOT_UTF8.format(position=error.start), field="input") from None
 
 
 def _check_range(name: str, value: float, bounds: tuple[float, float]) -> None:
     low, high = bounds
     if math.isnan(value) or not low <= value <= high:
-        raise InvalidArgument(SAMPLING_OUT_OF_RANGE.format(name=name, low=low, high=high, value=value))
+        raise InvalidArgument(SAMPLING_OUT_OF_RANGE.format(name=name, low=low, high=high, value=value),
+                              field=f"sampling.{name}")
 
 
 def limit_advice(limit: int, prompt_tokens: int) -> str:
@@ -118,7 +121,8 @@ def check_context(model_version: str, context_limit: int, prompt_tokens: int, ca
         CONTEXT_TOO_LONG.format(
             prompt=prompt_tokens, cap=cap, model=model_version, limit=context_limit,
             advice=limit_advice(context_limit, prompt_tokens),
-        )
+        ),
+        field="max_output_tokens",
     )
 
 
@@ -224,7 +228,7 @@ def check_backlog(model_version: str, worker_pool: str, backlog: int, pace: Pool
     raise Unavailable(
         POOL_BACKLOG_FULL.format(model=model_version, pool=worker_pool, backlog=backlog,
                                  limit=pace.max_backlog, retry_after_ms=wait_ms),
-        retry_after_ms=wait_ms,
+        retry_after_ms=wait_ms, reason="POOL_BACKLOG_FULL",
     )
 
 

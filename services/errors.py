@@ -1,7 +1,11 @@
 """Domain errors and the ONE place where they become gRPC status codes.
 
 Services raise these (caller misuse, or a refusal the caller can act on); `grpc_errors` wraps each
-RPC method and turns them into `context.abort(code, message)` with optional trailing metadata.
+RPC method and turns them into `context.abort(code, message)` with optional trailing metadata, and
+beside it the standard `google.rpc.Status` in `grpc-status-details-bin` (what grpcio-status and
+every language's gRPC library decode): `ErrorInfo` (reason, domain `sluice`, the hints as
+metadata), `RetryInfo` for a retry-after, `QuotaFailure` for RESOURCE_EXHAUSTED and `BadRequest`
+naming the field of an INVALID_ARGUMENT.
 A lost or refused database connection (or an exhausted pool) becomes UNAVAILABLE with a retry
 delay. Anything else that escapes a handler is logged with its traceback and reported as INTERNAL
 with a generic message: callers never see a raw traceback.
@@ -20,6 +24,9 @@ from typing import ClassVar, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
 from sqlalchemy import exc as sa_exc
 
 log = logging.getLogger(__name__)
@@ -120,10 +127,13 @@ class SluiceError(Exception):
 
     code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, message: str, *, metadata: Sequence[tuple[str, str]] = (),
+                 field: str | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.metadata: tuple[tuple[str, str], ...] = tuple(metadata)
+        self.field = field                          # the request field at fault (BadRequest)
+        self.reason = reason or self.code.name      # ErrorInfo.reason, UPPER_SNAKE_CASE
 
 
 class Unauthenticated(SluiceError):
@@ -158,11 +168,11 @@ class Unavailable(SluiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, message: str, *, retry_after_ms: int | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), reason: str | None = None) -> None:
         hints = tuple(metadata)
         if retry_after_ms is not None:
             hints += ((RETRY_AFTER_MS_KEY, str(retry_after_ms)),)
-        super().__init__(message, metadata=hints)
+        super().__init__(message, metadata=hints, reason=reason)
         self.retry_after_ms = retry_after_ms
 
 
@@ -182,11 +192,43 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+ERROR_DOMAIN = "sluice"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def _packed(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def rich_status(error: SluiceError) -> status_pb2.Status:
+    """The google.rpc.Status of a refusal: the same code and message, and the hints as typed details."""
+    hints = dict(error.metadata)
+    details = [error_details_pb2.ErrorInfo(
+        reason=error.reason, domain=ERROR_DOMAIN,
+        metadata={key.removeprefix("x-").replace("-", "_"): value for key, value in hints.items()})]
+    retry_after = hints.get(RETRY_AFTER_MS_KEY, "")
+    if retry_after.isdigit():
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(int(retry_after))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    if error.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details.append(error_details_pb2.QuotaFailure(violations=[
+            error_details_pb2.QuotaFailure.Violation(subject=error.reason.lower(),
+                                                     description=error.message)]))
+    if error.field is not None:
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)]))
+    return status_pb2.Status(code=error.code.value[0], message=error.message,
+                             details=[_packed(detail) for detail in details])
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
-    """Abort the RPC with the error's status, message and trailing metadata (raises AbortError)."""
-    if error.metadata:
-        context.set_trailing_metadata(error.metadata)
-    await context.abort(error.code, error.message)
+    """Abort the RPC with the error's status, message, trailing-metadata hints and the
+    google.rpc.Status beside them (raises AbortError)."""
+    trailing = (*error.metadata, (STATUS_DETAILS_KEY, rich_status(error).SerializeToString()))
+    await context.abort(error.code, error.message, trailing_metadata=trailing)
 
 
 def infrastructure_error(error: Exception) -> SluiceError | None:
@@ -202,7 +244,8 @@ def infrastructure_error(error: Exception) -> SluiceError | None:
     )
     if not transient:
         return None
-    return Unavailable(DATABASE_UNAVAILABLE, retry_after_ms=DATABASE_RETRY_AFTER_MS)
+    return Unavailable(DATABASE_UNAVAILABLE, retry_after_ms=DATABASE_RETRY_AFTER_MS,
+                       reason="LEDGER_UNAVAILABLE")
 
 
 async def _abort_unexpected(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:

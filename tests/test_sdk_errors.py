@@ -236,3 +236,64 @@ async def test_chat_without_retry_is_refused_at_once(sessionmaker, word_tokenize
         await client.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
         error = await refused(cli.submit_chat(client, chat_args(key, address), err))
     assert error.retry_after_ms == 500 and err.getvalue() == ""
+
+
+# --- the same refusals as google.rpc.Status details (any language's client reads these) ------------
+
+
+def details_of(error: grpc.aio.AioRpcError) -> dict[str, Any]:
+    """The google.rpc.Status beside the trailing metadata, decoded with grpcio-status."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "no grpc-status-details-bin"
+    assert (status.code, status.message) == (error.code().value[0], error.details())
+    found: dict[str, Any] = {}
+    for packed in status.details:
+        for kind in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo,
+                     error_details_pb2.QuotaFailure, error_details_pb2.BadRequest):
+            if packed.Is(kind.DESCRIPTOR):
+                detail = kind()
+                packed.Unpack(detail)
+                found[kind.__name__] = detail
+    return found
+
+
+@pytest.mark.integration
+async def test_a_budget_refusal_decodes_as_quota_failure_and_error_info_with_the_cap_that_fits(
+        sessionmaker, word_tokenizer):
+    key = await tenant_key(sessionmaker, token_budget=50_000, used_tokens=40_000)  # 10,000 left
+    async with admission(sessionmaker, word_tokenizer) as address, SluiceClient(address, key) as client:
+        error = await refused(client.submit(prompt_of(9_000), model=MODEL, max_output_tokens=2_000))
+    details = details_of(error)
+    assert details["ErrorInfo"].reason == "BUDGET_EXCEEDED" and details["ErrorInfo"].domain == "sluice"
+    assert dict(details["ErrorInfo"].metadata) == {"max_output_tokens_that_fit": "1000"}
+    [violation] = details["QuotaFailure"].violations
+    assert (violation.subject, violation.description) == ("budget_exceeded", error.details())
+    assert "RetryInfo" not in details
+
+
+@pytest.mark.integration
+async def test_a_rate_limited_submit_decodes_as_resource_exhausted_with_retry_info(
+        sessionmaker, word_tokenizer):
+    key = await tenant_key(sessionmaker, tokens_per_minute=100)
+    async with admission(sessionmaker, word_tokenizer) as address, SluiceClient(address, key) as client:
+        await client.submit(prompt_of(10), model=MODEL, max_output_tokens=50)      # 60 of 100 this minute
+        error = await refused(client.submit(prompt_of(10), model=MODEL, max_output_tokens=50))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = details_of(error)
+    assert details["ErrorInfo"].reason == "TOKENS_PER_MINUTE"
+    delay = details["RetryInfo"].retry_delay
+    assert delay.ToMilliseconds() == error.retry_after_ms > 0
+    assert details["QuotaFailure"].violations[0].subject == "tokens_per_minute"
+
+
+@pytest.mark.integration
+async def test_a_bad_field_decodes_as_bad_request_naming_it(sessionmaker, word_tokenizer):
+    key = await tenant_key(sessionmaker)
+    async with admission(sessionmaker, word_tokenizer) as address, SluiceClient(address, key) as client:
+        error = await refused(client.submit(prompt_of(10), model=MODEL, max_output_tokens=0))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [violation] = details_of(error)["BadRequest"].field_violations
+    assert (violation.field, violation.description) == ("max_output_tokens", error.details())
