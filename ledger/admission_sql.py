@@ -1,6 +1,6 @@
 """Submit's hot path in two statements, each its own autocommit round trip.
 
-    read   API key → tenant, alias/version → model, the model's backlog      (one SELECT)
+    read   API key → caller (key, scope, tenant), alias/version → model, its backlog  (one SELECT)
            ... the caller checks, tokenizes and prices outside any transaction ...
     write  reserve on the budget row AND insert the run                       (one statement)
 
@@ -29,30 +29,41 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
 from sluice.ledger.models import RunStatus
-from sluice.ledger.repositories import ModelInfo, TenantInfo
+from sluice.ledger.repositories import LAST_USED_RESOLUTION, Caller, ModelInfo, caller_of, touch_key
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.types import Integer
+from sqlalchemy.types import BigInteger, Integer
 
 # A literal status, not a parameter: the plan can then prove ix_runs_model_version_accepted's predicate.
+LAST_USED_RESOLUTION_S = int(LAST_USED_RESOLUTION.total_seconds())
+
+# The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
+# its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
 _READ = text(f"""
-SELECT t.id AS tenant_id, t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
-       t.tokens_per_minute, t.shared_cache_scope,
+SELECT k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, k.scope,
+       (k.last_used_at IS NULL OR k.last_used_at < now() - interval '{LAST_USED_RESOLUTION_S} seconds')
+           AS key_stale,
+       t.id AS tenant_id, t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
+       t.tokens_per_minute, t.shared_cache_scope, t.suspended_at,
        m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
        m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
+       m.price_card_id,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
                               LIMIT :backlog_limit) AS waiting) AS backlog
 FROM api_keys k
-JOIN tenants t ON t.id = k.tenant_id
+LEFT JOIN tenants t ON t.id = k.tenant_id
 LEFT JOIN LATERAL (
-    SELECT * FROM models WHERE version = :name OR alias = :name
+    SELECT * FROM models WHERE (version = :name OR alias = :name) AND retired_at IS NULL
     ORDER BY version = :name DESC   -- an exact version wins over an alias of the same spelling
     LIMIT 1
 ) m ON true
-WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL
+WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
+       OR (k.key_prefix = :key_prefix AND k.key_salt IS NOT NULL))
+  AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
 """)
 
 _WRITE = text(f"""
@@ -68,15 +79,18 @@ WITH reserved AS (
 )
 INSERT INTO runs (id, tenant_id, request_key, payload_hash, model_version, status, prompt_token_ids,
                   input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
-                  reserved_tokens, reserved_cost_micros)
+                  reserved_tokens, reserved_cost_micros, api_key_id, price_card_id)
 SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
        :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
-       now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros
+       now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros,
+       :api_key_id, :price_card_id
 FROM reserved
 RETURNING id, pg_notify(:channel, :pool)
 """).bindparams(
     bindparam("id", type_=UUID(as_uuid=True)),
     bindparam("tenant_id", type_=UUID(as_uuid=True)),
+    bindparam("api_key_id", type_=UUID(as_uuid=True)),
+    bindparam("price_card_id", type_=BigInteger),
     bindparam("prompt_token_ids", type_=ARRAY(Integer)),
     bindparam("sampling", type_=JSONB),
 )
@@ -84,31 +98,32 @@ RETURNING id, pg_notify(:channel, :pool)
 
 @dataclass(frozen=True, slots=True)
 class SubmitContext:
-    """What the read found; tenant None: the key is unknown or revoked (then nothing else is read)."""
+    """What the read found; caller None: the key is unknown, revoked or expired."""
 
-    tenant: TenantInfo | None
-    model: ModelInfo | None          # None: no model has that alias or version
+    caller: Caller | None
+    model: ModelInfo | None          # None: no model (not retired) has that alias or version
     backlog: int                     # the model's ACCEPTED runs, counted up to the limit asked
 
 
-async def read_submit_context(connection: AsyncConnection, key_hash: str, model_name: str,
+async def read_submit_context(connection: AsyncConnection, key: str, model_name: str,
                               backlog_limit: int) -> SubmitContext:
-    row = (await connection.execute(_READ, {"key_hash": key_hash, "name": model_name,
-                                            "backlog_limit": backlog_limit})).one_or_none()
+    rows = (await connection.execute(_READ, {"key_hash": unsalted_hash(key), "key_prefix": salted_prefix(key),
+                                             "name": model_name, "backlog_limit": backlog_limit})).all()
+    row = next((row for row in rows if matches(key, row.key_hash, row.key_salt)), None)
     if row is None:
         return SubmitContext(None, None, 0)
-    tenant = TenantInfo(id=row.tenant_id, name=row.tenant_name, allowed_tiers=tuple(row.allowed_tiers),
-                        max_concurrent_runs=row.max_concurrent_runs, tokens_per_minute=row.tokens_per_minute,
-                        shared_cache_scope=row.shared_cache_scope)
+    if row.key_stale:
+        await connection.execute(touch_key(row.key_id))
+    caller = caller_of(row)
     if row.version is None:
-        return SubmitContext(tenant, None, 0)
+        return SubmitContext(caller, None, 0)
     model = ModelInfo(
         version=row.version, alias=row.alias, tokenizer=row.tokenizer, context_limit=row.context_limit,
         worker_pool=row.worker_pool, quality_tier=row.quality_tier, end_id=row.end_id,
         price_input_per_m_micros=row.price_input_per_m_micros,
         price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
-        price_output_per_m_micros=row.price_output_per_m_micros)
-    return SubmitContext(tenant, model, int(row.backlog))
+        price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
+    return SubmitContext(caller, model, int(row.backlog))
 
 
 async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,

@@ -4,10 +4,15 @@ Enum-like columns are TEXT guarded by CHECK constraints (cheap to extend in a mi
 in psql); every timestamp is timestamptz; ids are UUIDs. Money is integer micro-USD throughout so
 that no float ever touches a bill.
 
-Budget invariant, enforced by the database itself so that no code path can overshoot:
+Budget invariant, enforced by the database itself so that no reservation can overshoot:
 
     reserved_tokens + used_tokens <= token_budget
     reserved_cost_micros + used_cost_micros <= cost_budget_micros
+
+It is checked by a trigger (migration 0004, `budgets_reservation_fits`) whenever a reservation
+GROWS, not by a CHECK: an operator may lower a budget below what runs in flight already hold
+(new work is then refused, those runs are untouched), and settlement, which only shrinks
+`reserved_*`, must still be able to finish them.
 
 Admission moves a run's worst case (prompt + output cap) into `reserved_*`; settlement moves it
 back out and adds what was really consumed to `used_*`, exactly once per run (usage_entries.run_id
@@ -108,6 +113,8 @@ class Tenant(Base):
     # a name = the shared scope this tenant opts into for public system prompts, whose KV blocks
     # every tenant naming the same scope may reuse (services/trust_scope.py).
     shared_cache_scope: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Set by an admin: Submit is refused (PERMISSION_DENIED); runs already accepted still finish.
+    suspended_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
 
     __table_args__ = (
         CheckConstraint(
@@ -120,18 +127,70 @@ class Tenant(Base):
     )
 
 
+class KeyScope(enum.StrEnum):
+    """What an API key may do (DESIGN.md "Keys and scopes"); stored as TEXT."""
+
+    TENANT = "tenant"    # submit and read its own tenant's runs and usage
+    FINANCE = "finance"  # read the usage of every tenant; nothing else
+    ADMIN = "admin"      # the Admin API: tenants, keys, budgets, models, replicas
+
+
 class ApiKey(Base):
+    """A key's secret is never stored: `key_hash` is sha256(salt || key) with a random per-key
+    `key_salt` (hex). Keys made before salting (seeded demo keys) have no salt and store
+    sha256(key). A salted key is found by its `key_prefix` ("sk-" + 12 hex digits), which is
+    public and names the key in listings and audit rows."""
+
     __tablename__ = "api_keys"
 
     id: Mapped[uuid.UUID] = mapped_column(
         UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
     )
-    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
-    # sha256 hex of the key; the key itself is never stored.
+    # NULL only for finance and admin keys, which act on every tenant.
+    tenant_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True, nullable=True
+    )
     key_hash: Mapped[str] = mapped_column(Text, unique=True)
-    key_prefix: Mapped[str] = mapped_column(Text)  # first 8 chars, to tell keys apart in listings
+    key_prefix: Mapped[str] = mapped_column(Text, index=True)
+    key_salt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    scope: Mapped[str] = mapped_column(Text, server_default=KeyScope.TENANT.value)
+    label: Mapped[str] = mapped_column(Text, server_default="")
     created_at: Mapped[dt.datetime] = _timestamp(now=True)
     revoked_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    # After this instant the key is refused; rotation sets it on the old key (the overlap).
+    expires_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    # Refreshed at most once a minute per key, so authentication stays a read on the hot path.
+    last_used_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    rotated_from: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
+
+    __table_args__ = (
+        CheckConstraint(_in_list("scope", [s.value for s in KeyScope]), name="scope_known"),
+        CheckConstraint(f"scope <> '{KeyScope.TENANT.value}' OR tenant_id IS NOT NULL",
+                        name="tenant_key_has_tenant"),
+    )
+
+
+class PriceCard(Base):
+    """One version of a model's prices, in micro-USD per million tokens. Never updated: a price
+    change is a new card. A run is pinned to the card admission priced its reservation with
+    (runs.price_card_id) and settles at it, however the model's prices change meanwhile."""
+
+    __tablename__ = "price_cards"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model_version: Mapped[str] = mapped_column(ForeignKey("models.version"), index=True)
+    price_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    price_cached_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    price_output_per_m_micros: Mapped[int] = mapped_column(BigInteger)
+    effective_at: Mapped[dt.datetime] = _timestamp(now=True)
+
+    __table_args__ = (
+        CheckConstraint(
+            "price_input_per_m_micros >= 0 AND price_cached_input_per_m_micros >= 0"
+            " AND price_output_per_m_micros >= 0",
+            name="prices_non_negative",
+        ),
+    )
 
 
 class Model(Base):
@@ -146,13 +205,21 @@ class Model(Base):
     worker_pool: Mapped[str] = mapped_column(Text)  # routing pool key (replicas[].pool)
     quality_tier: Mapped[str] = mapped_column(Text)
     end_id: Mapped[int] = mapped_column(Integer)  # end-of-sequence token id for the engine
-    # Price card in micro-USD per million tokens.
+    # The current price card in micro-USD per million tokens: a copy of price_cards row
+    # `price_card_id`, changed together with it (one UPDATE), so admission reads both at once.
     price_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
     price_cached_input_per_m_micros: Mapped[int] = mapped_column(BigInteger)
     price_output_per_m_micros: Mapped[int] = mapped_column(BigInteger)
     # Jinja chat template (`messages`, `add_generation_prompt`) the HTTP edge renders chat requests
     # with; NULL: plain completions only. Deferred: the Submit hot path never loads it.
     chat_template: Mapped[str | None] = mapped_column(Text, nullable=True, deferred=True)
+    # NULL only for rows written without the Admin API or the seed (test factories): such a
+    # model's runs are priced from the columns above.
+    price_card_id: Mapped[int | None] = mapped_column(
+        ForeignKey("price_cards.id", use_alter=True), nullable=True
+    )
+    # A retired version admits no new runs; runs already pinned to it finish.
+    retired_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
 
     __table_args__ = (
         CheckConstraint("context_limit > 0", name="context_limit_positive"),
@@ -210,6 +277,9 @@ class Run(Base):
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)
     reserved_cost_micros: Mapped[int] = mapped_column(BigInteger)
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Who submitted it (finance groups usage by key) and the price card it was reserved at.
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
+    price_card_id: Mapped[int | None] = mapped_column(ForeignKey("price_cards.id"), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("tenant_id", "request_key"),
@@ -250,10 +320,6 @@ class Budget(Base):
     used_cost_micros: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     __table_args__ = (
-        CheckConstraint("reserved_tokens + used_tokens <= token_budget", name="tokens_within_budget"),
-        CheckConstraint(
-            "reserved_cost_micros + used_cost_micros <= cost_budget_micros", name="cost_within_budget"
-        ),
         CheckConstraint(
             "reserved_tokens >= 0 AND used_tokens >= 0"
             " AND reserved_cost_micros >= 0 AND used_cost_micros >= 0",
@@ -279,5 +345,50 @@ class UsageEntry(Base):
     output_tokens: Mapped[int] = mapped_column(Integer)
     cost_micros: Mapped[int] = mapped_column(BigInteger)
     settled_at: Mapped[dt.datetime] = _timestamp(now=True)
+    # Copied from the run: the key that submitted it and the price card the cost follows.
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
+    price_card_id: Mapped[int | None] = mapped_column(ForeignKey("price_cards.id"), nullable=True)
 
-    __table_args__ = (Index("ix_usage_entries_tenant_id_day", "tenant_id", "day"),)
+    __table_args__ = (
+        Index("ix_usage_entries_tenant_id_day", "tenant_id", "day"),
+        # Finance's export over every tenant scans a time range.
+        Index("ix_usage_entries_settled_at", "settled_at"),
+    )
+
+
+class AuditEntry(Base):
+    """One admin change: who made it, what, the state before and after, when. Written in the
+    transaction that makes the change, so no change commits without its row."""
+
+    __tablename__ = "admin_audit"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = _timestamp(now=True)
+    actor_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
+    actor_key_prefix: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(Text)    # e.g. "api_key.revoke"
+    target: Mapped[str] = mapped_column(Text)    # what it acted on: a tenant name, key prefix, ...
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSONB, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSONB, nullable=True)
+
+
+class ReplicaRow(Base):
+    """The durable replica registry every routing process follows (config [[replicas]] is the
+    bootstrap underneath). A removal is a tombstone (`removed`), so a process that syncs by
+    `revision` sees it, and a configured replica stays removed."""
+
+    __tablename__ = "replicas"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    pool: Mapped[str] = mapped_column(Text, server_default="")
+    grpc_address: Mapped[str] = mapped_column(Text, server_default="")
+    metrics_url: Mapped[str] = mapped_column(Text, server_default="")
+    block_size: Mapped[int] = mapped_column(Integer)
+    kv_capacity_blocks: Mapped[int] = mapped_column(BigInteger)
+    long_context: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    removed: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # Bumped from one sequence on every write: a syncing process asks for revision > last seen.
+    revision: Mapped[int] = mapped_column(
+        BigInteger, server_default=text("nextval('replicas_revision_seq')"), index=True
+    )
+    updated_at: Mapped[dt.datetime] = _timestamp(now=True)

@@ -12,12 +12,12 @@ a run admitted a moment before midnight at the end of a month.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, Model, Run, Tenant
+from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
+from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, KeyScope, Model, Run, Tenant
 from sqlalchemy import (
     ColumnElement,
     Date,
@@ -36,8 +36,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 
 def hash_api_key(key: str) -> str:
-    """sha256 hex of an API key: what api_keys.key_hash stores."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    """sha256 hex of an API key: what api_keys.key_hash stores for a key without salt (seeded and
+    test keys; the Admin API makes salted keys, ledger/keys.py)."""
+    return unsalted_hash(key)
 
 
 def current_period_start() -> ColumnElement[dt.date]:
@@ -58,6 +59,8 @@ class TenantInfo:
     max_concurrent_runs: int | None = None  # runs not yet terminal; None = unlimited
     tokens_per_minute: int | None = None    # prompt + cap admitted per sliding 60 s; None = unlimited
     shared_cache_scope: str | None = None   # the shared prefix-cache scope opted into; None = own
+    suspended: bool = False                 # an admin suspended it: Submit is refused
+    api_key_id: uuid.UUID | None = None     # the key the caller authenticated with (runs record it)
 
     @property
     def has_rate_limits(self) -> bool:
@@ -76,6 +79,7 @@ class ModelInfo:
     price_input_per_m_micros: int    # price card, micro-USD per million tokens
     price_cached_input_per_m_micros: int
     price_output_per_m_micros: int
+    price_card_id: int | None = None  # the card these prices are; a run is pinned to it
 
     @classmethod
     def of(cls, model: Model) -> ModelInfo:
@@ -90,6 +94,7 @@ class ModelInfo:
             price_input_per_m_micros=model.price_input_per_m_micros,
             price_cached_input_per_m_micros=model.price_cached_input_per_m_micros,
             price_output_per_m_micros=model.price_output_per_m_micros,
+            price_card_id=model.price_card_id,
         )
 
 
@@ -136,25 +141,9 @@ class TenantRepository:
         self._session = session
 
     async def by_api_key(self, key: str) -> TenantInfo | None:
-        """The tenant owning an unrevoked key, or None."""
-        row = (
-            await self._session.execute(
-                select(Tenant.id, Tenant.name, Tenant.allowed_tiers, Tenant.max_concurrent_runs,
-                       Tenant.tokens_per_minute, Tenant.shared_cache_scope)
-                .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-                .where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
-            )
-        ).one_or_none()
-        if row is None:
-            return None
-        return TenantInfo(
-            id=row.id,
-            name=row.name,
-            allowed_tiers=tuple(row.allowed_tiers),
-            max_concurrent_runs=row.max_concurrent_runs,
-            tokens_per_minute=row.tokens_per_minute,
-            shared_cache_scope=row.shared_cache_scope,
-        )
+        """The tenant owning a valid (unrevoked, unexpired) tenant-scoped key, or None."""
+        caller = await ApiKeyRepository(self._session).caller(key)
+        return None if caller is None else caller.tenant
 
     async def lock_for_admission(self, tenant_id: uuid.UUID) -> None:
         """Serialize this tenant's limit checks across every admission instance until COMMIT.
@@ -186,13 +175,15 @@ class ModelRepository:
         self._session = session
 
     async def cards(self) -> list[ModelCard]:
-        rows = (await self._session.execute(select(*_CARD_COLUMNS).order_by(Model.version))).all()
+        rows = (await self._session.execute(
+            select(*_CARD_COLUMNS).where(Model.retired_at.is_(None)).order_by(Model.version))).all()
         return [ModelCard(*row) for row in rows]
 
     async def card(self, name: str) -> ModelCard | None:
         """The model named by version or alias (an exact version wins, as in admission)."""
         rows = (await self._session.execute(
-            select(*_CARD_COLUMNS).where(or_(Model.version == name, Model.alias == name)))).all()
+            select(*_CARD_COLUMNS).where(or_(Model.version == name, Model.alias == name),
+                                         Model.retired_at.is_(None)))).all()
         if not rows:
             return None
         return ModelCard(*next((row for row in rows if row[0] == name), rows[0]))
@@ -369,3 +360,76 @@ class BudgetRepository:
         assert result.rowcount == 1, (  # type: ignore[attr-defined]
             f"no budget row for tenant {tenant_id} in the period of {run_created_at}: a reservation was lost"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who presented a valid key: the key, its scope, and (for a tenant key) its tenant."""
+
+    key_id: uuid.UUID
+    key_prefix: str
+    scope: KeyScope
+    tenant: TenantInfo | None        # None for finance and admin keys
+
+
+LAST_USED_RESOLUTION = dt.timedelta(seconds=60)  # last_used_at is refreshed at most this often
+
+
+class ApiKeyRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._session = session
+
+    async def caller(self, key: str) -> Caller | None:
+        """The caller a presented key stands for, or None: unknown, revoked or expired.
+
+        Read from the ledger on every call (no per-process cache), so a revoke or an expiry is
+        in force from the next request on every gateway. One indexed read finds the candidates
+        (an unsalted key by its hash, a salted one by its public prefix) and the hash is checked
+        here; last_used_at is written at most once a minute per key, and never waits on a
+        concurrent writer of the same row (SKIP LOCKED).
+        """
+        prefix = salted_prefix(key)
+        found = (ApiKey.key_hash == unsalted_hash(key)) & ApiKey.key_salt.is_(None)
+        if prefix is not None:
+            found = found | ((ApiKey.key_prefix == prefix) & ApiKey.key_salt.is_not(None))
+        stale = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_RESOLUTION)
+        rows = (
+            await self._session.execute(
+                select(ApiKey.id.label("key_id"), ApiKey.key_prefix, ApiKey.key_hash, ApiKey.key_salt,
+                       ApiKey.scope, stale.label("key_stale"), Tenant.id.label("tenant_id"),
+                       Tenant.name.label("tenant_name"), Tenant.allowed_tiers, Tenant.max_concurrent_runs,
+                       Tenant.tokens_per_minute, Tenant.shared_cache_scope, Tenant.suspended_at)
+                .outerjoin(Tenant, ApiKey.tenant_id == Tenant.id)
+                .where(found, ApiKey.revoked_at.is_(None),
+                       or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()))
+            )
+        ).all()
+        row = next((row for row in rows if matches(key, row.key_hash, row.key_salt)), None)
+        if row is None:
+            return None
+        if row.key_stale:
+            await self._session.execute(touch_key(row.key_id))
+        return caller_of(row)
+
+
+def caller_of(row: Any) -> Caller:
+    """A Caller from a row naming the key (key_id, key_prefix, scope) and its tenant's columns
+    (tenant_id, tenant_name, allowed_tiers, ..., suspended_at; NULL for finance and admin keys)."""
+    tenant = None if row.tenant_id is None else TenantInfo(
+        id=row.tenant_id,
+        name=row.tenant_name,
+        allowed_tiers=tuple(row.allowed_tiers),
+        max_concurrent_runs=row.max_concurrent_runs,
+        tokens_per_minute=row.tokens_per_minute,
+        shared_cache_scope=row.shared_cache_scope,
+        suspended=row.suspended_at is not None,
+        api_key_id=row.key_id,
+    )
+    return Caller(key_id=row.key_id, key_prefix=row.key_prefix, scope=KeyScope(row.scope), tenant=tenant)
+
+
+def touch_key(key_id: uuid.UUID) -> Any:
+    """The UPDATE that records a key's use; skips a row another transaction holds (never waits)."""
+    unlocked = select(ApiKey.id).where(ApiKey.id == key_id).with_for_update(skip_locked=True)
+    return (update(ApiKey).where(ApiKey.id.in_(unlocked)).values(last_used_at=func.now())
+            .execution_options(synchronize_session=False))

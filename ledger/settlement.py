@@ -21,7 +21,8 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus, UsageEntry
+from sluice.ledger.models import TERMINAL_STATUSES, Model, PriceCard, Run, RunStatus, UsageEntry
+from sluice.ledger.pricing import PriceCard as PriceCardRates
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import BudgetRepository
 from sqlalchemy import func, select, update
@@ -84,14 +85,13 @@ async def settle_run_usage(
     run = await session.scalar(select(Run).where(Run.id == run_uuid))
     if run is None:
         raise SettlementError(f"no run {run_uuid}")
-    model = await session.scalar(select(Model).where(Model.version == run.model_version))
-    assert model is not None, f"run {run_uuid} names model {run.model_version} that does not exist"
+    card = await price_card_of(session, run)
 
     if input_tokens is None:
         input_tokens = run.input_tokens if run.replica is not None else 0
     charged_input = input_tokens
     _check_counts(run, charged_input, cached_input_tokens, output_tokens)
-    cost = cost_micros(model, charged_input, cached_input_tokens, output_tokens)
+    cost = cost_micros(card, charged_input, cached_input_tokens, output_tokens)
 
     inserted = await session.execute(
         pg_insert(UsageEntry)
@@ -105,6 +105,8 @@ async def settle_run_usage(
             cached_input_tokens=cached_input_tokens,
             output_tokens=output_tokens,
             cost_micros=cost,
+            api_key_id=run.api_key_id,
+            price_card_id=run.price_card_id,
         )
         .on_conflict_do_nothing(index_elements=[UsageEntry.run_id])
         .returning(UsageEntry.settled_at)
@@ -136,6 +138,18 @@ async def settle_run_usage(
     return SettledUsage(run_id=run.id, status=final, input_tokens=charged_input,
                         cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
                         cost_micros=cost, settled_at=settled_at)
+
+
+async def price_card_of(session: AsyncSession, run: Run) -> PriceCardRates:
+    """The prices a run settles at: the card admission reserved it at (price changes made since
+    apply only to runs admitted after them), or, for a run without one, its model's prices."""
+    if run.price_card_id is not None:
+        card = await session.get(PriceCard, run.price_card_id)
+        assert card is not None, f"run {run.id} names price card {run.price_card_id} that does not exist"
+        return card
+    model = await session.get(Model, run.model_version)
+    assert model is not None, f"run {run.id} names model {run.model_version} that does not exist"
+    return model
 
 
 def _check_counts(run: Run, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> None:

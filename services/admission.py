@@ -4,7 +4,8 @@ A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py)
 
     API key from metadata (pure)             missing → UNAUTHENTICATED
     READ   key → tenant, alias/version → model + its backlog (ACCEPTED runs), one SELECT
-           unknown/revoked key → UNAUTHENTICATED
+           unknown/revoked/expired key → UNAUTHENTICATED
+           not a tenant key, or the tenant suspended → PERMISSION_DENIED
     request shape (pure)                     → INVALID_ARGUMENT
     model                                    unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
     backlog >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
@@ -67,7 +68,6 @@ from sluice.ledger.repositories import (
     RunRepository,
     TenantInfo,
     TenantRepository,
-    hash_api_key,
 )
 from sluice.services import tokenization
 from sluice.services.admission_rules import (
@@ -84,7 +84,7 @@ from sluice.services.admission_rules import (
     payload_hash,
     rate_window_retry_after,
 )
-from sluice.services.auth import Metadata, api_key_from_metadata
+from sluice.services.auth import Metadata, api_key_from_metadata, check_submitter
 from sluice.services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
     BUDGET_TOO_SMALL_FOR_PROMPT,
@@ -175,10 +175,10 @@ class AdmissionService:
         key = api_key_from_metadata(metadata)
         pace = self._settings.pace
         async with self._autocommit.connect() as connection:
-            context = await read_submit_context(connection, hash_api_key(key), intent.model, pace.max_backlog)
-        if context.tenant is None:
+            context = await read_submit_context(connection, key, intent.model, pace.max_backlog)
+        if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
-        tenant = context.tenant
+        tenant = check_submitter(context.caller)
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
         retry = await self._unless_a_retry(tenant, intent, lambda: check_backlog(
@@ -304,6 +304,8 @@ class AdmissionService:
             "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
             "reserved_tokens": prepared.reserved_tokens,
             "reserved_cost_micros": prepared.reserved_cost_micros,
+            "api_key_id": prepared.tenant.api_key_id,
+            "price_card_id": prepared.model.price_card_id,   # settled at the price it reserved at
         }
 
     @staticmethod
@@ -326,7 +328,7 @@ class AdmissionService:
 # The runs columns the one-statement write binds (the rest are literals or database defaults).
 _WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_version", "prompt_token_ids",
                     "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
-                    "reserved_tokens", "reserved_cost_micros")
+                    "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id")
 
 
 def _permitted_model(context: SubmitContext, tenant: TenantInfo, name: str) -> ModelInfo:

@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 # Authentication (UNAUTHENTICATED)
 MISSING_API_KEY = "missing API key: send it as 'x-api-key' metadata or 'authorization: Bearer <key>'"
 UNKNOWN_API_KEY = "unknown or revoked API key"
+# Key scope and tenant state (PERMISSION_DENIED)
+KEY_SCOPE_NOT_ALLOWED = "this API key has scope {scope!r}; {what} needs a key of scope {needed}"
+TENANT_SUSPENDED = (
+    "tenant {tenant!r} is suspended and may not submit runs (runs already accepted finish):"
+    " ask an operator to resume it"
+)
 
 # Model (NOT_FOUND / PERMISSION_DENIED)
 UNKNOWN_MODEL = "unknown model {model!r}: use a model alias or an exact model version"

@@ -18,7 +18,8 @@ from tests.support.db import create_database, drop_database, run_alembic, unique
 
 pytestmark = pytest.mark.integration
 
-LEDGER_TABLES = {"tenants", "api_keys", "models", "runs", "budgets", "usage_entries"}
+LEDGER_TABLES = {"tenants", "api_keys", "models", "runs", "budgets", "usage_entries", "price_cards",
+                 "admin_audit", "replicas"}
 
 
 @pytest.fixture
