@@ -5,6 +5,9 @@
     sluice runs tail RUN [--after N]
     sluice runs cancel RUN
     sluice usage [--from 2026-11-01] [--to 2026-11-30]
+    sluice usage export --from D --to D --group-by tenant,model [--format csv|json]   (clients/usage_cli.py)
+    sluice usage reconcile [--period 2026-11]
+    sluice admin tenants|budget|keys|models|replicas|audit ...   (admin key; clients/admin_cli.py)
     sluice plan BRIEF.yaml ...            (the capacity planner: planner.cli)
 
 The API key comes from --api-key or SLUICE_API_KEY. Addresses come from
@@ -32,6 +35,8 @@ import grpc
 import grpc.aio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+from sluice_client import usage_cli
+from sluice_client.admin_cli import add_admin_parser, run_admin
 from sluice_client.sdk import API_KEY_ENV, Addresses, SluiceClient, SluiceError, StreamBroken, status_name
 
 from sluice.v1 import admission_pb2, common_pb2, runs_pb2
@@ -84,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     usage = commands.add_parser("usage", help="settled usage and reservations in flight", parents=[later])
     usage.add_argument("--from", dest="from_date", default="")
     usage.add_argument("--to", dest="to_date", default="")
+    usage_cli.add_usage_commands(usage, later)
+    add_admin_parser(commands, later)
 
     plan = commands.add_parser("plan", help="size a fleet from a brief (capacity planner)", add_help=False)
     plan.add_argument("plan_args", nargs=argparse.REMAINDER)
@@ -178,6 +185,12 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
             reply = await client.cancel(args.run_id)
             print(f"cancel requested for run {reply.run_id} (status {status_name(reply.status)})", file=out)
             return EXIT_OK
+        if args.command == "admin":
+            return await run_admin(client, args, out)
+        if args.command == "usage" and args.usage_command == "export":
+            return await usage_cli.export(client, args, out)
+        if args.command == "usage" and args.usage_command == "reconcile":
+            return await usage_cli.reconcile(client, args, out)
         if args.command == "usage":
             print(_json(await client.usage(args.from_date, args.to_date)), file=out)
             return EXIT_OK

@@ -37,6 +37,7 @@ import grpc
 import grpc.aio
 
 from sluice.v1 import (
+    admin_pb2_grpc,
     admission_pb2,
     admission_pb2_grpc,
     common_pb2,
@@ -166,6 +167,8 @@ class SluiceClient:
         self._admission = admission_pb2_grpc.AdmissionStub(self._channel(self.addresses.admission))
         self._runs = runs_pb2_grpc.RunsStub(self._channel(self.addresses.runs))
         self._usage = usage_pb2_grpc.UsageServiceStub(self._channel(self.addresses.usage))
+        # Every gateway serves Admin beside Admission (services/main.py).
+        self._admin = admin_pb2_grpc.AdminStub(self._channel(self.addresses.admission))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -207,6 +210,31 @@ class SluiceClient:
     async def usage(self, from_date: str = "", to_date: str = "") -> usage_pb2.GetUsageResponse:
         request = usage_pb2.GetUsageRequest(from_date=from_date, to_date=to_date)
         return await _typed(self._usage.GetUsage(request, metadata=self._metadata))
+
+    async def query_usage(self, request: usage_pb2.QueryUsageRequest) -> usage_pb2.QueryUsageResponse:
+        """One page of grouped settled usage (every tenant with a finance key)."""
+        return await _typed(self._usage.QueryUsage(request, metadata=self._metadata))
+
+    async def usage_groups(self, request: usage_pb2.QueryUsageRequest
+                           ) -> tuple[list[usage_pb2.UsageGroup], usage_pb2.InFlight]:
+        """Every page of `request`'s groups, and the reservations in flight."""
+        groups: list[usage_pb2.UsageGroup] = []
+        page = usage_pb2.QueryUsageRequest()
+        page.CopyFrom(request)
+        while True:
+            response = await self.query_usage(page)
+            groups.extend(response.groups)
+            if not response.next_page_token:
+                return groups, response.in_flight
+            page.page_token = response.next_page_token
+
+    async def reconcile(self, period: str = "") -> usage_pb2.ReconcileResponse:
+        request = usage_pb2.ReconcileRequest(period=period)
+        return await _typed(self._usage.Reconcile(request, metadata=self._metadata))
+
+    async def admin(self, method: str, request: Any) -> Any:
+        """Call Admin.<method> (e.g. "RevokeApiKey") with the request message it takes."""
+        return await _typed(getattr(self._admin, method)(request, metadata=self._metadata))
 
     def stream_once(self, run_id: str, after: int = 0) -> grpc.aio.UnaryStreamCall:
         """One Stream call, no resuming (tests use it to drop a connection on purpose)."""

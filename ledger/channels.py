@@ -15,3 +15,6 @@ RUNS_ACCEPTED_CHANNEL = "sluice_runs_accepted"
 CANCEL_CHANNEL = "sluice_run_cancel"    # NOTIFY payload: the run id whose cancel was requested
 # The routing worker, when a run's event-log start is recorded. Payload: the run id.
 EVENTS_CHANNEL = "sluice_run_events"    # NOTIFY payload: a run id whose event-log start was recorded
+# The Admin API, in the transaction that writes a row of the durable replica registry. Payload: the
+# replica's name. Routing processes re-read the registry (services/routing/registry_sync.py).
+REPLICAS_CHANNEL = "sluice_replicas_changed"

@@ -7,7 +7,7 @@ the admission reservation (whole prompt uncached + full output cap) is always >=
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 TOKENS_PER_PRICE_UNIT = 1_000_000
 
@@ -58,3 +58,15 @@ def largest_output_cap_within_cost(model: PriceCard, input_tokens: int, cost_lef
         return None
     room = cost_left_micros * TOKENS_PER_PRICE_UNIT - input_tokens * _worst_prompt_rate(model)
     return room // model.price_output_per_m_micros
+
+
+def cost_micros_sql(input_tokens: Any, cached_input_tokens: Any, output_tokens: Any, card: Any) -> Any:
+    """cost_micros as a SQL expression over columns (the reconciliation recomputes every entry's
+    cost in the database). All terms are non-negative, so adding unit - 1 before the integer
+    division rounds up exactly as `cost_micros` does; tests pin the two against each other."""
+    scaled = (
+        (input_tokens - cached_input_tokens) * card.price_input_per_m_micros
+        + cached_input_tokens * card.price_cached_input_per_m_micros
+        + output_tokens * card.price_output_per_m_micros
+    )
+    return (scaled + (TOKENS_PER_PRICE_UNIT - 1)) / TOKENS_PER_PRICE_UNIT

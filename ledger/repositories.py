@@ -260,16 +260,16 @@ class RunRepository:
         )
         return [WindowEntry(age=row[0], tokens=int(row[1])) for row in rows]
 
-    async def in_flight_totals(self, tenant_id: uuid.UUID) -> InFlightTotals:
-        row = (
-            await self._session.execute(
-                select(
-                    func.count(),
-                    func.coalesce(func.sum(Run.reserved_tokens), 0),
-                    func.coalesce(func.sum(Run.reserved_cost_micros), 0),
-                ).where(Run.tenant_id == tenant_id, Run.status.in_([s.value for s in ACTIVE_STATUSES]))
-            )
-        ).one()
+    async def in_flight_totals(self, tenant_id: uuid.UUID | None) -> InFlightTotals:
+        """Reservations of runs not yet terminal: one tenant's, or every tenant's (None)."""
+        query = select(
+            func.count(),
+            func.coalesce(func.sum(Run.reserved_tokens), 0),
+            func.coalesce(func.sum(Run.reserved_cost_micros), 0),
+        ).where(Run.status.in_([s.value for s in ACTIVE_STATUSES]))
+        if tenant_id is not None:
+            query = query.where(Run.tenant_id == tenant_id)
+        row = (await self._session.execute(query)).one()
         return InFlightTotals(runs=int(row[0]), reserved_tokens=int(row[1]), reserved_cost_micros=int(row[2]))
 
 

@@ -1,4 +1,4 @@
-"""Seed the demo ledger: `python -m sluice.ledger.seed [--key KEY] [--other-key KEY] [--dsn DSN]`.
+"""Seed the demo ledger: `python -m sluice.ledger.seed [--key KEY] [--other-key KEY] [--admin-key KEY] [--dsn DSN]`.
 
 Idempotent: running it again changes nothing except refreshing the model row (end_id from the
 tokenizer) and the tenants' tiers and limits, and adding a key given with --key. Creates
@@ -8,6 +8,8 @@ tokenizer) and the tenants' tiers and limits, and adding a key given with --key.
   and 1,000,000 tokens per minute;
 - tenant "other" with OTHER_API_KEY, for isolation demos and tests (same budget; 8 concurrent
   runs, 200,000 tokens per minute);
+- an admin-scoped API key DEMO_ADMIN_KEY (fixed and documented, for the local demo only) for the
+  Admin API and finance (`sluice admin …`, `sluice usage export|reconcile`);
 - model version "tiny-chat-v1" (alias "chat"): the CPU model's tokenizer, context 4,096 tokens,
   pool "tiny-chat-v1", tier "standard", $0.50 / $0.05 cached / $1.50 per million tokens, end_id
   read from the tokenizer's <|endoftext|>, and its chat template (tiny-chat/chat_template.jinja);
@@ -16,6 +18,8 @@ tokenizer) and the tenants' tiers and limits, and adding a key given with --key.
   (sluice/models/smollm2-135m-instruct), context 8,192 tokens (the model's, and the replica's
   default KV pool), pool "smollm2-135m-instruct", tier "standard", $0.10 / $0.01 cached / $0.30
   per million tokens, end_id its end-of-turn token <|im_end|>, chat template the GGUF's own.
+
+Each model's prices are its current price card (price_cards).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.admin import ModelAdmin
 from sluice.ledger.db import make_engine, make_sessionmaker
-from sluice.ledger.models import ApiKey, Budget, Model, Tenant
+from sluice.ledger.models import ApiKey, Budget, KeyScope, Model, Tenant
 from sluice.ledger.repositories import hash_api_key
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -37,6 +42,7 @@ from sluice.models import load_tokenizer, resolve_tokenizer_path
 
 DEMO_API_KEY = "sk-demo-00000000000000000000000000000000"
 OTHER_API_KEY = "sk-other-0000000000000000000000000000000"
+DEMO_ADMIN_KEY = "sk-admin-0000000000000000000000000000000"
 END_OF_TEXT = "<|endoftext|>"
 LIMIT_COLUMNS = ("allowed_tiers", "max_concurrent_runs", "tokens_per_minute")  # refreshed on re-seed
 USD = 1_000_000  # micro-USD
@@ -144,6 +150,7 @@ async def upsert_model(session: AsyncSession, model: ModelSeed) -> None:
             set_={k: statement.excluded[k] for k in values if k != "version"},
         )
     )
+    await ModelAdmin(session).ensure_price_card(model.version)
 
 
 async def ensure_tenant(session: AsyncSession, seed: TenantSeed, period_start: dt.date) -> uuid.UUID:
@@ -177,7 +184,16 @@ async def ensure_tenant(session: AsyncSession, seed: TenantSeed, period_start: d
     return tenant_id
 
 
-async def seed(dsn: str | None, demo_key: str, other_key: str) -> None:
+async def ensure_admin_key(session: AsyncSession, key: str) -> None:
+    await session.execute(
+        pg_insert(ApiKey)
+        .values(id=uuid.uuid4(), tenant_id=None, key_hash=hash_api_key(key), key_prefix=key[:8],
+                scope=KeyScope.ADMIN.value, label="seeded demo admin key")
+        .on_conflict_do_nothing(index_elements=[ApiKey.key_hash])
+    )
+
+
+async def seed(dsn: str | None, demo_key: str, other_key: str, admin_key: str = DEMO_ADMIN_KEY) -> None:
     engine = make_engine(dsn, pool_size=1, max_overflow=0)
     try:
         async with make_sessionmaker(engine)() as session, session.begin():
@@ -186,6 +202,7 @@ async def seed(dsn: str | None, demo_key: str, other_key: str) -> None:
             period = first_of_month(dt.datetime.now(dt.UTC).date())
             for tenant in tenant_seeds(demo_key, other_key):
                 await ensure_tenant(session, tenant, period)
+            await ensure_admin_key(session, admin_key)
     finally:
         await engine.dispose()
 
@@ -196,13 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--key", default=DEMO_API_KEY, help="API key for tenant 'demo'")
     parser.add_argument("--other-key", default=OTHER_API_KEY, help="API key for tenant 'other'")
+    parser.add_argument("--admin-key", default=DEMO_ADMIN_KEY, help="an admin-scoped API key")
     parser.add_argument("--dsn", default=None, help="database DSN (default: config [database].dsn)")
     args = parser.parse_args(argv)
-    asyncio.run(seed(args.dsn, args.key, args.other_key))
+    asyncio.run(seed(args.dsn, args.key, args.other_key, args.admin_key))
     for model in MODELS:
         print(f"model {model.version} (alias {model.alias!r}) ready")
     print(f"tenant demo  API key: {args.key}")
     print(f"tenant other API key: {args.other_key}")
+    print(f"admin API key:        {args.admin_key}  (sluice admin …, sluice usage export|reconcile)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Roles (each process may take several):
 
-    gateway   Admission, Runs and UsageService on every address in --listen
+    gateway   Admission, Runs, UsageService and Admin on every address in --listen
               (default: [admission].listen, [runs].listen, [usage].listen), and the
               HTTP edge (seed 002's REST + SSE API and the OpenAI-compatible API over
               the same services) on [http].listen unless [http].enabled is false;
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.services import eventloop, replica_client
+from sluice.services.admin_servicer import add_admin_servicer
 from sluice.services.admission import add_admission_servicer
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
@@ -95,6 +96,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             admission = add_admission_servicer(gateway, sessions, config)
             runs_service = add_runs_servicer(gateway, sessions, config, events)
             usage = add_usage_servicer(gateway, sessions, config)
+            add_admin_servicer(gateway, sessions, config)
             _bind(gateway, listen)
             await gateway.start()
             servers.append(gateway)

@@ -17,7 +17,9 @@ import grpc.aio
 from sluice.ledger.models import UsageEntry
 from sluice.ledger.repositories import BudgetRepository, InFlightTotals, RunRepository
 from sluice.services.auth import Metadata, authenticate
+from sluice.ledger.reconcile import Reconciliation
 from sluice.services.errors import BAD_DATE, DATE_RANGE_REVERSED, InvalidArgument, grpc_errors
+from sluice.services.finance import FinanceService, UsagePage
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -162,19 +164,47 @@ def report_to_proto(report: UsageReport) -> usage_pb2.GetUsageResponse:
             for row in report.rows
         ],
         settled_total=_token_usage(report.settled_total),
-        in_flight=usage_pb2.InFlight(
-            runs=report.in_flight.runs,
-            reserved_tokens=report.in_flight.reserved_tokens,
-            reserved_cost_micros=report.in_flight.reserved_cost_micros,
-        ),
+        in_flight=_in_flight(report.in_flight),
         budget_tokens=report.budget_tokens,
         budget_cost_micros=report.budget_cost_micros,
     )
 
 
+def _in_flight(totals: InFlightTotals) -> usage_pb2.InFlight:
+    return usage_pb2.InFlight(runs=totals.runs, reserved_tokens=totals.reserved_tokens,
+                              reserved_cost_micros=totals.reserved_cost_micros)
+
+
+def page_to_proto(page: UsagePage) -> usage_pb2.QueryUsageResponse:
+    return usage_pb2.QueryUsageResponse(
+        groups=[
+            usage_pb2.UsageGroup(
+                tenant=group.tenant or "", api_key=group.api_key or "", model_version=group.model_version or "",
+                bucket_start=group.bucket_start.astimezone(dt.UTC).isoformat() if group.bucket_start else "",
+                runs=group.runs,
+                settled=_token_usage(Totals(group.runs, group.input_tokens, group.cached_input_tokens,
+                                            group.output_tokens, group.cost_micros)),
+            )
+            for group in page.groups
+        ],
+        next_page_token=page.next_page_token,
+        in_flight=_in_flight(page.in_flight),
+    )
+
+
+def reconciliation_to_proto(result: Reconciliation) -> usage_pb2.ReconcileResponse:
+    return usage_pb2.ReconcileResponse(
+        period=f"{result.period_start:%Y-%m}", runs_checked=result.runs_checked,
+        entries_checked=result.entries_checked, budgets_checked=result.budgets_checked,
+        discrepancies=[usage_pb2.Discrepancy(check=d.check, subject=d.subject, expected=str(d.expected),
+                                             actual=str(d.actual), detail=d.detail)
+                       for d in result.discrepancies])
+
+
 class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
-    def __init__(self, service: UsageQueryService) -> None:
+    def __init__(self, service: UsageQueryService, finance: FinanceService) -> None:
         self._service = service
+        self._finance = finance
 
     @grpc_errors
     async def GetUsage(
@@ -183,11 +213,27 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
         report = await self._service.report(context.invocation_metadata(), request.from_date, request.to_date)
         return report_to_proto(report)
 
+    @grpc_errors
+    async def QueryUsage(
+        self, request: usage_pb2.QueryUsageRequest, context: grpc.aio.ServicerContext
+    ) -> usage_pb2.QueryUsageResponse:
+        page = await self._finance.query(
+            context.invocation_metadata(), getattr(request, "from"), request.to, list(request.group_by),
+            request.bucket, request.tenant, request.page_size, request.page_token)
+        return page_to_proto(page)
+
+    @grpc_errors
+    async def Reconcile(
+        self, request: usage_pb2.ReconcileRequest, context: grpc.aio.ServicerContext
+    ) -> usage_pb2.ReconcileResponse:
+        return reconciliation_to_proto(await self._finance.reconcile(context.invocation_metadata(), request.period))
+
 
 def add_usage_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
                        config: Settings) -> UsageQueryService:
     """Register UsageService on `server`; `config` gives the edge's field limits."""
     service = UsageQueryService(sessionmaker)
-    add_checked_service(server, usage_pb2.DESCRIPTOR.services_by_name["UsageService"], UsageServicer(service),
+    servicer = UsageServicer(service, FinanceService(sessionmaker))
+    add_checked_service(server, usage_pb2.DESCRIPTOR.services_by_name["UsageService"], servicer,
                         FieldLimits.from_config(config))
     return service

@@ -100,14 +100,15 @@ async def test_the_seed_is_idempotent_and_its_demo_key_authenticates(empty_datab
         async with make_sessionmaker(engine)() as session:
             counts = {
                 table: await session.scalar(text(f"SELECT count(*) FROM {table}"))
-                for table in ("models", "tenants", "api_keys", "budgets", "runs")
+                for table in ("models", "price_cards", "tenants", "api_keys", "budgets", "runs")
             }
             model = await session.get(Model, "tiny-chat-v1")
             small = await session.get(Model, "smollm2-135m-instruct")
             demo = await TenantRepository(session).by_api_key(DEMO_API_KEY)
     finally:
         await engine.dispose()
-    assert counts == {"models": 2, "tenants": 2, "api_keys": 2, "budgets": 2, "runs": 0}
+    # Seeding twice keeps one price card per model: the prices did not change.
+    assert counts == {"models": 2, "price_cards": 2, "tenants": 2, "api_keys": 3, "budgets": 2, "runs": 0}
     assert model is not None
     assert (model.alias, model.end_id, model.context_limit) == ("chat", 0, 4096)  # end_id: <|endoftext|>
     assert small is not None   # end_id: SmolLM2's end of turn <|im_end|>, id 2 in its GGUF vocabulary
