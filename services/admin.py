@@ -134,11 +134,11 @@ class AdminService:
 
     async def create_tenant(self, metadata: Metadata, name: str, allowed_tiers: tuple[str, ...], limits: Limits,
                             token_budget: int, cost_budget_micros: int) -> TenantView:
-        _named("tenant", name)
-        _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
-                      tokens_per_minute=limits.tokens_per_minute or 0, token_budget=token_budget,
-                      cost_budget_micros=cost_budget_micros)
         async with self._admin(metadata) as (session, actor):
+            _named("tenant", name)
+            _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
+                          tokens_per_minute=limits.tokens_per_minute or 0, token_budget=token_budget,
+                          cost_budget_micros=cost_budget_micros)
             tenant = await TenantAdmin(session).create(name, allowed_tiers or ("standard",), limits)
             if tenant is None:
                 raise AlreadyExists(TENANT_EXISTS.format(name=name))
@@ -167,9 +167,9 @@ class AdminService:
         return changed[1]
 
     async def set_limits(self, metadata: Metadata, name: str, limits: Limits) -> TenantRecord:
-        _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
-                      tokens_per_minute=limits.tokens_per_minute or 0)
         async with self._admin(metadata) as (session, actor):
+            _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
+                          tokens_per_minute=limits.tokens_per_minute or 0)
             changed = await TenantAdmin(session).set_limits(_named("tenant", name), limits)
             if changed is None:
                 raise NotFound(UNKNOWN_TENANT.format(name=name))
@@ -178,9 +178,9 @@ class AdminService:
 
     async def set_budget(self, metadata: Metadata, name: str, period: str, token_budget: int,
                          cost_budget_micros: int) -> BudgetRecord:
-        _not_negative(token_budget=token_budget, cost_budget_micros=cost_budget_micros)
-        period_start = parse_period(period)
         async with self._admin(metadata) as (session, actor):
+            _not_negative(token_budget=token_budget, cost_budget_micros=cost_budget_micros)
+            period_start = parse_period(period)
             tenant = await _tenant(session, name)
             return await self._set_budget(session, actor, tenant, period_start, token_budget, cost_budget_micros)
 
@@ -196,13 +196,13 @@ class AdminService:
 
     async def create_key(self, metadata: Metadata, tenant: str, scope: str, label: str,
                          expires_in_s: int) -> CreatedKey:
-        key_scope = _scope(scope)
-        _not_negative(expires_in_s=expires_in_s)
-        if key_scope is KeyScope.TENANT and not tenant:
-            raise InvalidArgument(KEY_NEEDS_TENANT)
-        if key_scope is not KeyScope.TENANT and tenant:
-            raise InvalidArgument(KEY_HAS_NO_TENANT.format(scope=key_scope.value))
         async with self._admin(metadata) as (session, actor):
+            key_scope = _scope(scope)
+            _not_negative(expires_in_s=expires_in_s)
+            if key_scope is KeyScope.TENANT and not tenant:
+                raise InvalidArgument(KEY_NEEDS_TENANT)
+            if key_scope is not KeyScope.TENANT and tenant:
+                raise InvalidArgument(KEY_HAS_NO_TENANT.format(scope=key_scope.value))
             tenant_id = (await _tenant(session, tenant)).id if tenant else None
             expires_at = None
             if expires_in_s:
@@ -219,9 +219,9 @@ class AdminService:
     async def rotate_key(self, metadata: Metadata, ref: str, overlap_s: int) -> CreatedKey:
         """A new key for the same tenant, scope and label; the old one keeps working for the
         overlap (default an hour), so its holders can switch without a refused request."""
-        _not_negative(overlap_s=overlap_s)
-        overlap = dt.timedelta(seconds=overlap_s) if overlap_s else DEFAULT_ROTATION_OVERLAP
         async with self._admin(metadata) as (session, actor):
+            _not_negative(overlap_s=overlap_s)
+            overlap = dt.timedelta(seconds=overlap_s) if overlap_s else DEFAULT_ROTATION_OVERLAP
             keys = KeyAdmin(session)
             old = await _key(keys, ref)
             if old.revoked_at is not None:
@@ -243,15 +243,8 @@ class AdminService:
     # --- models ---------------------------------------------------------------------------------
 
     async def register_model(self, metadata: Metadata, new: NewModel) -> ModelRecord:
-        _named("model version", new.version)
-        if new.context_limit <= 0:
-            raise InvalidArgument(CONTEXT_NOT_POSITIVE.format(value=new.context_limit))
-        _check_prices(new.prices)
-        try:
-            load_tokenizer(new.tokenizer)
-        except Exception as exc:   # the tokenizers library raises its own Exception types
-            raise InvalidArgument(BAD_TOKENIZER.format(path=new.tokenizer, error=exc)) from None
         async with self._admin(metadata) as (session, actor):
+            _check_model(new)
             models = ModelAdmin(session)
             created = await models.register(new)
             if created is None:
@@ -270,8 +263,8 @@ class AdminService:
             return await ModelAdmin(session).all()
 
     async def set_price_card(self, metadata: Metadata, version: str, prices: Prices) -> ModelRecord:
-        _check_prices(prices)
         async with self._admin(metadata) as (session, actor):
+            _check_prices(prices)
             models = ModelAdmin(session)
             await _model(models, version)
             before, after = await models.set_prices(version, prices)
@@ -279,8 +272,8 @@ class AdminService:
         return after
 
     async def move_alias(self, metadata: Metadata, alias: str, version: str) -> ModelRecord:
-        _named("alias", alias)
         async with self._admin(metadata) as (session, actor):
+            _named("alias", alias)
             models = ModelAdmin(session)
             holder = await models.holder_of(alias)
             await models.lock(version, *([holder.version] if holder else []))
@@ -308,8 +301,10 @@ class AdminService:
 
     # --- replicas -------------------------------------------------------------------------------
 
-    async def upsert_replica(self, metadata: Metadata, spec: ReplicaSpec) -> ReplicaRecord:
+    async def upsert_replica(self, metadata: Metadata, table: Mapping[str, Any]) -> ReplicaRecord:
+        """Add or replace a replica from a config-style table (router/registry.py's keys)."""
         async with self._admin(metadata) as (session, actor):
+            spec = spec_from_table(table)
             replicas = ReplicaRepository(session)
             before = await self._replica(replicas, spec.name)
             after = await replicas.put(spec.name, pool=spec.pool, grpc_address=spec.grpc_address,
@@ -320,8 +315,8 @@ class AdminService:
 
     async def remove_replica(self, metadata: Metadata, name: str) -> bool:
         """Writes a tombstone (a configured replica stays removed); False if there was none."""
-        _named("replica", name)
         async with self._admin(metadata) as (session, actor):
+            _named("replica", name)
             replicas = ReplicaRepository(session)
             before = await self._replica(replicas, name)
             if before is None:
@@ -367,6 +362,17 @@ def _scope(value: str) -> KeyScope:
         return KeyScope(value or KeyScope.TENANT.value)
     except ValueError:
         raise InvalidArgument(UNKNOWN_SCOPE.format(scope=value)) from None
+
+
+def _check_model(new: NewModel) -> None:
+    _named("model version", new.version)
+    if new.context_limit <= 0:
+        raise InvalidArgument(CONTEXT_NOT_POSITIVE.format(value=new.context_limit))
+    _check_prices(new.prices)
+    try:
+        load_tokenizer(new.tokenizer)
+    except Exception as exc:   # the tokenizers library raises its own Exception types
+        raise InvalidArgument(BAD_TOKENIZER.format(path=new.tokenizer, error=exc)) from None
 
 
 def _check_prices(prices: Prices) -> None:

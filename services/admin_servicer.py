@@ -12,7 +12,7 @@ import grpc.aio
 from sluice.ledger.admin import BudgetRecord, KeyRecord, Limits, ModelRecord, NewModel, Prices, TenantRecord
 from sluice.ledger.audit import AuditRecord
 from sluice.ledger.replicas import ReplicaRecord
-from sluice.services.admin import AdminService, CreatedKey, TenantView, spec_from_table
+from sluice.services.admin import AdminService, CreatedKey, TenantView
 from sluice.services.errors import grpc_errors
 from sluice.services.routing.app import registry_from_config
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -201,7 +201,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             table["block_size"] = request.block_size
         if request.kv_capacity_blocks:
             table["kv_capacity_blocks"] = request.kv_capacity_blocks
-        replica = await self._service.upsert_replica(context.invocation_metadata(), spec_from_table(table))
+        replica = await self._service.upsert_replica(context.invocation_metadata(), table)
         return replica_message(replica)
 
     @grpc_errors

@@ -41,6 +41,7 @@ from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.templates import ModelCards
 from sluice.services.edge.web import EdgeServices
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
+from sluice.services.routing.registry_sync import follow_durable_registry
 from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import new_owner_id
 from sluice.services.runs import add_runs_servicer
@@ -90,7 +91,11 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     runs_service = None
     edge: EdgeServer | None = None
     worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
+    registry_sync = None
     try:
+        if worker is not None:
+            registry_sync = await follow_durable_registry(worker.registry, sessions, config.database.url,
+                                                          worker.replicas_changed)
         if "gateway" in roles:
             gateway = grpc_server(config.gateway.reuse_port)
             admission = add_admission_servicer(gateway, sessions, config)
@@ -134,6 +139,8 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     finally:
         if edge is not None:
             await edge.stop()
+        if registry_sync is not None:
+            await registry_sync.close()
         for server in servers:
             await server.stop(grace=1.0)
         if runs_service is not None:

@@ -5,6 +5,7 @@
 - tests.support.routing_stack: real Triton replicas, the Kafka event log and routing workers
 - tests.support.edge_stack: the HTTP edge served over the routing stack
 - tests.support.chaos: the fault suite's invariants and the table `make chaos` prints
+- tests.support.admin_services: a gateway with the Admin API and an admin-scoped key
 """
 
 pytest_plugins = [
@@ -13,4 +14,5 @@ pytest_plugins = [
     "tests.support.routing_stack",
     "tests.support.edge_stack",
     "tests.support.chaos",
+    "tests.support.admin_services",
 ]

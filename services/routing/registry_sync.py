@@ -1,0 +1,106 @@
+"""Keep a routing process's replica registry equal to the durable one (ledger/replicas.py).
+
+The registry starts from config (`[[replicas]]`, the bootstrap). This component then applies the
+rows of the `replicas` table over it: a row replaces the replica of its name, a tombstone removes
+it. It re-reads the whole table (tens of rows) when the Admin API's NOTIFY arrives and every
+`poll_s` regardless, should a notification be lost while the listener reconnects, so a change is
+seen by every routing process within a poll interval at worst, milliseconds usually.
+
+A row is applied when its revision differs from the one last applied for that name, never by
+"revision > highest seen": two admin transactions can commit their revisions out of order.
+Edits made through a routing process's own Routing API stay in that process's memory until a
+durable row of the same name changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from sluice.ledger.channels import REPLICAS_CHANNEL
+from sluice.ledger.replicas import ReplicaRecord, ReplicaRepository
+from sluice.services.notify import ChannelListener
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.router.registry import ReplicaRegistry, ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+def spec_of(row: ReplicaRecord) -> ReplicaSpec:
+    return ReplicaSpec(name=row.name, pool=row.pool, grpc_address=row.grpc_address, metrics_url=row.metrics_url,
+                       block_size=row.block_size, kv_capacity_blocks=row.kv_capacity_blocks,
+                       long_context=row.long_context)
+
+
+class RegistrySync:
+    def __init__(self, registry: ReplicaRegistry, sessions: async_sessionmaker[AsyncSession],
+                 dsn: str | None, on_change: Callable[[], None] = lambda: None, poll_s: float = POLL_S) -> None:
+        self._registry = registry
+        self._sessions = sessions
+        self._on_change = on_change
+        self._poll_s = poll_s
+        self._applied: dict[str, int] = {}     # name → revision of the row last applied
+        self._wake = asyncio.Event()
+        self._listener = None if dsn is None else ChannelListener(dsn, REPLICAS_CHANNEL,
+                                                                  lambda _name: self._wake.set())
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync_once(self) -> bool:
+        """Apply the rows changed since they were last applied; True when the registry changed."""
+        async with self._sessions() as session:
+            rows = await ReplicaRepository(session).all()
+        changed = False
+        for row in rows:
+            if self._applied.get(row.name) == row.revision:
+                continue
+            if row.removed:
+                self._registry.remove(row.name)
+            else:
+                self._registry.upsert(spec_of(row))
+            self._applied[row.name] = row.revision
+            changed = True
+            log.info("replica registry: %s %s (revision %d)", "removed" if row.removed else "set",
+                     row.name, row.revision)
+        if changed:
+            self._on_change()
+        return changed
+
+    def start(self) -> None:
+        if self._listener is not None:
+            self._listener.start()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="replica-registry-sync")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._listener is not None:
+            await self._listener.close()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self.sync_once()
+            except Exception:
+                log.exception("replica registry sync failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+
+
+async def follow_durable_registry(registry: ReplicaRegistry, sessions: async_sessionmaker[AsyncSession],
+                                  dsn: str, on_change: Callable[[], None]) -> RegistrySync:
+    """Apply the durable registry once (before a routing process's first claim), then keep
+    following it; close() the result on shutdown."""
+    sync = RegistrySync(registry, sessions, dsn, on_change)
+    await sync.sync_once()
+    sync.start()
+    return sync
