@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from sqlalchemy import BigInteger, cast
+
 TOKENS_PER_PRICE_UNIT = 1_000_000
 
 
@@ -64,9 +66,11 @@ def cost_micros_sql(input_tokens: Any, cached_input_tokens: Any, output_tokens: 
     """cost_micros as a SQL expression over columns (the reconciliation recomputes every entry's
     cost in the database). All terms are non-negative, so adding unit - 1 before the integer
     division rounds up exactly as `cost_micros` does; tests pin the two against each other."""
+    # Token counts are INTEGER columns: widen them first, or a product overflows int4.
+    inputs, cached, outputs = (cast(count, BigInteger) for count in (input_tokens, cached_input_tokens, output_tokens))
     scaled = (
-        (input_tokens - cached_input_tokens) * card.price_input_per_m_micros
-        + cached_input_tokens * card.price_cached_input_per_m_micros
-        + output_tokens * card.price_output_per_m_micros
+        (inputs - cached) * card.price_input_per_m_micros
+        + cached * card.price_cached_input_per_m_micros
+        + outputs * card.price_output_per_m_micros
     )
-    return (scaled + (TOKENS_PER_PRICE_UNIT - 1)) / TOKENS_PER_PRICE_UNIT
+    return (scaled + (TOKENS_PER_PRICE_UNIT - 1)) // TOKENS_PER_PRICE_UNIT   # // : integer division in SQL
