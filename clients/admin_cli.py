@@ -8,7 +8,8 @@
     sluice admin keys create [--tenant T] [--scope tenant|finance|admin] [--label L] [--expires-in-s N]
     sluice admin keys list [--tenant T] | rotate KEY [--overlap-s N] | revoke KEY
     sluice admin models register VERSION --tokenizer PATH --context-limit N --price-input M
-                                 --price-cached M --price-output M [--pool P] [--tier T] [--end-id N] [--alias A]
+                                 --price-cached M --price-output M [--pool P] [--tier T] [--end-id N]
+                                 [--alias A]
     sluice admin models list | price VERSION --input M --cached M --output M | alias ALIAS VERSION
     sluice admin models retire VERSION
     sluice admin replicas list | remove NAME
@@ -50,7 +51,8 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
         return parser
 
     tenants = areas.add_parser("tenants", help="create, list, show, suspend, limits").add_subparsers(
-        dest="admin_verb", required=True)
+        dest="admin_verb", required=True
+    )
     create = verb(tenants, "create", "a new tenant")
     create.add_argument("name")
     create.add_argument("--tiers", type=_tiers, default=[])
@@ -70,7 +72,8 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     limits.add_argument("--tiers", type=_tiers, default=[])
 
     budget = areas.add_parser("budget", help="a tenant's budget for a period").add_subparsers(
-        dest="admin_verb", required=True)
+        dest="admin_verb", required=True
+    )
     set_budget = verb(budget, "set", "set a period's token and cost budget")
     set_budget.add_argument("tenant")
     set_budget.add_argument("--tokens", type=int, required=True)
@@ -78,20 +81,24 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     set_budget.add_argument("--period", default="", help="YYYY-MM (default: this month)")
 
     keys = areas.add_parser("keys", help="create, list, rotate, revoke API keys").add_subparsers(
-        dest="admin_verb", required=True)
+        dest="admin_verb", required=True
+    )
     create_key = verb(keys, "create", "a new key (its secret is shown once)")
     create_key.add_argument("--tenant", default="")
     create_key.add_argument("--scope", default="tenant", choices=("tenant", "finance", "admin"))
     create_key.add_argument("--label", default="")
     create_key.add_argument("--expires-in-s", type=int, default=0)
-    verb(keys, "list", "keys (prefix, scope, created, last used, expiry)").add_argument("--tenant", default="")
+    verb(keys, "list", "keys (prefix, scope, created, last used, expiry)").add_argument(
+        "--tenant", default=""
+    )
     rotate = verb(keys, "rotate", "a new key; the old one stays valid for the overlap")
     rotate.add_argument("key")
     rotate.add_argument("--overlap-s", type=int, default=0, help="default: one hour")
     verb(keys, "revoke", "refuse the key from the next request").add_argument("key")
 
     models = areas.add_parser("models", help="register, price, alias, retire").add_subparsers(
-        dest="admin_verb", required=True)
+        dest="admin_verb", required=True
+    )
     register = verb(models, "register", "a new model version with its price card")
     register.add_argument("version")
     register.add_argument("--tokenizer", required=True)
@@ -113,7 +120,8 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     verb(models, "retire", "admit no new runs on a version").add_argument("version")
 
     replicas = areas.add_parser("replicas", help="the durable replica registry").add_subparsers(
-        dest="admin_verb", required=True)
+        dest="admin_verb", required=True
+    )
     verb(replicas, "list", "the registry routing processes follow")
     upsert = verb(replicas, "upsert", "add or replace a replica")
     upsert.add_argument("name")
@@ -141,36 +149,85 @@ def _limits(args: argparse.Namespace) -> admin_pb2.SetLimitsRequest:
 
 # (area, verb) → (Admin method, request built from the arguments)
 REQUESTS: dict[tuple[str, str | None], tuple[str, Callable[[argparse.Namespace], Message]]] = {
-    ("tenants", "create"): ("CreateTenant", lambda a: admin_pb2.CreateTenantRequest(
-        name=a.name, allowed_tiers=a.tiers, max_concurrent_runs=a.max_concurrent, tokens_per_minute=a.tpm,
-        token_budget=a.token_budget, cost_budget_micros=a.cost_budget_micros)),
+    ("tenants", "create"): (
+        "CreateTenant",
+        lambda a: admin_pb2.CreateTenantRequest(
+            name=a.name,
+            allowed_tiers=a.tiers,
+            max_concurrent_runs=a.max_concurrent,
+            tokens_per_minute=a.tpm,
+            token_budget=a.token_budget,
+            cost_budget_micros=a.cost_budget_micros,
+        ),
+    ),
     ("tenants", "list"): ("ListTenants", lambda a: admin_pb2.ListTenantsRequest()),
     ("tenants", "show"): ("GetTenant", lambda a: admin_pb2.GetTenantRequest(name=a.name)),
-    ("tenants", "suspend"): ("SuspendTenant", lambda a: admin_pb2.SuspendTenantRequest(name=a.name,
-                                                                                       resume=a.resume)),
+    ("tenants", "suspend"): (
+        "SuspendTenant",
+        lambda a: admin_pb2.SuspendTenantRequest(name=a.name, resume=a.resume),
+    ),
     ("tenants", "limits"): ("SetLimits", _limits),
-    ("budget", "set"): ("SetBudget", lambda a: admin_pb2.SetBudgetRequest(
-        tenant=a.tenant, period=a.period, token_budget=a.tokens, cost_budget_micros=a.cost_micros)),
-    ("keys", "create"): ("CreateApiKey", lambda a: admin_pb2.CreateApiKeyRequest(
-        tenant=a.tenant, scope=a.scope, label=a.label, expires_in_s=a.expires_in_s)),
+    ("budget", "set"): (
+        "SetBudget",
+        lambda a: admin_pb2.SetBudgetRequest(
+            tenant=a.tenant, period=a.period, token_budget=a.tokens, cost_budget_micros=a.cost_micros
+        ),
+    ),
+    ("keys", "create"): (
+        "CreateApiKey",
+        lambda a: admin_pb2.CreateApiKeyRequest(
+            tenant=a.tenant, scope=a.scope, label=a.label, expires_in_s=a.expires_in_s
+        ),
+    ),
     ("keys", "list"): ("ListApiKeys", lambda a: admin_pb2.ListApiKeysRequest(tenant=a.tenant)),
-    ("keys", "rotate"): ("RotateApiKey", lambda a: admin_pb2.RotateApiKeyRequest(id=a.key,
-                                                                                 overlap_s=a.overlap_s)),
+    ("keys", "rotate"): (
+        "RotateApiKey",
+        lambda a: admin_pb2.RotateApiKeyRequest(id=a.key, overlap_s=a.overlap_s),
+    ),
     ("keys", "revoke"): ("RevokeApiKey", lambda a: admin_pb2.RevokeApiKeyRequest(id=a.key)),
-    ("models", "register"): ("RegisterModel", lambda a: admin_pb2.RegisterModelRequest(
-        version=a.version, tokenizer=a.tokenizer, context_limit=a.context_limit, worker_pool=a.pool,
-        quality_tier=a.tier, end_id=a.end_id, alias=a.alias, price_input_per_m_micros=a.price_input,
-        price_cached_input_per_m_micros=a.price_cached, price_output_per_m_micros=a.price_output)),
+    ("models", "register"): (
+        "RegisterModel",
+        lambda a: admin_pb2.RegisterModelRequest(
+            version=a.version,
+            tokenizer=a.tokenizer,
+            context_limit=a.context_limit,
+            worker_pool=a.pool,
+            quality_tier=a.tier,
+            end_id=a.end_id,
+            alias=a.alias,
+            price_input_per_m_micros=a.price_input,
+            price_cached_input_per_m_micros=a.price_cached,
+            price_output_per_m_micros=a.price_output,
+        ),
+    ),
     ("models", "list"): ("ListModels", lambda a: admin_pb2.ListModelsRequest()),
-    ("models", "price"): ("SetPriceCard", lambda a: admin_pb2.SetPriceCardRequest(
-        version=a.version, price_input_per_m_micros=a.input, price_cached_input_per_m_micros=a.cached,
-        price_output_per_m_micros=a.output)),
-    ("models", "alias"): ("MoveAlias", lambda a: admin_pb2.MoveAliasRequest(alias=a.alias, version=a.version)),
+    ("models", "price"): (
+        "SetPriceCard",
+        lambda a: admin_pb2.SetPriceCardRequest(
+            version=a.version,
+            price_input_per_m_micros=a.input,
+            price_cached_input_per_m_micros=a.cached,
+            price_output_per_m_micros=a.output,
+        ),
+    ),
+    ("models", "alias"): (
+        "MoveAlias",
+        lambda a: admin_pb2.MoveAliasRequest(alias=a.alias, version=a.version),
+    ),
     ("models", "retire"): ("RetireModel", lambda a: admin_pb2.RetireModelRequest(version=a.version)),
     ("replicas", "list"): ("ListReplicas", lambda a: routing_pb2.ListReplicasRequest()),
-    ("replicas", "upsert"): ("UpsertReplica", lambda a: routing_pb2.Replica(
-        name=a.name, grpc_address=a.grpc_address, pool=a.pool, metrics_url=a.metrics_url, block_size=a.block_size,
-        kv_capacity_blocks=a.kv_capacity_blocks, long_context=a.long_context)),
+    ("replicas", "upsert"): (
+        "UpsertReplica",
+        lambda a: routing_pb2.Replica(
+            name=a.name,
+            grpc_address=a.grpc_address,
+            pool=a.pool,
+            metrics_url=a.metrics_url,
+            block_size=a.block_size,
+            kv_capacity_blocks=a.kv_capacity_blocks,
+            long_context=a.long_context,
+        ),
+    ),
     ("replicas", "remove"): ("RemoveReplica", lambda a: routing_pb2.RemoveReplicaRequest(name=a.name)),
     ("audit", None): ("ListAudit", lambda a: admin_pb2.ListAuditRequest(limit=a.limit, action=a.action)),
 }

@@ -24,14 +24,20 @@ from sluice.v1 import usage_pb2
 EXIT_DISCREPANCIES = 4
 AMOUNTS = ("runs", "input_tokens", "cached_input_tokens", "output_tokens", "cost_micros")
 # group_by key → the column it fills
-KEY_COLUMNS = {"tenant": "tenant", "api_key": "api_key", "model": "model_version", "day": "bucket_start",
-               "hour": "bucket_start"}
+KEY_COLUMNS = {
+    "tenant": "tenant",
+    "api_key": "api_key",
+    "model": "model_version",
+    "day": "bucket_start",
+    "hour": "bucket_start",
+}
 
 
 def add_usage_commands(usage: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:
     commands = usage.add_subparsers(dest="usage_command", required=False)
-    export = commands.add_parser("export", help="settled usage grouped, all pages, CSV or JSON",
-                                 parents=[common])
+    export = commands.add_parser(
+        "export", help="settled usage grouped, all pages, CSV or JSON", parents=[common]
+    )
     export.add_argument("--from", dest="start", required=True, help="ISO date or date-time (UTC)")
     export.add_argument("--to", dest="end", required=True, help="a date includes that whole day")
     export.add_argument("--group-by", default="tenant,model", help="any of tenant,api_key,model,day,hour")
@@ -39,8 +45,9 @@ def add_usage_commands(usage: argparse.ArgumentParser, common: argparse.Argument
     export.add_argument("--tenant", default="")
     export.add_argument("--format", choices=("csv", "json"), default="csv")
     export.add_argument("--page-size", type=int, default=0)
-    reconcile = commands.add_parser("reconcile", help="prove a period from the ledger; non-zero on a discrepancy",
-                                    parents=[common])
+    reconcile = commands.add_parser(
+        "reconcile", help="prove a period from the ledger; non-zero on a discrepancy", parents=[common]
+    )
     reconcile.add_argument("--period", default="", help="YYYY-MM (default: this month)")
 
 
@@ -51,25 +58,43 @@ def columns(group_by: list[str]) -> list[str]:
 
 def group_row(group: usage_pb2.UsageGroup) -> dict[str, Any]:
     settled = group.settled
-    return {"tenant": group.tenant, "api_key": group.api_key, "model_version": group.model_version,
-            "bucket_start": group.bucket_start, "runs": group.runs, "input_tokens": settled.input_tokens,
-            "cached_input_tokens": settled.cached_input_tokens, "output_tokens": settled.output_tokens,
-            "cost_micros": settled.cost_micros}
+    return {
+        "tenant": group.tenant,
+        "api_key": group.api_key,
+        "model_version": group.model_version,
+        "bucket_start": group.bucket_start,
+        "runs": group.runs,
+        "input_tokens": settled.input_tokens,
+        "cached_input_tokens": settled.cached_input_tokens,
+        "output_tokens": settled.output_tokens,
+        "cost_micros": settled.cost_micros,
+    }
 
 
 async def export(client: SluiceClient, args: argparse.Namespace, out: TextIO) -> int:
     group_by = [key.strip() for key in args.group_by.split(",") if key.strip()]
-    request = usage_pb2.QueryUsageRequest(to=args.end, group_by=group_by, bucket=args.bucket,
-                                          tenant=args.tenant, page_size=args.page_size)
-    setattr(request, "from", args.start)   # `from` is a Python keyword
+    request = usage_pb2.QueryUsageRequest(
+        to=args.end, group_by=group_by, bucket=args.bucket, tenant=args.tenant, page_size=args.page_size
+    )
+    setattr(request, "from", args.start)  # `from` is a Python keyword
     groups, in_flight = await client.usage_groups(request)
     names = columns([key.lower() for key in group_by])
     rows = [{name: row[name] for name in names} for row in map(group_row, groups)]
     if args.format == "json":
-        print(json.dumps({"groups": rows, "in_flight": {"runs": in_flight.runs,
-                                                        "reserved_tokens": in_flight.reserved_tokens,
-                                                        "reserved_cost_micros": in_flight.reserved_cost_micros}},
-                         indent=2), file=out)
+        print(
+            json.dumps(
+                {
+                    "groups": rows,
+                    "in_flight": {
+                        "runs": in_flight.runs,
+                        "reserved_tokens": in_flight.reserved_tokens,
+                        "reserved_cost_micros": in_flight.reserved_cost_micros,
+                    },
+                },
+                indent=2,
+            ),
+            file=out,
+        )
         return 0
     writer = csv.DictWriter(out, fieldnames=names, lineterminator="\n")
     writer.writeheader()
@@ -82,6 +107,9 @@ async def reconcile(client: SluiceClient, args: argparse.Namespace, out: TextIO)
     for discrepancy in result.discrepancies:
         print(discrepancy.detail, file=out)
     verdict = "reconciles" if not result.discrepancies else f"has {len(result.discrepancies)} discrepancies"
-    print(f"period {result.period}: {result.runs_checked} runs, {result.entries_checked} usage entries,"
-          f" {result.budgets_checked} budgets checked; the ledger {verdict}", file=out)
+    print(
+        f"period {result.period}: {result.runs_checked} runs, {result.entries_checked} usage entries,"
+        f" {result.budgets_checked} budgets checked; the ledger {verdict}",
+        file=out,
+    )
     return EXIT_DISCREPANCIES if result.discrepancies else 0

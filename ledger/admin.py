@@ -31,9 +31,15 @@ class TenantRecord:
 
     @classmethod
     def of(cls, row: Tenant) -> TenantRecord:
-        return cls(id=row.id, name=row.name, allowed_tiers=tuple(row.allowed_tiers),
-                   max_concurrent_runs=row.max_concurrent_runs, tokens_per_minute=row.tokens_per_minute,
-                   suspended_at=row.suspended_at, created_at=row.created_at)
+        return cls(
+            id=row.id,
+            name=row.name,
+            allowed_tiers=tuple(row.allowed_tiers),
+            max_concurrent_runs=row.max_concurrent_runs,
+            tokens_per_minute=row.tokens_per_minute,
+            suspended_at=row.suspended_at,
+            created_at=row.created_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,7 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class BudgetRecord:
     tenant_id: uuid.UUID
-    period_start: dt.date            # first day of the UTC month
+    period_start: dt.date  # first day of the UTC month
     token_budget: int
     cost_budget_micros: int
     reserved_tokens: int
@@ -58,10 +64,16 @@ class BudgetRecord:
 
     @classmethod
     def of(cls, row: Budget) -> BudgetRecord:
-        return cls(tenant_id=row.tenant_id, period_start=row.period_start, token_budget=row.token_budget,
-                   cost_budget_micros=row.cost_budget_micros, reserved_tokens=row.reserved_tokens,
-                   used_tokens=row.used_tokens, reserved_cost_micros=row.reserved_cost_micros,
-                   used_cost_micros=row.used_cost_micros)
+        return cls(
+            tenant_id=row.tenant_id,
+            period_start=row.period_start,
+            token_budget=row.token_budget,
+            cost_budget_micros=row.cost_budget_micros,
+            reserved_tokens=row.reserved_tokens,
+            used_tokens=row.used_tokens,
+            reserved_cost_micros=row.reserved_cost_micros,
+            used_cost_micros=row.used_cost_micros,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +115,22 @@ class ModelRecord:
 
     @classmethod
     def of(cls, row: Model) -> ModelRecord:
-        return cls(version=row.version, alias=row.alias, tokenizer=row.tokenizer,
-                   context_limit=row.context_limit, worker_pool=row.worker_pool,
-                   quality_tier=row.quality_tier, end_id=row.end_id,
-                   prices=Prices(row.price_input_per_m_micros, row.price_cached_input_per_m_micros,
-                                 row.price_output_per_m_micros),
-                   price_card_id=row.price_card_id, retired_at=row.retired_at)
+        return cls(
+            version=row.version,
+            alias=row.alias,
+            tokenizer=row.tokenizer,
+            context_limit=row.context_limit,
+            worker_pool=row.worker_pool,
+            quality_tier=row.quality_tier,
+            end_id=row.end_id,
+            prices=Prices(
+                row.price_input_per_m_micros,
+                row.price_cached_input_per_m_micros,
+                row.price_output_per_m_micros,
+            ),
+            price_card_id=row.price_card_id,
+            retired_at=row.retired_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +153,13 @@ class TenantAdmin:
         """The new tenant, or None when the name is taken."""
         tenant_id = await self._session.scalar(
             pg_insert(Tenant)
-            .values(id=uuid.uuid4(), name=name, allowed_tiers=list(allowed_tiers),
-                    max_concurrent_runs=limits.max_concurrent_runs or None,
-                    tokens_per_minute=limits.tokens_per_minute or None)
+            .values(
+                id=uuid.uuid4(),
+                name=name,
+                allowed_tiers=list(allowed_tiers),
+                max_concurrent_runs=limits.max_concurrent_runs or None,
+                tokens_per_minute=limits.tokens_per_minute or None,
+            )
             .on_conflict_do_nothing(index_elements=[Tenant.name])
             .returning(Tenant.id)
         )
@@ -190,27 +216,37 @@ class BudgetAdmin:
 
     async def get(self, tenant_id: uuid.UUID, period_start: dt.date) -> BudgetRecord | None:
         row = await self._session.scalar(
-            select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == period_start))
+            select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == period_start)
+        )
         return None if row is None else BudgetRecord.of(row)
 
-    async def set(self, tenant_id: uuid.UUID, period_start: dt.date, token_budget: int,
-                  cost_budget_micros: int) -> tuple[BudgetRecord | None, BudgetRecord]:
+    async def set(
+        self, tenant_id: uuid.UUID, period_start: dt.date, token_budget: int, cost_budget_micros: int
+    ) -> tuple[BudgetRecord | None, BudgetRecord]:
         """Set a period's budget, creating the row if needed; reservations and usage are untouched.
 
         Lowering it below reserved + used is allowed (the reservation trigger checks only a
         growing reservation): the next Submit is refused, runs in flight settle as usual.
         """
         existing = await self._session.scalar(
-            select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == period_start)
-            .with_for_update())
+            select(Budget)
+            .where(Budget.tenant_id == tenant_id, Budget.period_start == period_start)
+            .with_for_update()
+        )
         before = None if existing is None else BudgetRecord.of(existing)
-        statement = pg_insert(Budget).values(tenant_id=tenant_id, period_start=period_start,
-                                             token_budget=token_budget, cost_budget_micros=cost_budget_micros)
+        statement = pg_insert(Budget).values(
+            tenant_id=tenant_id,
+            period_start=period_start,
+            token_budget=token_budget,
+            cost_budget_micros=cost_budget_micros,
+        )
         row = await self._session.scalar(
             statement.on_conflict_do_update(
                 index_elements=[Budget.tenant_id, Budget.period_start],
                 set_={"token_budget": token_budget, "cost_budget_micros": cost_budget_micros},
-            ).returning(Budget).execution_options(populate_existing=True)
+            )
+            .returning(Budget)
+            .execution_options(populate_existing=True)
         )
         assert row is not None
         return before, BudgetRecord.of(row)
@@ -220,15 +256,30 @@ class KeyAdmin:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def create(self, tenant_id: uuid.UUID | None, scope: KeyScope, label: str,
-                     expires_at: dt.datetime | None, rotated_from: uuid.UUID | None = None
-                     ) -> tuple[KeyRecord, str]:
+    async def create(
+        self,
+        tenant_id: uuid.UUID | None,
+        scope: KeyScope,
+        label: str,
+        expires_at: dt.datetime | None,
+        rotated_from: uuid.UUID | None = None,
+    ) -> tuple[KeyRecord, str]:
         """A new key and its secret (the only time the secret exists outside its holder)."""
         new = generate_key()
         key_id = uuid.uuid4()
-        self._session.add(ApiKey(id=key_id, tenant_id=tenant_id, key_hash=new.key_hash,
-                                 key_prefix=new.prefix, key_salt=new.salt, scope=scope.value, label=label,
-                                 expires_at=expires_at, rotated_from=rotated_from))
+        self._session.add(
+            ApiKey(
+                id=key_id,
+                tenant_id=tenant_id,
+                key_hash=new.key_hash,
+                key_prefix=new.prefix,
+                key_salt=new.salt,
+                scope=scope.value,
+                label=label,
+                expires_at=expires_at,
+                rotated_from=rotated_from,
+            )
+        )
         await self._session.flush()
         record = await self.by_ref(str(key_id))
         assert record is not None
@@ -250,17 +301,22 @@ class KeyAdmin:
 
     async def revoke(self, key: KeyRecord) -> KeyRecord:
         await self._session.execute(
-            update(ApiKey).where(ApiKey.id == key.id, ApiKey.revoked_at.is_(None))
-            .values(revoked_at=func.now()).execution_options(synchronize_session=False))
+            update(ApiKey)
+            .where(ApiKey.id == key.id, ApiKey.revoked_at.is_(None))
+            .values(revoked_at=func.now())
+            .execution_options(synchronize_session=False)
+        )
         return await self._reread(key)
 
     async def expire_within(self, key: KeyRecord, overlap: dt.timedelta) -> KeyRecord:
         """Let the key live at most `overlap` longer (an earlier expiry stays)."""
         deadline = func.now() + overlap
         await self._session.execute(
-            update(ApiKey).where(ApiKey.id == key.id)
+            update(ApiKey)
+            .where(ApiKey.id == key.id)
             .values(expires_at=func.least(func.coalesce(ApiKey.expires_at, deadline), deadline))
-            .execution_options(synchronize_session=False))
+            .execution_options(synchronize_session=False)
+        )
         return await self._reread(key)
 
     async def _reread(self, key: KeyRecord) -> KeyRecord:
@@ -270,10 +326,19 @@ class KeyAdmin:
 
     @staticmethod
     def _select():  # type: ignore[no-untyped-def]
-        return (select(ApiKey.id, ApiKey.key_prefix, ApiKey.tenant_id, Tenant.name, ApiKey.scope, ApiKey.label,
-                       ApiKey.created_at, ApiKey.last_used_at, ApiKey.expires_at, ApiKey.revoked_at,
-                       ApiKey.rotated_from)
-                .outerjoin(Tenant, Tenant.id == ApiKey.tenant_id))
+        return select(
+            ApiKey.id,
+            ApiKey.key_prefix,
+            ApiKey.tenant_id,
+            Tenant.name,
+            ApiKey.scope,
+            ApiKey.label,
+            ApiKey.created_at,
+            ApiKey.last_used_at,
+            ApiKey.expires_at,
+            ApiKey.revoked_at,
+            ApiKey.rotated_from,
+        ).outerjoin(Tenant, Tenant.id == ApiKey.tenant_id)
 
 
 def _key_ref(ref: str):  # type: ignore[no-untyped-def]
@@ -284,10 +349,19 @@ def _key_ref(ref: str):  # type: ignore[no-untyped-def]
 
 
 def _key_record(row) -> KeyRecord:  # type: ignore[no-untyped-def]
-    return KeyRecord(id=row.id, prefix=row.key_prefix, tenant_id=row.tenant_id, tenant=row.name,
-                     scope=KeyScope(row.scope), label=row.label, created_at=row.created_at,
-                     last_used_at=row.last_used_at, expires_at=row.expires_at, revoked_at=row.revoked_at,
-                     rotated_from=row.rotated_from)
+    return KeyRecord(
+        id=row.id,
+        prefix=row.key_prefix,
+        tenant_id=row.tenant_id,
+        tenant=row.name,
+        scope=KeyScope(row.scope),
+        label=row.label,
+        created_at=row.created_at,
+        last_used_at=row.last_used_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
+        rotated_from=row.rotated_from,
+    )
 
 
 class ModelAdmin:
@@ -298,12 +372,18 @@ class ModelAdmin:
         """The new version with its first price card, or None when the version exists."""
         inserted = await self._session.scalar(
             pg_insert(Model)
-            .values(version=new.version, alias=None, tokenizer=new.tokenizer,
-                    context_limit=new.context_limit, worker_pool=new.worker_pool,
-                    quality_tier=new.quality_tier, end_id=new.end_id,
-                    price_input_per_m_micros=new.prices.input_per_m_micros,
-                    price_cached_input_per_m_micros=new.prices.cached_input_per_m_micros,
-                    price_output_per_m_micros=new.prices.output_per_m_micros)
+            .values(
+                version=new.version,
+                alias=None,
+                tokenizer=new.tokenizer,
+                context_limit=new.context_limit,
+                worker_pool=new.worker_pool,
+                quality_tier=new.quality_tier,
+                end_id=new.end_id,
+                price_input_per_m_micros=new.prices.input_per_m_micros,
+                price_cached_input_per_m_micros=new.prices.cached_input_per_m_micros,
+                price_output_per_m_micros=new.prices.output_per_m_micros,
+            )
             .on_conflict_do_nothing(index_elements=[Model.version])
             .returning(Model.version)
         )
@@ -313,7 +393,9 @@ class ModelAdmin:
         return after
 
     async def all(self) -> list[ModelRecord]:
-        return [ModelRecord.of(row) for row in await self._session.scalars(select(Model).order_by(Model.version))]
+        return [
+            ModelRecord.of(row) for row in await self._session.scalars(select(Model).order_by(Model.version))
+        ]
 
     async def get(self, version: str) -> ModelRecord | None:
         row = await self._session.get(Model, version, populate_existing=True)
@@ -326,8 +408,11 @@ class ModelAdmin:
     async def lock(self, *versions: str) -> None:
         """Row-lock the versions (in a fixed order, so two admins never deadlock)."""
         await self._session.execute(
-            select(Model.version).where(Model.version.in_(sorted(versions))).order_by(Model.version)
-            .with_for_update())
+            select(Model.version)
+            .where(Model.version.in_(sorted(versions)))
+            .order_by(Model.version)
+            .with_for_update()
+        )
 
     async def set_prices(self, version: str, prices: Prices) -> tuple[ModelRecord, ModelRecord]:
         """A new price card, made the model's current one. Runs admitted before keep theirs."""
@@ -336,18 +421,27 @@ class ModelAdmin:
         assert before is not None, f"no model {version}"
         card_id = await self._session.scalar(
             pg_insert(PriceCard)
-            .values(model_version=version, price_input_per_m_micros=prices.input_per_m_micros,
-                    price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
-                    price_output_per_m_micros=prices.output_per_m_micros)
-            .returning(PriceCard.id))
+            .values(
+                model_version=version,
+                price_input_per_m_micros=prices.input_per_m_micros,
+                price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
+                price_output_per_m_micros=prices.output_per_m_micros,
+            )
+            .returning(PriceCard.id)
+        )
         # One UPDATE moves the copied prices and the card id together: admission reads both in
         # one row, so a run's reservation and its pinned card always agree.
         await self._session.execute(
-            update(Model).where(Model.version == version)
-            .values(price_card_id=card_id, price_input_per_m_micros=prices.input_per_m_micros,
-                    price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
-                    price_output_per_m_micros=prices.output_per_m_micros)
-            .execution_options(synchronize_session=False))
+            update(Model)
+            .where(Model.version == version)
+            .values(
+                price_card_id=card_id,
+                price_input_per_m_micros=prices.input_per_m_micros,
+                price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
+                price_output_per_m_micros=prices.output_per_m_micros,
+            )
+            .execution_options(synchronize_session=False)
+        )
         after = await self.get(version)
         assert after is not None
         return before, after
@@ -356,28 +450,55 @@ class ModelAdmin:
         """Give a model whose current prices are no card yet (a seeded row) a card for them."""
         model = await self.get(version)
         assert model is not None, f"no model {version}"
-        card = None if model.price_card_id is None else await self._session.get(PriceCard, model.price_card_id)
-        if card is None or Prices(card.price_input_per_m_micros, card.price_cached_input_per_m_micros,
-                                  card.price_output_per_m_micros) != model.prices:
+        card = (
+            None if model.price_card_id is None else await self._session.get(PriceCard, model.price_card_id)
+        )
+        if (
+            card is None
+            or Prices(
+                card.price_input_per_m_micros,
+                card.price_cached_input_per_m_micros,
+                card.price_output_per_m_micros,
+            )
+            != model.prices
+        ):
             await self.set_prices(version, model.prices)
 
     async def move_alias(self, alias: str, version: str) -> None:
         """Point `alias` at `version` in the caller's transaction. The two UPDATEs commit together,
         so a concurrent Submit (READ COMMITTED) resolves the alias to the old or the new version."""
         await self._session.execute(
-            update(Model).where(Model.alias == alias, Model.version != version).values(alias=None)
-            .execution_options(synchronize_session=False))
+            update(Model)
+            .where(Model.alias == alias, Model.version != version)
+            .values(alias=None)
+            .execution_options(synchronize_session=False)
+        )
         await self._session.execute(
-            update(Model).where(Model.version == version).values(alias=alias)
-            .execution_options(synchronize_session=False))
+            update(Model)
+            .where(Model.version == version)
+            .values(alias=alias)
+            .execution_options(synchronize_session=False)
+        )
 
     async def retire(self, version: str) -> None:
         await self._session.execute(
-            update(Model).where(Model.version == version, Model.retired_at.is_(None))
-            .values(retired_at=func.now()).execution_options(synchronize_session=False))
+            update(Model)
+            .where(Model.version == version, Model.retired_at.is_(None))
+            .values(retired_at=func.now())
+            .execution_options(synchronize_session=False)
+        )
 
 
 __all__ = [
-    "BudgetAdmin", "BudgetRecord", "KeyAdmin", "KeyRecord", "Limits", "ModelAdmin", "ModelRecord", "NewModel",
-    "Prices", "TenantAdmin", "TenantRecord",
+    "BudgetAdmin",
+    "BudgetRecord",
+    "KeyAdmin",
+    "KeyRecord",
+    "Limits",
+    "ModelAdmin",
+    "ModelRecord",
+    "NewModel",
+    "Prices",
+    "TenantAdmin",
+    "TenantRecord",
 ]

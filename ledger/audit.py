@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 @dataclass(frozen=True, slots=True)
 class Actor:
-    key_id: uuid.UUID | None         # None for changes made outside the API (the seed)
+    key_id: uuid.UUID | None  # None for changes made outside the API (the seed)
     key_prefix: str
 
 
@@ -29,7 +29,7 @@ class Actor:
 class AuditRecord:
     id: int
     at: dt.datetime
-    actor: str                       # the acting key's prefix
+    actor: str  # the acting key's prefix
     action: str
     target: str
     before: dict[str, Any] | None
@@ -53,10 +53,19 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-async def record(session: AsyncSession, actor: Actor, action: str, target: str, before: Any,
-                 after: Any) -> None:
-    session.add(AuditEntry(actor_key_id=actor.key_id, actor_key_prefix=actor.key_prefix, action=action,
-                           target=target, before=jsonable(before), after=jsonable(after)))
+async def record(
+    session: AsyncSession, actor: Actor, action: str, target: str, before: Any, after: Any
+) -> None:
+    session.add(
+        AuditEntry(
+            actor_key_id=actor.key_id,
+            actor_key_prefix=actor.key_prefix,
+            action=action,
+            target=target,
+            before=jsonable(before),
+            after=jsonable(after),
+        )
+    )
     await session.flush()
 
 
@@ -64,6 +73,15 @@ async def recent(session: AsyncSession, limit: int, action: str | None = None) -
     query = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)
     if action:
         query = query.where(AuditEntry.action == action)
-    return [AuditRecord(id=row.id, at=row.at, actor=row.actor_key_prefix, action=row.action, target=row.target,
-                        before=row.before, after=row.after)
-            for row in await session.scalars(query)]
+    return [
+        AuditRecord(
+            id=row.id,
+            at=row.at,
+            actor=row.actor_key_prefix,
+            action=row.action,
+            target=row.target,
+            before=row.before,
+            after=row.after,
+        )
+        for row in await session.scalars(query)
+    ]

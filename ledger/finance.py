@@ -18,24 +18,26 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 GROUP_KEYS = ("tenant", "api_key", "model", "day", "hour")
 TIME_KEYS = frozenset({"day", "hour"})
-BUCKET_ORIGIN = dt.datetime(2000, 1, 3, tzinfo=dt.UTC)  # a Monday, midnight UTC: 7-day buckets start on Mondays
+BUCKET_ORIGIN = dt.datetime(
+    2000, 1, 3, tzinfo=dt.UTC
+)  # a Monday, midnight UTC: 7-day buckets start on Mondays
 
 
 @dataclass(frozen=True, slots=True)
 class UsageQuery:
-    start: dt.datetime               # settled_at >= start
-    end: dt.datetime                 # settled_at < end
-    group_by: tuple[str, ...]        # of GROUP_KEYS, in the order asked
-    bucket: dt.timedelta | None      # width of the time bucket when grouped by day or hour
-    tenant_id: uuid.UUID | None      # only this tenant; None = every tenant
-    limit: int                       # groups per page
+    start: dt.datetime  # settled_at >= start
+    end: dt.datetime  # settled_at < end
+    group_by: tuple[str, ...]  # of GROUP_KEYS, in the order asked
+    bucket: dt.timedelta | None  # width of the time bucket when grouped by day or hour
+    tenant_id: uuid.UUID | None  # only this tenant; None = every tenant
+    limit: int  # groups per page
     offset: int
 
 
 @dataclass(frozen=True, slots=True)
 class UsageGroup:
-    tenant: str | None               # each key is None unless grouped by it
-    api_key: str | None              # the submitting key's prefix ("" for runs without one)
+    tenant: str | None  # each key is None unless grouped by it
+    api_key: str | None  # the submitting key's prefix ("" for runs without one)
     model_version: str | None
     bucket_start: dt.datetime | None
     runs: int
@@ -65,9 +67,14 @@ async def grouped_usage(session: AsyncSession, query: UsageQuery) -> tuple[list[
     columns = _group_columns(query)
     labelled = [column.label(name) for name, column in columns.items()]
     statement = (
-        select(*labelled, func.count(), func.sum(UsageEntry.input_tokens),
-               func.sum(UsageEntry.cached_input_tokens), func.sum(UsageEntry.output_tokens),
-               func.sum(UsageEntry.cost_micros))
+        select(
+            *labelled,
+            func.count(),
+            func.sum(UsageEntry.input_tokens),
+            func.sum(UsageEntry.cached_input_tokens),
+            func.sum(UsageEntry.output_tokens),
+            func.sum(UsageEntry.cost_micros),
+        )
         .select_from(UsageEntry)
         .join(Tenant, Tenant.id == UsageEntry.tenant_id)
         .outerjoin(ApiKey, ApiKey.id == UsageEntry.api_key_id)
@@ -86,8 +93,15 @@ async def grouped_usage(session: AsyncSession, query: UsageQuery) -> tuple[list[
 
 def _group(columns: dict[str, Any], row: Any) -> UsageGroup:
     keys = dict(zip(columns, row, strict=False))
-    runs, inputs, cached, outputs, cost = row[len(columns):]
-    return UsageGroup(tenant=keys.get("tenant"), api_key=keys.get("api_key"), model_version=keys.get("model"),
-                      bucket_start=keys.get("bucket"), runs=int(runs), input_tokens=int(inputs or 0),
-                      cached_input_tokens=int(cached or 0), output_tokens=int(outputs or 0),
-                      cost_micros=int(cost or 0))
+    runs, inputs, cached, outputs, cost = row[len(columns) :]
+    return UsageGroup(
+        tenant=keys.get("tenant"),
+        api_key=keys.get("api_key"),
+        model_version=keys.get("model"),
+        bucket_start=keys.get("bucket"),
+        runs=int(runs),
+        input_tokens=int(inputs or 0),
+        cached_input_tokens=int(cached or 0),
+        output_tokens=int(outputs or 0),
+        cost_micros=int(cost or 0),
+    )

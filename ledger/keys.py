@@ -18,7 +18,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-KEY_ID_HEX = 12                     # hex digits of the public id: 48 bits, unique by construction
+KEY_ID_HEX = 12  # hex digits of the public id: 48 bits, unique by construction
 SECRET_BYTES = 32
 SALT_BYTES = 16
 _SALTED_KEY = re.compile(rf"^(sk-[0-9a-f]{{{KEY_ID_HEX}}})_[A-Za-z0-9_-]{{20,}}$")
@@ -26,10 +26,10 @@ _SALTED_KEY = re.compile(rf"^(sk-[0-9a-f]{{{KEY_ID_HEX}}})_[A-Za-z0-9_-]{{20,}}$
 
 @dataclass(frozen=True, slots=True)
 class NewKey:
-    secret: str                     # the whole key: shown once to its creator, never stored
-    prefix: str                     # public: "sk-" + 12 hex
-    salt: str                       # hex
-    key_hash: str                   # sha256(salt || key), hex
+    secret: str  # the whole key: shown once to its creator, never stored
+    prefix: str  # public: "sk-" + 12 hex
+    salt: str  # hex
+    key_hash: str  # sha256(salt || key), hex
 
 
 def unsalted_hash(key: str) -> str:

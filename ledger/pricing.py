@@ -67,7 +67,8 @@ def cost_micros_sql(input_tokens: Any, cached_input_tokens: Any, output_tokens: 
     cost in the database). All terms are non-negative, so adding unit - 1 before the integer
     division rounds up exactly as `cost_micros` does; tests pin the two against each other."""
     # Token counts are INTEGER columns: widen them first, or a product overflows int4.
-    inputs, cached, outputs = (cast(count, BigInteger) for count in (input_tokens, cached_input_tokens, output_tokens))
+    counts = (input_tokens, cached_input_tokens, output_tokens)
+    inputs, cached, outputs = (cast(count, BigInteger) for count in counts)
     scaled = (
         (inputs - cached) * card.price_input_per_m_micros
         + cached * card.price_cached_input_per_m_micros

@@ -25,19 +25,27 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.ledger.models import ACTIVE_STATUSES, TERMINAL_STATUSES, Budget, Model, PriceCard, Run, Tenant, UsageEntry
+from sluice.ledger.models import (
+    ACTIVE_STATUSES,
+    TERMINAL_STATUSES,
+    Budget,
+    Model,
+    PriceCard,
+    Run,
+    Tenant,
+    UsageEntry,
+)
 from sluice.ledger.pricing import cost_micros_sql
+from sluice.ledger.repositories import period_start_of
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
-from sluice.ledger.repositories import period_start_of
-
 
 @dataclass(frozen=True, slots=True)
 class Discrepancy:
-    check: str                       # one of the names in the module docstring
-    subject: str                     # "run <id>", "usage entry of run <id>", "budget <tenant> <YYYY-MM>"
+    check: str  # one of the names in the module docstring
+    subject: str  # "run <id>", "usage entry of run <id>", "budget <tenant> <YYYY-MM>"
     expected: int | str
     actual: int | str
 
@@ -73,10 +81,15 @@ async def reconcile(session: AsyncSession, period_start: dt.date) -> Reconciliat
     found += budgets[1]
     runs = await session.scalar(select(func.count()).select_from(Run).where(in_period))
     entries = await session.scalar(
-        select(func.count()).select_from(UsageEntry).join(Run, Run.id == UsageEntry.run_id).where(in_period))
-    return Reconciliation(period_start=period_start, runs_checked=int(runs or 0),
-                          entries_checked=int(entries or 0), budgets_checked=budgets[0],
-                          discrepancies=tuple(found))
+        select(func.count()).select_from(UsageEntry).join(Run, Run.id == UsageEntry.run_id).where(in_period)
+    )
+    return Reconciliation(
+        period_start=period_start,
+        runs_checked=int(runs or 0),
+        entries_checked=int(entries or 0),
+        budgets_checked=budgets[0],
+        discrepancies=tuple(found),
+    )
 
 
 async def _terminal_runs_without_usage(session: AsyncSession, in_period: Any) -> list[Discrepancy]:
@@ -84,71 +97,125 @@ async def _terminal_runs_without_usage(session: AsyncSession, in_period: Any) ->
         select(Run.id, Run.status)
         .outerjoin(UsageEntry, UsageEntry.run_id == Run.id)
         .where(in_period, Run.status.in_(_TERMINAL), UsageEntry.id.is_(None))
-        .order_by(Run.created_at))
-    return [Discrepancy("terminal_run_without_usage", f"run {run_id} ({status})", 1, 0)
-            for run_id, status in rows]
+        .order_by(Run.created_at)
+    )
+    return [
+        Discrepancy("terminal_run_without_usage", f"run {run_id} ({status})", 1, 0) for run_id, status in rows
+    ]
 
 
 async def _usage_of_unfinished_runs(session: AsyncSession, in_period: Any) -> list[Discrepancy]:
     rows = await session.execute(
-        select(Run.id, Run.status).join(UsageEntry, UsageEntry.run_id == Run.id)
-        .where(in_period, Run.status.in_(_ACTIVE)).order_by(Run.created_at))
-    return [Discrepancy("usage_of_unfinished_run", f"run {run_id}", "a terminal status", status)
-            for run_id, status in rows]
+        select(Run.id, Run.status)
+        .join(UsageEntry, UsageEntry.run_id == Run.id)
+        .where(in_period, Run.status.in_(_ACTIVE))
+        .order_by(Run.created_at)
+    )
+    return [
+        Discrepancy("usage_of_unfinished_run", f"run {run_id}", "a terminal status", status)
+        for run_id, status in rows
+    ]
 
 
 async def _wrong_costs(session: AsyncSession, in_period: Any) -> list[Discrepancy]:
     card = aliased(PriceCard)
     # The run's pinned card, else its model's own prices (runs admitted before cards existed).
-    prices = select(
-        Run.id.label("run_id"),
-        func.coalesce(card.price_input_per_m_micros, Model.price_input_per_m_micros)
-        .label("price_input_per_m_micros"),
-        func.coalesce(card.price_cached_input_per_m_micros, Model.price_cached_input_per_m_micros)
-        .label("price_cached_input_per_m_micros"),
-        func.coalesce(card.price_output_per_m_micros, Model.price_output_per_m_micros)
-        .label("price_output_per_m_micros"),
-    ).join(Model, Model.version == Run.model_version).outerjoin(card, card.id == Run.price_card_id) \
-        .where(in_period).subquery()
-    expected = cost_micros_sql(UsageEntry.input_tokens, UsageEntry.cached_input_tokens,
-                               UsageEntry.output_tokens, prices.c)
+    prices = (
+        select(
+            Run.id.label("run_id"),
+            func.coalesce(card.price_input_per_m_micros, Model.price_input_per_m_micros).label(
+                "price_input_per_m_micros"
+            ),
+            func.coalesce(card.price_cached_input_per_m_micros, Model.price_cached_input_per_m_micros).label(
+                "price_cached_input_per_m_micros"
+            ),
+            func.coalesce(card.price_output_per_m_micros, Model.price_output_per_m_micros).label(
+                "price_output_per_m_micros"
+            ),
+        )
+        .join(Model, Model.version == Run.model_version)
+        .outerjoin(card, card.id == Run.price_card_id)
+        .where(in_period)
+        .subquery()
+    )
+    expected = cost_micros_sql(
+        UsageEntry.input_tokens, UsageEntry.cached_input_tokens, UsageEntry.output_tokens, prices.c
+    )
     rows = await session.execute(
         select(UsageEntry.run_id, expected, UsageEntry.cost_micros)
         .join(prices, prices.c.run_id == UsageEntry.run_id)
         .where(expected != UsageEntry.cost_micros)
-        .order_by(UsageEntry.run_id))
-    return [Discrepancy("usage_cost", f"usage entry of run {run_id}", int(want), int(got))
-            for run_id, want, got in rows]
+        .order_by(UsageEntry.run_id)
+    )
+    return [
+        Discrepancy("usage_cost", f"usage entry of run {run_id}", int(want), int(got))
+        for run_id, want, got in rows
+    ]
 
 
-async def _budget_mismatches(session: AsyncSession, period_start: dt.date,
-                             in_period: Any) -> tuple[int, list[Discrepancy]]:
+async def _budget_mismatches(
+    session: AsyncSession, period_start: dt.date, in_period: Any
+) -> tuple[int, list[Discrepancy]]:
     settled = (
-        select(Run.tenant_id,
-               func.sum(UsageEntry.input_tokens + UsageEntry.output_tokens).label("tokens"),
-               func.sum(UsageEntry.cost_micros).label("cost"))
+        select(
+            Run.tenant_id,
+            func.sum(UsageEntry.input_tokens + UsageEntry.output_tokens).label("tokens"),
+            func.sum(UsageEntry.cost_micros).label("cost"),
+        )
         .join(UsageEntry, UsageEntry.run_id == Run.id)
-        .where(in_period).group_by(Run.tenant_id).subquery())
+        .where(in_period)
+        .group_by(Run.tenant_id)
+        .subquery()
+    )
     held = (
-        select(Run.tenant_id, func.sum(Run.reserved_tokens).label("tokens"),
-               func.sum(Run.reserved_cost_micros).label("cost"))
-        .where(in_period, Run.status.in_(_ACTIVE)).group_by(Run.tenant_id).subquery())
-    rows = (await session.execute(
-        select(Tenant.name, Budget.used_tokens, Budget.used_cost_micros, Budget.reserved_tokens,
-               Budget.reserved_cost_micros, func.coalesce(settled.c.tokens, 0), func.coalesce(settled.c.cost, 0),
-               func.coalesce(held.c.tokens, 0), func.coalesce(held.c.cost, 0))
-        .join(Tenant, Tenant.id == Budget.tenant_id)
-        .outerjoin(settled, settled.c.tenant_id == Budget.tenant_id)
-        .outerjoin(held, held.c.tenant_id == Budget.tenant_id)
-        .where(Budget.period_start == period_start)
-        .order_by(Tenant.name))).all()
+        select(
+            Run.tenant_id,
+            func.sum(Run.reserved_tokens).label("tokens"),
+            func.sum(Run.reserved_cost_micros).label("cost"),
+        )
+        .where(in_period, Run.status.in_(_ACTIVE))
+        .group_by(Run.tenant_id)
+        .subquery()
+    )
+    rows = (
+        await session.execute(
+            select(
+                Tenant.name,
+                Budget.used_tokens,
+                Budget.used_cost_micros,
+                Budget.reserved_tokens,
+                Budget.reserved_cost_micros,
+                func.coalesce(settled.c.tokens, 0),
+                func.coalesce(settled.c.cost, 0),
+                func.coalesce(held.c.tokens, 0),
+                func.coalesce(held.c.cost, 0),
+            )
+            .join(Tenant, Tenant.id == Budget.tenant_id)
+            .outerjoin(settled, settled.c.tenant_id == Budget.tenant_id)
+            .outerjoin(held, held.c.tenant_id == Budget.tenant_id)
+            .where(Budget.period_start == period_start)
+            .order_by(Tenant.name)
+        )
+    ).all()
     found = []
-    for name, used, used_cost, reserved, reserved_cost, want_used, want_cost, want_reserved, want_rcost in rows:
+    for (
+        name,
+        used,
+        used_cost,
+        reserved,
+        reserved_cost,
+        want_used,
+        want_cost,
+        want_reserved,
+        want_rcost,
+    ) in rows:
         subject = f"budget {name} {period_start:%Y-%m}"
-        for check, want, got in (("budget_used_tokens", want_used, used),
-                                 ("budget_used_cost", want_cost, used_cost),
-                                 ("budget_reserved_tokens", want_reserved, reserved),
-                                 ("budget_reserved_cost", want_rcost, reserved_cost)):
+        for check, want, got in (
+            ("budget_used_tokens", want_used, used),
+            ("budget_used_cost", want_cost, used_cost),
+            ("budget_reserved_tokens", want_reserved, reserved),
+            ("budget_reserved_cost", want_rcost, reserved_cost),
+        ):
             if int(want) != int(got):
                 found.append(Discrepancy(check, subject, int(want), int(got)))
     return len(rows), found

@@ -22,20 +22,28 @@ from sqlalchemy.ext.asyncio import AsyncSession
 @dataclass(frozen=True, slots=True)
 class ReplicaRecord:
     name: str
-    pool: str                        # model version served ("" = every model)
+    pool: str  # model version served ("" = every model)
     grpc_address: str
     metrics_url: str
     block_size: int
     kv_capacity_blocks: int
     long_context: bool
-    removed: bool                    # a tombstone: routing processes drop the replica
+    removed: bool  # a tombstone: routing processes drop the replica
     revision: int
 
     @classmethod
     def of(cls, row: ReplicaRow) -> ReplicaRecord:
-        return cls(name=row.name, pool=row.pool, grpc_address=row.grpc_address, metrics_url=row.metrics_url,
-                   block_size=row.block_size, kv_capacity_blocks=row.kv_capacity_blocks,
-                   long_context=row.long_context, removed=row.removed, revision=row.revision)
+        return cls(
+            name=row.name,
+            pool=row.pool,
+            grpc_address=row.grpc_address,
+            metrics_url=row.metrics_url,
+            block_size=row.block_size,
+            kv_capacity_blocks=row.kv_capacity_blocks,
+            long_context=row.long_context,
+            removed=row.removed,
+            revision=row.revision,
+        )
 
 
 class ReplicaRepository:
@@ -46,17 +54,40 @@ class ReplicaRepository:
         row = await self._session.scalar(select(ReplicaRow).where(ReplicaRow.name == name))
         return None if row is None else ReplicaRecord.of(row)
 
-    async def put(self, name: str, *, pool: str, grpc_address: str, metrics_url: str, block_size: int,
-                  kv_capacity_blocks: int, long_context: bool, removed: bool = False) -> ReplicaRecord:
-        values = {"pool": pool, "grpc_address": grpc_address, "metrics_url": metrics_url,
-                  "block_size": block_size, "kv_capacity_blocks": kv_capacity_blocks,
-                  "long_context": long_context, "removed": removed}
+    async def put(
+        self,
+        name: str,
+        *,
+        pool: str,
+        grpc_address: str,
+        metrics_url: str,
+        block_size: int,
+        kv_capacity_blocks: int,
+        long_context: bool,
+        removed: bool = False,
+    ) -> ReplicaRecord:
+        values = {
+            "pool": pool,
+            "grpc_address": grpc_address,
+            "metrics_url": metrics_url,
+            "block_size": block_size,
+            "kv_capacity_blocks": kv_capacity_blocks,
+            "long_context": long_context,
+            "removed": removed,
+        }
         statement = pg_insert(ReplicaRow).values(name=name, **values)
         row = await self._session.scalar(
             statement.on_conflict_do_update(
                 index_elements=[ReplicaRow.name],
-                set_={**values, "revision": text("nextval('replicas_revision_seq')"), "updated_at": func.now()},
-            ).returning(ReplicaRow).execution_options(populate_existing=True))
+                set_={
+                    **values,
+                    "revision": text("nextval('replicas_revision_seq')"),
+                    "updated_at": func.now(),
+                },
+            )
+            .returning(ReplicaRow)
+            .execution_options(populate_existing=True)
+        )
         assert row is not None
         await self._session.execute(select(func.pg_notify(REPLICAS_CHANNEL, name)))
         return ReplicaRecord.of(row)

@@ -1,4 +1,5 @@
-"""Seed the demo ledger: `python -m sluice.ledger.seed [--key KEY] [--other-key KEY] [--admin-key KEY] [--dsn DSN]`.
+"""Seed the demo ledger: `python -m sluice.ledger.seed [--key KEY] [--other-key KEY] [--admin-key KEY]
+[--dsn DSN]`.
 
 Idempotent: running it again changes nothing except refreshing the model row (end_id from the
 tokenizer) and the tenants' tiers and limits, and adding a key given with --key. Creates

@@ -84,13 +84,13 @@ _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
 @dataclass(frozen=True, slots=True)
 class TenantView:
     tenant: TenantRecord
-    budget: BudgetRecord | None      # the current period's
+    budget: BudgetRecord | None  # the current period's
 
 
 @dataclass(frozen=True, slots=True)
 class CreatedKey:
     key: KeyRecord
-    secret: str                      # shown once
+    secret: str  # shown once
     replaced: KeyRecord | None = None
 
 
@@ -117,8 +117,9 @@ def _named(what: str, value: str) -> str:
 
 
 class AdminService:
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession],
-                 bootstrap_replicas: Sequence[ReplicaSpec] = ()) -> None:
+    def __init__(
+        self, sessionmaker: async_sessionmaker[AsyncSession], bootstrap_replicas: Sequence[ReplicaSpec] = ()
+    ) -> None:
         self._sessionmaker = sessionmaker
         self._bootstrap = {spec.name: spec for spec in bootstrap_replicas}
 
@@ -132,20 +133,32 @@ class AdminService:
 
     # --- tenants ------------------------------------------------------------------------------
 
-    async def create_tenant(self, metadata: Metadata, name: str, allowed_tiers: tuple[str, ...], limits: Limits,
-                            token_budget: int, cost_budget_micros: int) -> TenantView:
+    async def create_tenant(
+        self,
+        metadata: Metadata,
+        name: str,
+        allowed_tiers: tuple[str, ...],
+        limits: Limits,
+        token_budget: int,
+        cost_budget_micros: int,
+    ) -> TenantView:
         async with self._admin(metadata) as (session, actor):
             _named("tenant", name)
-            _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
-                          tokens_per_minute=limits.tokens_per_minute or 0, token_budget=token_budget,
-                          cost_budget_micros=cost_budget_micros)
+            _not_negative(
+                max_concurrent_runs=limits.max_concurrent_runs or 0,
+                tokens_per_minute=limits.tokens_per_minute or 0,
+                token_budget=token_budget,
+                cost_budget_micros=cost_budget_micros,
+            )
             tenant = await TenantAdmin(session).create(name, allowed_tiers or ("standard",), limits)
             if tenant is None:
                 raise AlreadyExists(TENANT_EXISTS.format(name=name))
             await audit.record(session, actor, "tenant.create", name, None, tenant)
             budget = None
             if token_budget or cost_budget_micros:
-                budget = await self._set_budget(session, actor, tenant, None, token_budget, cost_budget_micros)
+                budget = await self._set_budget(
+                    session, actor, tenant, None, token_budget, cost_budget_micros
+                )
         return TenantView(tenant, budget)
 
     async def list_tenants(self, metadata: Metadata) -> list[TenantRecord]:
@@ -163,30 +176,43 @@ class AdminService:
             changed = await TenantAdmin(session).set_suspended(_named("tenant", name), not resume)
             if changed is None:
                 raise NotFound(UNKNOWN_TENANT.format(name=name))
-            await audit.record(session, actor, "tenant.resume" if resume else "tenant.suspend", name, *changed)
+            await audit.record(
+                session, actor, "tenant.resume" if resume else "tenant.suspend", name, *changed
+            )
         return changed[1]
 
     async def set_limits(self, metadata: Metadata, name: str, limits: Limits) -> TenantRecord:
         async with self._admin(metadata) as (session, actor):
-            _not_negative(max_concurrent_runs=limits.max_concurrent_runs or 0,
-                          tokens_per_minute=limits.tokens_per_minute or 0)
+            _not_negative(
+                max_concurrent_runs=limits.max_concurrent_runs or 0,
+                tokens_per_minute=limits.tokens_per_minute or 0,
+            )
             changed = await TenantAdmin(session).set_limits(_named("tenant", name), limits)
             if changed is None:
                 raise NotFound(UNKNOWN_TENANT.format(name=name))
             await audit.record(session, actor, "tenant.set_limits", name, *changed)
         return changed[1]
 
-    async def set_budget(self, metadata: Metadata, name: str, period: str, token_budget: int,
-                         cost_budget_micros: int) -> BudgetRecord:
+    async def set_budget(
+        self, metadata: Metadata, name: str, period: str, token_budget: int, cost_budget_micros: int
+    ) -> BudgetRecord:
         async with self._admin(metadata) as (session, actor):
             _not_negative(token_budget=token_budget, cost_budget_micros=cost_budget_micros)
             period_start = parse_period(period)
             tenant = await _tenant(session, name)
-            return await self._set_budget(session, actor, tenant, period_start, token_budget, cost_budget_micros)
+            return await self._set_budget(
+                session, actor, tenant, period_start, token_budget, cost_budget_micros
+            )
 
     @staticmethod
-    async def _set_budget(session: AsyncSession, actor: Actor, tenant: TenantRecord, period_start: dt.date | None,
-                          token_budget: int, cost_budget_micros: int) -> BudgetRecord:
+    async def _set_budget(
+        session: AsyncSession,
+        actor: Actor,
+        tenant: TenantRecord,
+        period_start: dt.date | None,
+        token_budget: int,
+        cost_budget_micros: int,
+    ) -> BudgetRecord:
         start = period_start or await _current_period(session)
         before, after = await BudgetAdmin(session).set(tenant.id, start, token_budget, cost_budget_micros)
         await audit.record(session, actor, "budget.set", f"{tenant.name} {start:%Y-%m}", before, after)
@@ -194,8 +220,9 @@ class AdminService:
 
     # --- keys -----------------------------------------------------------------------------------
 
-    async def create_key(self, metadata: Metadata, tenant: str, scope: str, label: str,
-                         expires_in_s: int) -> CreatedKey:
+    async def create_key(
+        self, metadata: Metadata, tenant: str, scope: str, label: str, expires_in_s: int
+    ) -> CreatedKey:
         async with self._admin(metadata) as (session, actor):
             key_scope = _scope(scope)
             _not_negative(expires_in_s=expires_in_s)
@@ -228,8 +255,9 @@ class AdminService:
                 raise FailedPrecondition(KEY_REVOKED.format(prefix=old.prefix))
             new, secret = await keys.create(old.tenant_id, old.scope, old.label, None, rotated_from=old.id)
             replaced = await keys.expire_within(old, overlap)
-            await audit.record(session, actor, "api_key.rotate", old.prefix, {"old": old},
-                               {"old": replaced, "new": new})
+            await audit.record(
+                session, actor, "api_key.rotate", old.prefix, {"old": old}, {"old": replaced, "new": new}
+            )
         return CreatedKey(new, secret, replaced)
 
     async def revoke_key(self, metadata: Metadata, ref: str) -> KeyRecord:
@@ -282,9 +310,14 @@ class AdminService:
                 raise FailedPrecondition(VERSION_RETIRED.format(version=version))
             await models.move_alias(alias, version)
             after = await _model(models, version)
-            await audit.record(session, actor, "model.move_alias", alias,
-                               {"alias": alias, "version": holder.version if holder else None},
-                               {"alias": alias, "version": version})
+            await audit.record(
+                session,
+                actor,
+                "model.move_alias",
+                alias,
+                {"alias": alias, "version": holder.version if holder else None},
+                {"alias": alias, "version": version},
+            )
         return after
 
     async def retire_model(self, metadata: Metadata, version: str) -> ModelRecord:
@@ -307,9 +340,15 @@ class AdminService:
             spec = spec_from_table(table)
             replicas = ReplicaRepository(session)
             before = await self._replica(replicas, spec.name)
-            after = await replicas.put(spec.name, pool=spec.pool, grpc_address=spec.grpc_address,
-                                       metrics_url=spec.metrics_url, block_size=spec.block_size,
-                                       kv_capacity_blocks=spec.kv_capacity_blocks, long_context=spec.long_context)
+            after = await replicas.put(
+                spec.name,
+                pool=spec.pool,
+                grpc_address=spec.grpc_address,
+                metrics_url=spec.metrics_url,
+                block_size=spec.block_size,
+                kv_capacity_blocks=spec.kv_capacity_blocks,
+                long_context=spec.long_context,
+            )
             await audit.record(session, actor, "replica.upsert", spec.name, before, after)
         return after
 
@@ -321,10 +360,16 @@ class AdminService:
             before = await self._replica(replicas, name)
             if before is None:
                 return False
-            after = await replicas.put(name, pool=before.pool, grpc_address=before.grpc_address,
-                                       metrics_url=before.metrics_url, block_size=before.block_size,
-                                       kv_capacity_blocks=before.kv_capacity_blocks,
-                                       long_context=before.long_context, removed=True)
+            after = await replicas.put(
+                name,
+                pool=before.pool,
+                grpc_address=before.grpc_address,
+                metrics_url=before.metrics_url,
+                block_size=before.block_size,
+                kv_capacity_blocks=before.kv_capacity_blocks,
+                long_context=before.long_context,
+                removed=True,
+            )
             await audit.record(session, actor, "replica.remove", name, before, after)
         return True
 
@@ -351,10 +396,17 @@ class AdminService:
 
 
 def _bootstrap_record(spec: ReplicaSpec) -> ReplicaRecord:
-    return ReplicaRecord(name=spec.name, pool=spec.pool, grpc_address=spec.grpc_address,
-                         metrics_url=spec.metrics_url, block_size=spec.block_size,
-                         kv_capacity_blocks=spec.kv_capacity_blocks, long_context=spec.long_context,
-                         removed=False, revision=0)
+    return ReplicaRecord(
+        name=spec.name,
+        pool=spec.pool,
+        grpc_address=spec.grpc_address,
+        metrics_url=spec.metrics_url,
+        block_size=spec.block_size,
+        kv_capacity_blocks=spec.kv_capacity_blocks,
+        long_context=spec.long_context,
+        removed=False,
+        revision=0,
+    )
 
 
 def _scope(value: str) -> KeyScope:
@@ -371,14 +423,16 @@ def _check_model(new: NewModel) -> None:
     _check_prices(new.prices)
     try:
         load_tokenizer(new.tokenizer)
-    except Exception as exc:   # the tokenizers library raises its own Exception types
+    except Exception as exc:  # the tokenizers library raises its own Exception types
         raise InvalidArgument(BAD_TOKENIZER.format(path=new.tokenizer, error=exc)) from None
 
 
 def _check_prices(prices: Prices) -> None:
-    _not_negative(price_input_per_m_micros=prices.input_per_m_micros,
-                  price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
-                  price_output_per_m_micros=prices.output_per_m_micros)
+    _not_negative(
+        price_input_per_m_micros=prices.input_per_m_micros,
+        price_cached_input_per_m_micros=prices.cached_input_per_m_micros,
+        price_output_per_m_micros=prices.output_per_m_micros,
+    )
 
 
 async def _tenant(session: AsyncSession, name: str) -> TenantRecord:

@@ -50,7 +50,7 @@ _DEFAULT_BUCKET = {"hour": dt.timedelta(hours=1), "day": dt.timedelta(days=1)}
 @dataclass(frozen=True, slots=True)
 class UsagePage:
     groups: tuple[UsageGroup, ...]
-    next_page_token: str             # "" on the last page
+    next_page_token: str  # "" on the last page
     in_flight: InFlightTotals
 
 
@@ -110,8 +110,17 @@ class FinanceService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
         self._sessionmaker = sessionmaker
 
-    async def query(self, metadata: Metadata, start: str, end: str, group_by: list[str], bucket: str,
-                    tenant: str, page_size: int, page_token: str) -> UsagePage:
+    async def query(
+        self,
+        metadata: Metadata,
+        start: str,
+        end: str,
+        group_by: list[str],
+        bucket: str,
+        tenant: str,
+        page_size: int,
+        page_token: str,
+    ) -> UsagePage:
         window = (parse_instant("from", start, end=False), parse_instant("to", end, end=True))
         if window[0] >= window[1]:
             raise InvalidArgument(EMPTY_RANGE.format(start=window[0].isoformat(), end=window[1].isoformat()))
@@ -133,9 +142,18 @@ class FinanceService:
             else:
                 require_scope(caller, "usage of every tenant", KeyScope.FINANCE, KeyScope.ADMIN)
                 tenant_id = None
-            groups, more = await grouped_usage(session, UsageQuery(
-                start=window[0], end=window[1], group_by=keys, bucket=width, tenant_id=tenant_id,
-                limit=limit, offset=offset))
+            groups, more = await grouped_usage(
+                session,
+                UsageQuery(
+                    start=window[0],
+                    end=window[1],
+                    group_by=keys,
+                    bucket=width,
+                    tenant_id=tenant_id,
+                    limit=limit,
+                    offset=offset,
+                ),
+            )
             in_flight = await RunRepository(session).in_flight_totals(tenant_id)
         return UsagePage(tuple(groups), encode_page_token(offset + limit) if more else "", in_flight)
 

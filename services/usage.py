@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import grpc.aio
 from sluice.ledger.models import UsageEntry
+from sluice.ledger.reconcile import Reconciliation
 from sluice.ledger.repositories import BudgetRepository, InFlightTotals, RunRepository
 from sluice.services.auth import Metadata, authenticate
-from sluice.ledger.reconcile import Reconciliation
 from sluice.services.errors import BAD_DATE, DATE_RANGE_REVERSED, InvalidArgument, grpc_errors
 from sluice.services.finance import FinanceService, UsagePage
 from sluice.services.validation import FieldLimits, add_checked_service
@@ -179,7 +179,8 @@ def page_to_proto(page: UsagePage) -> usage_pb2.QueryUsageResponse:
     return usage_pb2.QueryUsageResponse(
         groups=[
             usage_pb2.UsageGroup(
-                tenant=group.tenant or "", api_key=group.api_key or "", model_version=group.model_version or "",
+                tenant=group.tenant or "", api_key=group.api_key or "",
+                model_version=group.model_version or "",
                 bucket_start=group.bucket_start.astimezone(dt.UTC).isoformat() if group.bucket_start else "",
                 runs=group.runs,
                 settled=_token_usage(Totals(group.runs, group.input_tokens, group.cached_input_tokens,
@@ -226,7 +227,8 @@ class UsageServicer(usage_pb2_grpc.UsageServiceServicer):
     async def Reconcile(
         self, request: usage_pb2.ReconcileRequest, context: grpc.aio.ServicerContext
     ) -> usage_pb2.ReconcileResponse:
-        return reconciliation_to_proto(await self._finance.reconcile(context.invocation_metadata(), request.period))
+        result = await self._finance.reconcile(context.invocation_metadata(), request.period)
+        return reconciliation_to_proto(result)
 
 
 def add_usage_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],

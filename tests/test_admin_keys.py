@@ -30,7 +30,7 @@ from tests.support.ledger_services import key_metadata
 pytestmark = pytest.mark.integration
 
 GATEWAY_READY = "gateway (admission, runs, usage, admin) listening"
-OVERLAP_S = 3   # long enough for two submits on a busy machine, short enough to wait out
+OVERLAP_S = 3  # long enough for two submits on a busy machine, short enough to wait out
 
 
 async def sleep_past(instant: dt.datetime) -> None:
@@ -50,9 +50,13 @@ def second_gateway(database_dsn: str, tmp_path: Path) -> Iterator[str]:
     env = {**os.environ, "SLUICE_DATABASE__DSN": database_dsn, "PYTHONPATH": str(REPO_ROOT)}
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "sluice.services.main", "--role", "gateway",
-                                    "--listen", address], cwd=REPO_ROOT, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sluice.services.main", "--role", "gateway", "--listen", address],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         started = time.monotonic()
         while GATEWAY_READY not in log_path.read_text(errors="replace"):
@@ -75,21 +79,25 @@ async def rpc_error(call) -> grpc.aio.AioRpcError:  # type: ignore[no-untyped-de
     return caught.value
 
 
-async def test_a_revoked_key_is_refused_by_the_next_submit_on_another_gateway_process(gateway: Gateway,
-                                                                                     second_gateway: str):
+async def test_a_revoked_key_is_refused_by_the_next_submit_on_another_gateway_process(
+    gateway: Gateway, second_gateway: str
+):
     await gateway.model("m-v1", alias="chat")
     key = await gateway.tenant("acme")
     async with grpc.aio.insecure_channel(second_gateway) as channel:
         other = admission_pb2_grpc.AdmissionStub(channel)
         assert (await gateway.submit(key, "alpha", 4)).model_version == "m-v1"
         assert (await gateway.submit(key, "alpha", 4, stub=other)).model_version == "m-v1"
-        keys = await gateway.admin.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant="acme"), metadata=gateway.as_admin)
+        keys = await gateway.admin.ListApiKeys(
+            admin_pb2.ListApiKeysRequest(tenant="acme"), metadata=gateway.as_admin
+        )
         (listed,) = keys.keys
         assert key.startswith(listed.prefix + "_") and listed.scope == "tenant"
-        assert listed.last_used_at != ""       # the submits touched it
+        assert listed.last_used_at != ""  # the submits touched it
 
-        revoked = await gateway.admin.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(id=listed.prefix),
-                                                   metadata=gateway.as_admin)
+        revoked = await gateway.admin.RevokeApiKey(
+            admin_pb2.RevokeApiKeyRequest(id=listed.prefix), metadata=gateway.as_admin
+        )
         assert revoked.revoked_at != ""
 
         error = await rpc_error(gateway.submit(key, "alpha", 4, stub=other))
@@ -99,17 +107,25 @@ async def test_a_revoked_key_is_refused_by_the_next_submit_on_another_gateway_pr
 async def test_rotation_keeps_the_old_key_for_the_overlap_then_only_the_new_one(gateway: Gateway):
     await gateway.model("m-v1", alias="chat")
     old = await gateway.tenant("acme")
-    (listed,) = (await gateway.admin.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant="acme"),
-                                                 metadata=gateway.as_admin)).keys
+    (listed,) = (
+        await gateway.admin.ListApiKeys(
+            admin_pb2.ListApiKeysRequest(tenant="acme"), metadata=gateway.as_admin
+        )
+    ).keys
 
-    rotated = await gateway.admin.RotateApiKey(admin_pb2.RotateApiKeyRequest(id=listed.id, overlap_s=OVERLAP_S),
-                                               metadata=gateway.as_admin)
+    rotated = await gateway.admin.RotateApiKey(
+        admin_pb2.RotateApiKeyRequest(id=listed.id, overlap_s=OVERLAP_S), metadata=gateway.as_admin
+    )
 
     assert rotated.secret != old and rotated.key.rotated_from == listed.id
-    assert (rotated.key.tenant, rotated.key.scope, rotated.replaced.prefix) == ("acme", "tenant", listed.prefix)
+    assert (rotated.key.tenant, rotated.key.scope, rotated.replaced.prefix) == (
+        "acme",
+        "tenant",
+        listed.prefix,
+    )
     expires_at = dt.datetime.fromisoformat(rotated.replaced.expires_at)
     assert 0 < (expires_at - dt.datetime.now(dt.UTC)).total_seconds() <= OVERLAP_S
-    await gateway.submit(old, "alpha", 4)                  # within the overlap: both work
+    await gateway.submit(old, "alpha", 4)  # within the overlap: both work
     await gateway.submit(rotated.secret, "alpha", 4)
     await sleep_past(expires_at)
     error = await rpc_error(gateway.submit(old, "alpha", 4))
@@ -121,7 +137,8 @@ async def test_a_key_created_with_an_expiry_is_refused_after_it(gateway: Gateway
     await gateway.model("m-v1", alias="chat")
     await gateway.tenant("acme")
     created = await gateway.admin.CreateApiKey(
-        admin_pb2.CreateApiKeyRequest(tenant="acme", expires_in_s=OVERLAP_S), metadata=gateway.as_admin)
+        admin_pb2.CreateApiKeyRequest(tenant="acme", expires_in_s=OVERLAP_S), metadata=gateway.as_admin
+    )
     await gateway.submit(created.secret, "alpha", 4)
     await sleep_past(dt.datetime.fromisoformat(created.key.expires_at))
     error = await rpc_error(gateway.submit(created.secret, "alpha", 4))
@@ -131,9 +148,14 @@ async def test_a_key_created_with_an_expiry_is_refused_after_it(gateway: Gateway
 async def test_only_the_hash_and_salt_of_a_key_are_stored(gateway: Gateway):
     secret = await gateway.key(scope="finance")
     async with gateway.sessionmaker() as session:
-        rows = (await session.execute(select(AuditEntry.after).where(AuditEntry.action == "api_key.create"))).all()
-        stored = (await session.execute(select(ApiKey.key_hash, ApiKey.key_salt, ApiKey.key_prefix)
-                                        .where(ApiKey.scope == "finance"))).one()
+        rows = (
+            await session.execute(select(AuditEntry.after).where(AuditEntry.action == "api_key.create"))
+        ).all()
+        stored = (
+            await session.execute(
+                select(ApiKey.key_hash, ApiKey.key_salt, ApiKey.key_prefix).where(ApiKey.scope == "finance")
+            )
+        ).one()
     assert secret not in str(rows) and secret not in str(stored)
     assert secret.startswith(stored.key_prefix + "_") and len(stored.key_salt) == 32
 
@@ -174,12 +196,14 @@ async def test_a_tenant_key_reads_only_its_own_usage_and_cannot_reconcile(gatewa
     setattr(request, "from", "2026-01-01")
 
     error = await rpc_error(gateway.usage.QueryUsage(request, metadata=key_metadata(key)))
-    assert (error.code(), error.details()) == (grpc.StatusCode.PERMISSION_DENIED,
-                                               CROSS_TENANT_USAGE.format(asked="globex"))
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        CROSS_TENANT_USAGE.format(asked="globex"),
+    )
     error = await rpc_error(gateway.usage.Reconcile(usage_pb2.ReconcileRequest(), metadata=key_metadata(key)))
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     request.tenant = ""
-    own = await gateway.usage.QueryUsage(request, metadata=key_metadata(key))   # its own tenant: allowed
+    own = await gateway.usage.QueryUsage(request, metadata=key_metadata(key))  # its own tenant: allowed
     assert list(own.groups) == []
 
 
@@ -190,7 +214,8 @@ async def test_finance_and_admin_keys_cannot_submit(gateway: Gateway):
         error = await rpc_error(gateway.submit(key, "alpha", 4))
         assert (error.code(), error.details()) == (
             grpc.StatusCode.PERMISSION_DENIED,
-            errors.KEY_SCOPE_NOT_ALLOWED.format(scope=scope, what="this tenant API", needed="'tenant'"))
+            errors.KEY_SCOPE_NOT_ALLOWED.format(scope=scope, what="this tenant API", needed="'tenant'"),
+        )
 
 
 async def test_a_suspended_tenant_submits_nothing_while_its_accepted_run_stays(gateway: Gateway):
@@ -198,18 +223,22 @@ async def test_a_suspended_tenant_submits_nothing_while_its_accepted_run_stays(g
     key = await gateway.tenant("acme")
     accepted = await gateway.submit(key, "alpha", 4)
 
-    suspended = await gateway.admin.SuspendTenant(admin_pb2.SuspendTenantRequest(name="acme"),
-                                                  metadata=gateway.as_admin)
+    suspended = await gateway.admin.SuspendTenant(
+        admin_pb2.SuspendTenantRequest(name="acme"), metadata=gateway.as_admin
+    )
     assert suspended.suspended
     error = await rpc_error(gateway.submit(key, "alpha", 4))
-    assert (error.code(), error.details()) == (grpc.StatusCode.PERMISSION_DENIED,
-                                               errors.TENANT_SUSPENDED.format(tenant="acme"))
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        errors.TENANT_SUSPENDED.format(tenant="acme"),
+    )
     async with gateway.sessionmaker() as session:
         run = await session.get(Run, uuid.UUID(accepted.run_id))
-    assert run is not None and run.status == "ACCEPTED"     # untouched: a routing worker may still run it
+    assert run is not None and run.status == "ACCEPTED"  # untouched: a routing worker may still run it
 
-    await gateway.admin.SuspendTenant(admin_pb2.SuspendTenantRequest(name="acme", resume=True),
-                                      metadata=gateway.as_admin)
+    await gateway.admin.SuspendTenant(
+        admin_pb2.SuspendTenantRequest(name="acme", resume=True), metadata=gateway.as_admin
+    )
     await gateway.submit(key, "alpha", 4)
 
 

@@ -17,7 +17,7 @@ from tests.support.admin_services import Gateway
 pytestmark = pytest.mark.integration
 
 BOOTSTRAP = (ReplicaSpec("r0", "m-v1", "127.0.0.1:18001"), ReplicaSpec("r1", "m-v1", "127.0.0.1:18011"))
-SEEN_WITHIN_S = 5.0   # the design asks for a second; the margin is for a loaded test machine
+SEEN_WITHIN_S = 5.0  # the design asks for a second; the margin is for a loaded test machine
 
 
 def addresses(registry: ReplicaRegistry) -> dict[str, str]:
@@ -32,32 +32,43 @@ async def until(condition, timeout_s: float = SEEN_WITHIN_S) -> float:  # type: 
     return time.monotonic() - started
 
 
-async def test_admin_changes_reach_every_routing_process_and_a_new_one_starts_from_them(gateway: Gateway,
-                                                                                       database_dsn: str):
+async def test_admin_changes_reach_every_routing_process_and_a_new_one_starts_from_them(
+    gateway: Gateway, database_dsn: str
+):
     registries = [ReplicaRegistry(BOOTSTRAP), ReplicaRegistry(BOOTSTRAP)]
     changes = [0, 0]
 
     def counter(index: int):  # type: ignore[no-untyped-def]
         def changed() -> None:
             changes[index] += 1
+
         return changed
 
-    syncs = [await follow_durable_registry(registry, gateway.sessionmaker, database_dsn, counter(index))
-             for index, registry in enumerate(registries)]
+    syncs = [
+        await follow_durable_registry(registry, gateway.sessionmaker, database_dsn, counter(index))
+        for index, registry in enumerate(registries)
+    ]
     try:
-        assert changes == [0, 0]                      # an empty table leaves the bootstrap as it is
-        await gateway.admin.UpsertReplica(routing_pb2.Replica(name="r9", pool="m-v1", grpc_address="10.0.0.9:1"),
-                                          metadata=gateway.as_admin)
+        assert changes == [0, 0]  # an empty table leaves the bootstrap as it is
+        await gateway.admin.UpsertReplica(
+            routing_pb2.Replica(name="r9", pool="m-v1", grpc_address="10.0.0.9:1"), metadata=gateway.as_admin
+        )
         await until(lambda: all("r9" in addresses(r) for r in registries))
-        await gateway.admin.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r0"), metadata=gateway.as_admin)
-        await gateway.admin.UpsertReplica(routing_pb2.Replica(name="r1", pool="m-v1", grpc_address="10.0.0.1:2",
-                                                              block_size=32), metadata=gateway.as_admin)
+        await gateway.admin.RemoveReplica(
+            routing_pb2.RemoveReplicaRequest(name="r0"), metadata=gateway.as_admin
+        )
+        await gateway.admin.UpsertReplica(
+            routing_pb2.Replica(name="r1", pool="m-v1", grpc_address="10.0.0.1:2", block_size=32),
+            metadata=gateway.as_admin,
+        )
         expected = {"r1": "10.0.0.1:2", "r9": "10.0.0.9:1"}
         await until(lambda: all(addresses(r) == expected for r in registries))
         assert all(r.get("r1").block_size == 32 for r in registries)  # type: ignore[union-attr]
         assert min(changes) >= 2
 
-        listed = await gateway.admin.ListReplicas(routing_pb2.ListReplicasRequest(), metadata=gateway.as_admin)
+        listed = await gateway.admin.ListReplicas(
+            routing_pb2.ListReplicasRequest(), metadata=gateway.as_admin
+        )
         # The gateway's own config bootstraps r0 too; its tombstone removes it there as well.
         assert {r.name: r.grpc_address for r in listed.replicas} == expected
     finally:
@@ -71,10 +82,12 @@ async def test_admin_changes_reach_every_routing_process_and_a_new_one_starts_fr
 
 async def test_without_a_notification_the_poll_still_brings_the_change(gateway: Gateway):
     registry = ReplicaRegistry(BOOTSTRAP)
-    sync = RegistrySync(registry, gateway.sessionmaker, dsn=None, poll_s=0.2)   # no LISTEN at all
+    sync = RegistrySync(registry, gateway.sessionmaker, dsn=None, poll_s=0.2)  # no LISTEN at all
     sync.start()
     try:
-        await gateway.admin.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r1"), metadata=gateway.as_admin)
+        await gateway.admin.RemoveReplica(
+            routing_pb2.RemoveReplicaRequest(name="r1"), metadata=gateway.as_admin
+        )
         await until(lambda: "r1" not in addresses(registry))
     finally:
         await sync.close()

@@ -32,22 +32,35 @@ POLL_S = 0.5
 
 
 def spec_of(row: ReplicaRecord) -> ReplicaSpec:
-    return ReplicaSpec(name=row.name, pool=row.pool, grpc_address=row.grpc_address, metrics_url=row.metrics_url,
-                       block_size=row.block_size, kv_capacity_blocks=row.kv_capacity_blocks,
-                       long_context=row.long_context)
+    return ReplicaSpec(
+        name=row.name,
+        pool=row.pool,
+        grpc_address=row.grpc_address,
+        metrics_url=row.metrics_url,
+        block_size=row.block_size,
+        kv_capacity_blocks=row.kv_capacity_blocks,
+        long_context=row.long_context,
+    )
 
 
 class RegistrySync:
-    def __init__(self, registry: ReplicaRegistry, sessions: async_sessionmaker[AsyncSession],
-                 dsn: str | None, on_change: Callable[[], None] = lambda: None, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        sessions: async_sessionmaker[AsyncSession],
+        dsn: str | None,
+        on_change: Callable[[], None] = lambda: None,
+        poll_s: float = POLL_S,
+    ) -> None:
         self._registry = registry
         self._sessions = sessions
         self._on_change = on_change
         self._poll_s = poll_s
-        self._applied: dict[str, int] = {}     # name → revision of the row last applied
+        self._applied: dict[str, int] = {}  # name → revision of the row last applied
         self._wake = asyncio.Event()
-        self._listener = None if dsn is None else ChannelListener(dsn, REPLICAS_CHANNEL,
-                                                                  lambda _name: self._wake.set())
+        self._listener = (
+            None if dsn is None else ChannelListener(dsn, REPLICAS_CHANNEL, lambda _name: self._wake.set())
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def sync_once(self) -> bool:
@@ -64,8 +77,12 @@ class RegistrySync:
                 self._registry.upsert(spec_of(row))
             self._applied[row.name] = row.revision
             changed = True
-            log.info("replica registry: %s %s (revision %d)", "removed" if row.removed else "set",
-                     row.name, row.revision)
+            log.info(
+                "replica registry: %s %s (revision %d)",
+                "removed" if row.removed else "set",
+                row.name,
+                row.revision,
+            )
         if changed:
             self._on_change()
         return changed
@@ -96,8 +113,12 @@ class RegistrySync:
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
 
 
-async def follow_durable_registry(registry: ReplicaRegistry, sessions: async_sessionmaker[AsyncSession],
-                                  dsn: str, on_change: Callable[[], None]) -> RegistrySync:
+async def follow_durable_registry(
+    registry: ReplicaRegistry,
+    sessions: async_sessionmaker[AsyncSession],
+    dsn: str,
+    on_change: Callable[[], None],
+) -> RegistrySync:
     """Apply the durable registry once (before a routing process's first claim), then keep
     following it; close() the result on shutdown."""
     sync = RegistrySync(registry, sessions, dsn, on_change)

@@ -40,29 +40,52 @@ class Gateway:
     def as_admin(self) -> tuple[tuple[str, str], ...]:
         return key_metadata(self.admin_key)
 
-    async def tenant(self, name: str, token_budget: int = 1_000_000,
-                     cost_budget_micros: int = 1_000 * MICROS) -> str:
+    async def tenant(
+        self, name: str, token_budget: int = 1_000_000, cost_budget_micros: int = 1_000 * MICROS
+    ) -> str:
         """A new tenant with a budget, through the Admin API; returns a tenant key's secret."""
-        await self.admin.CreateTenant(admin_pb2.CreateTenantRequest(
-            name=name, token_budget=token_budget, cost_budget_micros=cost_budget_micros), metadata=self.as_admin)
+        await self.admin.CreateTenant(
+            admin_pb2.CreateTenantRequest(
+                name=name, token_budget=token_budget, cost_budget_micros=cost_budget_micros
+            ),
+            metadata=self.as_admin,
+        )
         return await self.key(tenant=name)
 
     async def key(self, *, tenant: str = "", scope: str = "tenant") -> str:
-        created = await self.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant=tenant, scope=scope),
-                                                metadata=self.as_admin)
+        created = await self.admin.CreateApiKey(
+            admin_pb2.CreateApiKeyRequest(tenant=tenant, scope=scope), metadata=self.as_admin
+        )
         return str(created.secret)
 
-    async def model(self, version: str, alias: str = "", prices: tuple[int, int, int] = (500_000, 50_000,
-                                                                                         1_500_000)) -> None:
-        await self.admin.RegisterModel(admin_pb2.RegisterModelRequest(
-            version=version, alias=alias, tokenizer=self.tokenizer, context_limit=16_384, end_id=1,
-            price_input_per_m_micros=prices[0], price_cached_input_per_m_micros=prices[1],
-            price_output_per_m_micros=prices[2]), metadata=self.as_admin)
+    async def model(
+        self, version: str, alias: str = "", prices: tuple[int, int, int] = (500_000, 50_000, 1_500_000)
+    ) -> None:
+        await self.admin.RegisterModel(
+            admin_pb2.RegisterModelRequest(
+                version=version,
+                alias=alias,
+                tokenizer=self.tokenizer,
+                context_limit=16_384,
+                end_id=1,
+                price_input_per_m_micros=prices[0],
+                price_cached_input_per_m_micros=prices[1],
+                price_output_per_m_micros=prices[2],
+            ),
+            metadata=self.as_admin,
+        )
 
-    async def submit(self, api_key: str, prompt: str, cap: int, model: str = "chat",
-                     stub: admission_pb2_grpc.AdmissionStub | None = None) -> admission_pb2.SubmitResponse:
-        request = admission_pb2.SubmitRequest(model=model, input=prompt.encode(), max_output_tokens=cap,
-                                              request_key=uuid.uuid4().hex)
+    async def submit(
+        self,
+        api_key: str,
+        prompt: str,
+        cap: int,
+        model: str = "chat",
+        stub: admission_pb2_grpc.AdmissionStub | None = None,
+    ) -> admission_pb2.SubmitResponse:
+        request = admission_pb2.SubmitRequest(
+            model=model, input=prompt.encode(), max_output_tokens=cap, request_key=uuid.uuid4().hex
+        )
         return await (stub or self.admission).Submit(request, metadata=key_metadata(api_key))
 
 
@@ -73,7 +96,9 @@ async def make_admin_key(sessionmaker: async_sessionmaker[AsyncSession]) -> str:
 
 
 @pytest.fixture
-async def gateway(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str) -> AsyncIterator[Gateway]:
+async def gateway(
+    sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str
+) -> AsyncIterator[Gateway]:
     config = load_config()
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
@@ -84,10 +109,15 @@ async def gateway(sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
     try:
-        yield Gateway(sessionmaker=sessionmaker, address=address,
-                      admission=admission_pb2_grpc.AdmissionStub(channel),
-                      usage=usage_pb2_grpc.UsageServiceStub(channel), admin=admin_pb2_grpc.AdminStub(channel),
-                      admin_key=await make_admin_key(sessionmaker), tokenizer=word_tokenizer)
+        yield Gateway(
+            sessionmaker=sessionmaker,
+            address=address,
+            admission=admission_pb2_grpc.AdmissionStub(channel),
+            usage=usage_pb2_grpc.UsageServiceStub(channel),
+            admin=admin_pb2_grpc.AdminStub(channel),
+            admin_key=await make_admin_key(sessionmaker),
+            tokenizer=word_tokenizer,
+        )
     finally:
         await channel.close()
         await server.stop(None)
