@@ -15,6 +15,7 @@ from sluice.ledger.replicas import ReplicaRecord
 from sluice.services.admin import AdminService, CreatedKey, TenantView
 from sluice.services.errors import grpc_errors
 from sluice.services.routing.app import registry_from_config
+from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
@@ -325,5 +326,6 @@ def add_admin_servicer(
 ) -> AdminService:
     """Register Admin on `server`; config's [[replicas]] are the registry's bootstrap."""
     service = AdminService(sessionmaker, registry_from_config(config).specs())
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
+    add_checked_service(server, admin_pb2.DESCRIPTOR.services_by_name["Admin"], AdminServicer(service),
+                        FieldLimits.from_config(config))
     return service
