@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sluice.ledger.keys import generate_key
 from sluice.ledger.models import ApiKey, Budget, KeyScope, Model, PriceCard, Tenant
+from sluice.ledger.repositories import BudgetState
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -49,31 +50,6 @@ class Limits:
     max_concurrent_runs: int | None = None
     tokens_per_minute: int | None = None
     allowed_tiers: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetRecord:
-    tenant_id: uuid.UUID
-    period_start: dt.date  # first day of the UTC month
-    token_budget: int
-    cost_budget_micros: int
-    reserved_tokens: int
-    used_tokens: int
-    reserved_cost_micros: int
-    used_cost_micros: int
-
-    @classmethod
-    def of(cls, row: Budget) -> BudgetRecord:
-        return cls(
-            tenant_id=row.tenant_id,
-            period_start=row.period_start,
-            token_budget=row.token_budget,
-            cost_budget_micros=row.cost_budget_micros,
-            reserved_tokens=row.reserved_tokens,
-            used_tokens=row.used_tokens,
-            reserved_cost_micros=row.reserved_cost_micros,
-            used_cost_micros=row.used_cost_micros,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,15 +190,15 @@ class BudgetAdmin:
     def __init__(self, session: AsyncSession) -> None:
         self._session = session
 
-    async def get(self, tenant_id: uuid.UUID, period_start: dt.date) -> BudgetRecord | None:
+    async def get(self, tenant_id: uuid.UUID, period_start: dt.date) -> BudgetState | None:
         row = await self._session.scalar(
             select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == period_start)
         )
-        return None if row is None else BudgetRecord.of(row)
+        return None if row is None else BudgetState.of(row)
 
     async def set(
         self, tenant_id: uuid.UUID, period_start: dt.date, token_budget: int, cost_budget_micros: int
-    ) -> tuple[BudgetRecord | None, BudgetRecord]:
+    ) -> tuple[BudgetState | None, BudgetState]:
         """Set a period's budget, creating the row if needed; reservations and usage are untouched.
 
         Lowering it below reserved + used is allowed (the reservation trigger checks only a
@@ -233,7 +209,7 @@ class BudgetAdmin:
             .where(Budget.tenant_id == tenant_id, Budget.period_start == period_start)
             .with_for_update()
         )
-        before = None if existing is None else BudgetRecord.of(existing)
+        before = None if existing is None else BudgetState.of(existing)
         statement = pg_insert(Budget).values(
             tenant_id=tenant_id,
             period_start=period_start,
@@ -249,7 +225,7 @@ class BudgetAdmin:
             .execution_options(populate_existing=True)
         )
         assert row is not None
-        return before, BudgetRecord.of(row)
+        return before, BudgetState.of(row)
 
 
 class KeyAdmin:
@@ -491,7 +467,6 @@ class ModelAdmin:
 
 __all__ = [
     "BudgetAdmin",
-    "BudgetRecord",
     "KeyAdmin",
     "KeyRecord",
     "Limits",

@@ -11,12 +11,34 @@ next poll, and applies each row whose revision differs from the one it applied f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from sluice.ledger.channels import REPLICAS_CHANNEL
 from sluice.ledger.models import ReplicaRow
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
+
+FIELDS = ("name", "pool", "grpc_address", "metrics_url", "block_size", "kv_capacity_blocks", "long_context")
+
+
+class ReplicaFields(Protocol):
+    """What a replica is, wherever it comes from (a row, a configured ReplicaSpec)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def grpc_address(self) -> str: ...
+    @property
+    def metrics_url(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kv_capacity_blocks(self) -> int: ...
+    @property
+    def long_context(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,17 +55,16 @@ class ReplicaRecord:
 
     @classmethod
     def of(cls, row: ReplicaRow) -> ReplicaRecord:
-        return cls(
-            name=row.name,
-            pool=row.pool,
-            grpc_address=row.grpc_address,
-            metrics_url=row.metrics_url,
-            block_size=row.block_size,
-            kv_capacity_blocks=row.kv_capacity_blocks,
-            long_context=row.long_context,
-            removed=row.removed,
-            revision=row.revision,
-        )
+        return cls(**fields_of(row), removed=row.removed, revision=row.revision)
+
+    @classmethod
+    def configured(cls, spec: ReplicaFields) -> ReplicaRecord:
+        """A replica from config (`[[replicas]]`): live, never written (revision 0)."""
+        return cls(**fields_of(spec), removed=False, revision=0)
+
+
+def fields_of(replica: ReplicaFields) -> dict[str, Any]:
+    return {name: getattr(replica, name) for name in FIELDS}
 
 
 class ReplicaRepository:
@@ -54,27 +75,11 @@ class ReplicaRepository:
         row = await self._session.scalar(select(ReplicaRow).where(ReplicaRow.name == name))
         return None if row is None else ReplicaRecord.of(row)
 
-    async def put(
-        self,
-        name: str,
-        *,
-        pool: str,
-        grpc_address: str,
-        metrics_url: str,
-        block_size: int,
-        kv_capacity_blocks: int,
-        long_context: bool,
-        removed: bool = False,
-    ) -> ReplicaRecord:
-        values = {
-            "pool": pool,
-            "grpc_address": grpc_address,
-            "metrics_url": metrics_url,
-            "block_size": block_size,
-            "kv_capacity_blocks": kv_capacity_blocks,
-            "long_context": long_context,
-            "removed": removed,
-        }
+    async def put(self, replica: ReplicaFields, *, removed: bool = False) -> ReplicaRecord:
+        """Write the replica's row (a tombstone when `removed`) under a new revision; NOTIFY."""
+        name = replica.name
+        values = {field: value for field, value in fields_of(replica).items() if field != "name"}
+        values["removed"] = removed
         statement = pg_insert(ReplicaRow).values(name=name, **values)
         row = await self._session.scalar(
             statement.on_conflict_do_update(

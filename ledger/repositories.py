@@ -108,6 +108,18 @@ class BudgetState:
     reserved_cost_micros: int
     used_cost_micros: int
 
+    @classmethod
+    def of(cls, budget: Budget) -> BudgetState:
+        return cls(
+            period_start=budget.period_start,
+            token_budget=budget.token_budget,
+            cost_budget_micros=budget.cost_budget_micros,
+            reserved_tokens=budget.reserved_tokens,
+            used_tokens=budget.used_tokens,
+            reserved_cost_micros=budget.reserved_cost_micros,
+            used_cost_micros=budget.used_cost_micros,
+        )
+
     @property
     def tokens_left(self) -> int:
         return self.token_budget - self.reserved_tokens - self.used_tokens
@@ -305,17 +317,7 @@ class BudgetRepository:
         budget = await self._session.scalar(
             select(Budget).where(Budget.tenant_id == tenant_id, Budget.period_start == current_period_start())
         )
-        if budget is None:
-            return None
-        return BudgetState(
-            period_start=budget.period_start,
-            token_budget=budget.token_budget,
-            cost_budget_micros=budget.cost_budget_micros,
-            reserved_tokens=budget.reserved_tokens,
-            used_tokens=budget.used_tokens,
-            reserved_cost_micros=budget.reserved_cost_micros,
-            used_cost_micros=budget.used_cost_micros,
-        )
+        return None if budget is None else BudgetState.of(budget)
 
     async def open_current_period(self, tenant_id: uuid.UUID) -> bool:
         """Start the current period with the limits of the tenant's latest earlier period.

@@ -27,7 +27,6 @@ from typing import Any
 from sluice.ledger import audit
 from sluice.ledger.admin import (
     BudgetAdmin,
-    BudgetRecord,
     KeyAdmin,
     KeyRecord,
     Limits,
@@ -41,7 +40,7 @@ from sluice.ledger.admin import (
 from sluice.ledger.audit import Actor, AuditRecord
 from sluice.ledger.models import KeyScope
 from sluice.ledger.replicas import ReplicaRecord, ReplicaRepository
-from sluice.ledger.repositories import current_period_start
+from sluice.ledger.repositories import BudgetState, current_period_start
 from sluice.services.auth import Metadata, identify, require_scope
 from sluice.services.errors import (
     AlreadyExists,
@@ -84,7 +83,7 @@ _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
 @dataclass(frozen=True, slots=True)
 class TenantView:
     tenant: TenantRecord
-    budget: BudgetRecord | None  # the current period's
+    budget: BudgetState | None  # the current period's
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +194,7 @@ class AdminService:
 
     async def set_budget(
         self, metadata: Metadata, name: str, period: str, token_budget: int, cost_budget_micros: int
-    ) -> BudgetRecord:
+    ) -> BudgetState:
         async with self._admin(metadata) as (session, actor):
             _not_negative(token_budget=token_budget, cost_budget_micros=cost_budget_micros)
             period_start = parse_period(period)
@@ -212,7 +211,7 @@ class AdminService:
         period_start: dt.date | None,
         token_budget: int,
         cost_budget_micros: int,
-    ) -> BudgetRecord:
+    ) -> BudgetState:
         start = period_start or await _current_period(session)
         before, after = await BudgetAdmin(session).set(tenant.id, start, token_budget, cost_budget_micros)
         await audit.record(session, actor, "budget.set", f"{tenant.name} {start:%Y-%m}", before, after)
@@ -340,15 +339,7 @@ class AdminService:
             spec = spec_from_table(table)
             replicas = ReplicaRepository(session)
             before = await self._replica(replicas, spec.name)
-            after = await replicas.put(
-                spec.name,
-                pool=spec.pool,
-                grpc_address=spec.grpc_address,
-                metrics_url=spec.metrics_url,
-                block_size=spec.block_size,
-                kv_capacity_blocks=spec.kv_capacity_blocks,
-                long_context=spec.long_context,
-            )
+            after = await replicas.put(spec)
             await audit.record(session, actor, "replica.upsert", spec.name, before, after)
         return after
 
@@ -360,16 +351,7 @@ class AdminService:
             before = await self._replica(replicas, name)
             if before is None:
                 return False
-            after = await replicas.put(
-                name,
-                pool=before.pool,
-                grpc_address=before.grpc_address,
-                metrics_url=before.metrics_url,
-                block_size=before.block_size,
-                kv_capacity_blocks=before.kv_capacity_blocks,
-                long_context=before.long_context,
-                removed=True,
-            )
+            after = await replicas.put(before, removed=True)
             await audit.record(session, actor, "replica.remove", name, before, after)
         return True
 
@@ -377,7 +359,7 @@ class AdminService:
         """The registry as routing processes see it: config overlaid with the durable rows."""
         async with self._admin(metadata) as (session, _):
             rows = {row.name: row for row in await ReplicaRepository(session).all()}
-        merged = {name: _bootstrap_record(spec) for name, spec in self._bootstrap.items()} | rows
+        merged = {name: ReplicaRecord.configured(spec) for name, spec in self._bootstrap.items()} | rows
         return [merged[name] for name in sorted(merged) if not merged[name].removed]
 
     async def _replica(self, replicas: ReplicaRepository, name: str) -> ReplicaRecord | None:
@@ -386,27 +368,13 @@ class AdminService:
         if row is not None:
             return None if row.removed else row
         spec = self._bootstrap.get(name)
-        return None if spec is None else _bootstrap_record(spec)
+        return None if spec is None else ReplicaRecord.configured(spec)
 
     # --- audit ----------------------------------------------------------------------------------
 
     async def audit_log(self, metadata: Metadata, limit: int, action: str) -> list[AuditRecord]:
         async with self._admin(metadata) as (session, _):
             return await audit.recent(session, limit or DEFAULT_AUDIT_LIMIT, action or None)
-
-
-def _bootstrap_record(spec: ReplicaSpec) -> ReplicaRecord:
-    return ReplicaRecord(
-        name=spec.name,
-        pool=spec.pool,
-        grpc_address=spec.grpc_address,
-        metrics_url=spec.metrics_url,
-        block_size=spec.block_size,
-        kv_capacity_blocks=spec.kv_capacity_blocks,
-        long_context=spec.long_context,
-        removed=False,
-        revision=0,
-    )
 
 
 def _scope(value: str) -> KeyScope:

@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc.aio
-from sluice.ledger.admin import BudgetRecord, KeyRecord, Limits, ModelRecord, NewModel, Prices, TenantRecord
+from sluice.ledger.admin import KeyRecord, Limits, ModelRecord, NewModel, Prices, TenantRecord
 from sluice.ledger.audit import AuditRecord
 from sluice.ledger.replicas import ReplicaRecord
+from sluice.ledger.repositories import BudgetState
 from sluice.services.admin import AdminService, CreatedKey, TenantView
 from sluice.services.errors import grpc_errors
 from sluice.services.routing.app import registry_from_config
@@ -25,7 +26,7 @@ def _time(value: dt.datetime | None) -> str:
     return "" if value is None else value.astimezone(dt.UTC).isoformat()
 
 
-def tenant_message(tenant: TenantRecord, budget: BudgetRecord | None = None) -> admin_pb2.Tenant:
+def tenant_message(tenant: TenantRecord, budget: BudgetState | None = None) -> admin_pb2.Tenant:
     message = admin_pb2.Tenant(
         id=str(tenant.id),
         name=tenant.name,
@@ -40,7 +41,7 @@ def tenant_message(tenant: TenantRecord, budget: BudgetRecord | None = None) -> 
     return message
 
 
-def budget_message(budget: BudgetRecord) -> admin_pb2.Budget:
+def budget_message(budget: BudgetState) -> admin_pb2.Budget:
     return admin_pb2.Budget(
         period=f"{budget.period_start:%Y-%m}",
         token_budget=budget.token_budget,

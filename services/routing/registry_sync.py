@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from sluice.ledger.channels import REPLICAS_CHANNEL
-from sluice.ledger.replicas import ReplicaRecord, ReplicaRepository
+from sluice.ledger.replicas import ReplicaRecord, ReplicaRepository, fields_of
 from sluice.services.notify import ChannelListener
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -32,15 +32,7 @@ POLL_S = 0.5
 
 
 def spec_of(row: ReplicaRecord) -> ReplicaSpec:
-    return ReplicaSpec(
-        name=row.name,
-        pool=row.pool,
-        grpc_address=row.grpc_address,
-        metrics_url=row.metrics_url,
-        block_size=row.block_size,
-        kv_capacity_blocks=row.kv_capacity_blocks,
-        long_context=row.long_context,
-    )
+    return ReplicaSpec(**fields_of(row))
 
 
 class RegistrySync:
