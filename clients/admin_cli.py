@@ -38,6 +38,11 @@ from sluice.v1 import admin_pb2, routing_pb2
 SECRET_NOTICE = "sluice: store this key's secret now: it is never shown again"
 
 
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as file:
+        return file.read()
+
+
 def _tiers(value: str) -> list[str]:
     return [tier.strip() for tier in value.split(",") if tier.strip()]
 
@@ -107,6 +112,8 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     register.add_argument("--tier", default="")
     register.add_argument("--end-id", type=int, default=0)
     register.add_argument("--alias", default="")
+    register.add_argument("--chat-template", type=_read_text, default="",
+                          help="a Jinja file for the HTTP edge")
     for name in ("input", "cached", "output"):
         register.add_argument(f"--price-{name}", type=int, required=True, help="micro-USD per million tokens")
     verb(models, "list", "every version")
@@ -195,6 +202,7 @@ REQUESTS: dict[tuple[str, str | None], tuple[str, Callable[[argparse.Namespace],
             quality_tier=a.tier,
             end_id=a.end_id,
             alias=a.alias,
+            chat_template=a.chat_template,
             price_input_per_m_micros=a.price_input,
             price_cached_input_per_m_micros=a.price_cached,
             price_output_per_m_micros=a.price_output,

@@ -119,6 +119,7 @@ class NewModel:
     end_id: int
     prices: Prices
     alias: str | None = None
+    chat_template: str | None = None  # Jinja text (models.chat_template); None = completions only
 
 
 class TenantAdmin:
@@ -356,6 +357,7 @@ class ModelAdmin:
                 worker_pool=new.worker_pool,
                 quality_tier=new.quality_tier,
                 end_id=new.end_id,
+                chat_template=new.chat_template,
                 price_input_per_m_micros=new.prices.input_per_m_micros,
                 price_cached_input_per_m_micros=new.prices.cached_input_per_m_micros,
                 price_output_per_m_micros=new.prices.output_per_m_micros,

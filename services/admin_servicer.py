@@ -248,6 +248,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             end_id=request.end_id,
             prices=_prices(request),
             alias=request.alias or None,
+            chat_template=request.chat_template or None,
         )
         return model_message(await self._service.register_model(context.invocation_metadata(), new))
 

@@ -70,6 +70,7 @@ FIELD_MAX_CHARS: Mapping[str, int] = {
     "sluice.v1.RemoveReplicaRequest.name": 256,
     "sluice.v1.ExplainRequest.model_version": 256,
     "sluice.v1.ExplainRequest.conversation_id": 256,
+    "sluice.v1.RegisterModelRequest.chat_template": 65_536,   # real templates run to ~10 KB
 }
 
 

@@ -47,7 +47,9 @@ def free_port() -> int:
 def second_gateway(database_dsn: str, tmp_path: Path) -> Iterator[str]:
     """Another gateway PROCESS (`python -m sluice.services.main --role gateway`) on the same ledger."""
     address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "SLUICE_DATABASE__DSN": database_dsn, "PYTHONPATH": str(REPO_ROOT)}
+    # No HTTP edge: its fixed port may be taken by another gateway on this machine.
+    env = {**os.environ, "SLUICE_DATABASE__DSN": database_dsn, "SLUICE_HTTP__ENABLED": "false",
+           "PYTHONPATH": str(REPO_ROOT)}
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

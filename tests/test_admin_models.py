@@ -8,7 +8,7 @@ import uuid
 import grpc
 import grpc.aio
 import pytest
-from sluice.ledger.models import AuditEntry, Run, RunStatus, UsageEntry
+from sluice.ledger.models import AuditEntry, Model, Run, RunStatus, UsageEntry
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.settlement import settle_run
 from sluice.services import admin as admin_service
@@ -217,3 +217,15 @@ async def test_every_admin_change_writes_one_audit_row_with_who_what_before_and_
     assert [json.loads(entry.after_json)["token_budget"] for entry in reversed(budget_sets)] == [100, 200]
     async with gateway.sessionmaker() as session:
         assert all(row.at is not None for row in await session.scalars(select(AuditEntry)))
+
+
+async def test_a_registered_chat_template_is_stored_with_the_version(gateway: Gateway):
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}" + " " * 8_000  # > 4 KiB
+    await gateway.admin.RegisterModel(
+        admin_pb2.RegisterModelRequest(version="m-v1", tokenizer=gateway.tokenizer, context_limit=512,
+                                       price_output_per_m_micros=1, chat_template=template),
+        metadata=gateway.as_admin,
+    )
+    async with gateway.sessionmaker() as session:
+        stored = await session.scalar(select(Model.chat_template).where(Model.version == "m-v1"))
+    assert stored == template
