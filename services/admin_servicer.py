@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import grpc.aio
@@ -19,6 +18,7 @@ from sluice.services.routing.app import registry_from_config
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import Settings
 from sluice.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 
 
@@ -324,7 +324,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 
 def add_admin_servicer(
-    server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession], config: Mapping[str, Any]
+    server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession], config: Settings
 ) -> AdminService:
     """Register Admin on `server`; config's [[replicas]] are the registry's bootstrap."""
     service = AdminService(sessionmaker, registry_from_config(config).specs())

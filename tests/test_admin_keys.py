@@ -22,6 +22,7 @@ from sluice.services import errors
 from sluice.services.finance import CROSS_TENANT_USAGE
 from sqlalchemy import select
 
+from sluice.config.settings import env_overrides
 from sluice.v1 import admin_pb2, admin_pb2_grpc, admission_pb2_grpc, routing_pb2, usage_pb2
 from tests.support import REPO_ROOT
 from tests.support.admin_services import Gateway
@@ -48,8 +49,8 @@ def second_gateway(database_dsn: str, tmp_path: Path) -> Iterator[str]:
     """Another gateway PROCESS (`python -m sluice.services.main --role gateway`) on the same ledger."""
     address = f"127.0.0.1:{free_port()}"
     # No HTTP edge: its fixed port may be taken by another gateway on this machine.
-    env = {**os.environ, "SLUICE_DATABASE__DSN": database_dsn, "SLUICE_HTTP__ENABLED": "false",
-           "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, **env_overrides("database", {"dsn": database_dsn}),
+           **env_overrides("http", {"enabled": False}), "PYTHONPATH": str(REPO_ROOT)}
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -20,7 +20,7 @@ from sluice.services.admission import add_admission_servicer
 from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.config import load_config
+from sluice.config import load_settings
 from sluice.v1 import admin_pb2, admin_pb2_grpc, admission_pb2, admission_pb2_grpc, usage_pb2_grpc
 from tests.support.ledger_factories import MICROS
 from tests.support.ledger_services import key_metadata
@@ -99,7 +99,7 @@ async def make_admin_key(sessionmaker: async_sessionmaker[AsyncSession]) -> str:
 async def gateway(
     sessionmaker: async_sessionmaker[AsyncSession], word_tokenizer: str
 ) -> AsyncIterator[Gateway]:
-    config = load_config()
+    config = load_settings()
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
     add_usage_servicer(server, sessionmaker, config)
