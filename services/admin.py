@@ -48,10 +48,10 @@ from sluice.services.errors import (
     InvalidArgument,
     NotFound,
 )
-from sluice.services.tokenization import load_tokenizer
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.models import load_tokenizer
 from sluice.router.registry import RegistryError, ReplicaSpec
 
 # --- messages (shared by code and tests) ------------------------------------------------------
