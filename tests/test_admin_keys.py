@@ -30,7 +30,7 @@ from tests.support.ledger_services import key_metadata
 
 pytestmark = pytest.mark.integration
 
-GATEWAY_READY = "gateway (admission, runs, usage, admin) listening"
+GATEWAY_READY = "gateway (admission, runs, usage) listening"
 OVERLAP_S = 3  # long enough for two submits on a busy machine, short enough to wait out
 
 
