@@ -48,6 +48,7 @@ class Scenario:
     ramp_start_s: float = 300.0
     ramp_s: float = 300.0
     conversations_per_s: float = 6.0        # ~24 req/s: what 5 replicas serve at 3/4 of 16 sequences each
+    step: float = 2.0                       # the traffic multiplies by this over the ramp
 
 
 def fleet(warm_pool: int) -> FleetConfig:
@@ -69,7 +70,8 @@ def workload(scenario: Scenario) -> WorkloadConfig:
         think_time_s=45.0, turns=GeometricLength(4.0), system_prompt_tokens=1000,
         user_tokens=LogNormalLength.from_mean_p95(500, 1500),
         output_tokens=LogNormalLength.from_mean_p95(300, 900),
-        ramp_factor=2.0, ramp_start_s=scenario.ramp_start_s, ramp_s=scenario.ramp_s, warmup_s=120.0, seed=5)
+        ramp_factor=scenario.step, ramp_start_s=scenario.ramp_start_s, ramp_s=scenario.ramp_s,
+        warmup_s=120.0, seed=5)
 
 
 def run(scenario: Scenario, warm_pool: int) -> FleetReport:
@@ -93,7 +95,8 @@ def per_minute(report: FleetReport) -> list[tuple[float, float, int, int]]:
 
 
 def print_comparison(reports: dict[int, FleetReport], scenario: Scenario) -> None:
-    print(f"\nTraffic doubles from t = {scenario.ramp_start_s:.0f} s over {scenario.ramp_s:.0f} s; cold "
+    print(f"\nTraffic x{scenario.step:g} from t = {scenario.ramp_start_s:.0f} s over "
+          f"{scenario.ramp_s:.0f} s; cold "
           f"start {COLD_START_S:.0f} s. Per minute: worst p95 TTFT (30 s windows), serving replicas, "
           "runs shed")
     header = "minute" + "".join(f"   warm pool {pool}: p95 TTFT  serving  shed" for pool in reports)
@@ -116,7 +119,7 @@ def print_comparison(reports: dict[int, FleetReport], scenario: Scenario) -> Non
               f"{report.ttft.p95 * 1e3:,.0f} ms, goodput {report.goodput:.1f} req/s")
 
 
-def plot(reports: dict[int, FleetReport], out: Path) -> Path | None:
+def plot(reports: dict[int, FleetReport], scenario: Scenario, out: Path) -> Path | None:
     try:
         import matplotlib
 
@@ -136,9 +139,12 @@ def plot(reports: dict[int, FleetReport], out: Path) -> Path | None:
     ttft_axis.axhline(500, color="grey", linestyle="--", linewidth=0.8)
     ttft_axis.legend()
     serving_axis.set_ylabel("serving replicas")
-    serving_axis.set_xlabel("simulated seconds (traffic doubles from 300 s to 600 s)")
+    ramp_end = scenario.ramp_start_s + scenario.ramp_s
+    serving_axis.set_xlabel(f"simulated seconds (traffic x{scenario.step:g} from "
+                            f"{scenario.ramp_start_s:.0f} s to {ramp_end:.0f} s)")
     serving_axis.legend()
-    fig.suptitle("Seed 000: traffic doubles in five minutes, 70B bf16 TP8, cold start 90 s")
+    fig.suptitle(f"Seed 000: traffic x{scenario.step:g} in {scenario.ramp_s / 60:.0f} minutes, 70B bf16 TP8, "
+                 f"cold start {COLD_START_S:.0f} s")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -151,16 +157,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="600 s, ramp from 120 s over 240 s")
     parser.add_argument("--warm-pools", default="2,0")
+    parser.add_argument("--step", type=float, default=2.0,
+                        help="traffic multiplier over the ramp (seed 000: 2)")
     parser.add_argument("--plot", default=".sluice/bench/autoscaler.png")
     args = parser.parse_args(argv)
     quick = replace(Scenario(), duration_s=600.0, ramp_start_s=120.0, ramp_s=240.0)
-    scenario = quick if args.quick else Scenario()
+    scenario = replace(quick if args.quick else Scenario(), step=args.step)
     reports = {}
     for pool in (int(value) for value in args.warm_pools.split(",")):
         reports[pool] = run(scenario, pool)
         print(f"  warm pool {pool}: simulated in {reports[pool].sim_cpu_s:.0f} s CPU", flush=True)
     print_comparison(reports, scenario)
-    if args.plot and (path := plot(reports, Path(args.plot))) is not None:
+    if args.plot and (path := plot(reports, scenario, Path(args.plot))) is not None:
         print(f"plot: {path}")
 
 

@@ -150,8 +150,12 @@ class ScalingHost:
                 events.popleft()
         while self._first_tokens and self._first_tokens[0][0] < horizon:
             self._first_tokens.popleft()
-        rate = len(self._arrivals) / self.settings.window_s
-        self._rates.append(rate)
+        # Until a whole window has passed, the rate is over the time elapsed, and no slope is read
+        # from a window still filling (it would look like a traffic step at start-up).
+        elapsed = min(at, self.settings.window_s)
+        rate = len(self._arrivals) / elapsed if elapsed > 0 else 0.0
+        if at >= self.settings.window_s:
+            self._rates.append(rate)
         slope = ((rate - self._rates[0]) / ((len(self._rates) - 1) * self.settings.interval_s)
                  if len(self._rates) > 1 else 0.0)
         ttfts = [ttft for _, ttft in self._first_tokens]
