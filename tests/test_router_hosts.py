@@ -46,7 +46,8 @@ def test_the_live_service_policy_object_runs_unchanged_in_the_simulator(name: st
 
 def test_the_live_service_decides_over_its_configured_replicas_through_the_policy():
     worker = live_worker("prefix_aware")
-    request = RouteRequest(request_id="explain-1", model_version="tiny-chat-v1", token_ids=tuple(range(100)),
+    pool = "smollm2-135m-instruct"                 # the shipped config's replicas
+    request = RouteRequest(request_id="explain-1", model_version=pool, token_ids=tuple(range(100)),
                            max_output_tokens=8, conversation_id="c1")
-    decision = worker.explain(request, "tiny-chat-v1")
+    decision = worker.explain(request, pool)
     assert decision is not None and decision.replica in {"r0", "r1"}

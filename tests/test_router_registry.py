@@ -21,7 +21,10 @@ from sluice.router.registry import (
 def test_the_shipped_config_yields_the_development_replicas():
     registry = ReplicaRegistry.from_config({"replicas": load_settings(environ={}).replica_tables()})
     assert [spec.name for spec in registry.specs()] == ["r0", "r1"]
-    assert registry.get("r0") == ReplicaSpec(name="r0", pool="tiny-chat-v1", grpc_address="127.0.0.1:18001",
+    # The development replicas serve the real SmolLM2 (their entries' `replica` table picks the model
+    # executor; the registry ignores it).
+    assert registry.get("r0") == ReplicaSpec(name="r0", pool="smollm2-135m-instruct",
+                                             grpc_address="127.0.0.1:18001",
                                              metrics_url="http://127.0.0.1:18002/metrics")
 
 

@@ -157,7 +157,8 @@ def run_cli(*argv: str) -> tuple[int, str]:
 async def test_sluice_chat_streams_the_answer_and_runs_get_tail_and_usage_report_on_it(stack: Stack):
     await stack.start_worker()
     key = ("--api-key", stack.tenant.api_key, "--address", stack.address)
-    code, chat = await asyncio.to_thread(run_cli, "chat", PROMPT, "--max-tokens", "12", *key)
+    code, chat = await asyncio.to_thread(run_cli, "chat", PROMPT, "--model", MODEL.version,
+                                         "--max-tokens", "12", *key)
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         run_id = (await collect_run_ids(stack))[0]
         events = await collect(sdk.stream(run_id))
