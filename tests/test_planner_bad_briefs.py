@@ -132,3 +132,15 @@ def test_70b_fp8_on_one_h100_is_refused_with_tp2_even_when_simulating(
     assert main([str(brief), "--simulate", "--sim-seconds", "5"]) == EXIT_BAD_BRIEF
     err = capsys.readouterr().err
     assert "smallest TP that fits is 2" in err and "Traceback" not in err
+
+
+def test_simulate_skips_a_fleet_no_count_of_replicas_can_size(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = seed003()
+    data["model"]["preset"] = "llama-3.1-405b"    # bf16 matmuls: no count of TP8 replicas meets 40 ms ITL
+    data["sizing"] = {"mode": "users"}
+    brief = tmp_path / "huge.yaml"
+    brief.write_text(yaml.safe_dump(data))
+    assert main([str(brief), "--simulate", "--sim-seconds", "5"]) == EXIT_MISSES
+    err = capsys.readouterr().err
+    assert "--simulate skipped" in err and "Traceback" not in err

@@ -22,6 +22,7 @@ from sluice.planner.render import to_json, to_markdown
 from sluice.planner.report import SimPoint, to_html
 
 EXIT_MEETS, EXIT_MISSES, EXIT_BAD_BRIEF = 0, 1, 2
+MAX_SIMULATED_REPLICAS = 1024   # a fleet the solver could not size is 65,536 replicas: not simulated
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "e.g. 0.5,1,1.5", file=sys.stderr)
         return EXIT_BAD_BRIEF
     meets, points = result.meets_slo, []
+    if args.simulate and result.replicas > MAX_SIMULATED_REPLICAS:
+        print(f"sluice plan: --simulate skipped: {result.replicas:,} replicas is beyond what the simulator "
+              f"runs (at most {MAX_SIMULATED_REPLICAS:,}); the plan says why so many", file=sys.stderr)
+        print(to_json(result) if args.json else to_markdown(result))
+        return EXIT_MISSES
     if args.simulate:
         from sluice.planner.simulate import simulate  # the simulator is only imported when asked for
 
