@@ -7,10 +7,13 @@ exist give the same NOT_FOUND.
 Stream never reads tokens from the ledger: it reads the event log from where
 the run's events start (recorded in the ledger by whoever published the first
 event), drops sequences <= after, and follows the log to the terminal event.
-Until the run's first event exists, it waits: woken by the NOTIFY that commits
-with the run's RUNNING transition (or its terminal event), and by the listener
-(re)connecting, when notifications may have been lost; a slow re-poll of the
-ledger is the last safety net. The lookups are single autocommit statements.
+A run with no recorded start yet is watched on the process's live tail at once:
+when its first event (sequence 1) arrives there, the stream goes on without the
+ledger. Otherwise (it began before the stream looked) the stream waits for the
+start: woken by the NOTIFY that commits with the run's RUNNING transition (or
+its terminal event), and by the listener (re)connecting, when notifications may
+have been lost; a slow re-poll of the ledger is the last safety net. The
+lookups are single autocommit statements.
 """
 
 from __future__ import annotations
@@ -167,20 +170,28 @@ class RunsService:
         if found.run_id is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
         # The row just read usually has the start already (a resume, a finished run): no second read.
+        known = found.run_id
         start = _stream_start(found.start, after)
         if start is None:
-            start = await self._wait_for_events(found.run_id, after)
-        run_key = str(found.run_id)
-        if start.position is None:
-            return
+            # No events recorded yet (a stream opened right after Submit): the run's first event
+            # goes out as soon as the log has it, without waiting for the ledger to say where it is.
+            events = self.events.follow_from_first(str(known), after,
+                                                   lambda: self._recorded_position(known, after))
+        elif start.position is None:
+            return                       # the cursor is at or past the terminal event
+        else:
+            events = self.events.follow(str(known), start.position, after)
         try:
-            async for event in self.events.follow(run_key, start.position, after):
+            async for event in events:
                 yield event
         except CursorPastRetention as exc:
             raise OutOfRange(str(exc)) from exc
         except ReaderTooSlow as exc:
             # UNAVAILABLE: the SDK resumes by itself from the last event it received.
             raise Unavailable(str(exc)) from exc
+
+    async def _recorded_position(self, run_id: uuid.UUID, after: int) -> LogPosition | None:
+        return (await self._wait_for_events(run_id, after)).position
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int) -> StreamStart:
         """Wait until the run's events have a recorded start in the log (or nothing is left)."""

@@ -154,3 +154,46 @@ async def test_many_concurrent_followers_share_the_process_tail_and_one_replay_r
         assert log.replay.reads == 64                  # every one through the one shared consumer
     finally:
         await log.close()
+
+
+async def test_a_run_followed_before_its_first_event_streams_without_waiting_for_the_ledger(log):
+    run_id = str(uuid.uuid4())
+    seq = RunEventSequencer(run_id)
+    never = asyncio.Event()
+
+    async def ledger_never_answers() -> LogPosition | None:
+        await never.wait()
+        return None
+
+    async def read() -> list[int]:
+        return [e.sequence async for e in log.follow_from_first(run_id, 0, ledger_never_answers)]
+
+    reader = asyncio.create_task(asyncio.wait_for(read(), 10))
+    await asyncio.sleep(0.5)                              # subscribed before the run's first event
+    await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+    for token in range(5):
+        await log.append(seq.delta([token], "", 0))
+    await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
+    assert await reader == list(range(1, 8))
+
+
+async def test_a_run_that_began_before_it_was_followed_replays_from_the_start_the_ledger_gives(log):
+    run_id = str(uuid.uuid4())
+    seq = RunEventSequencer(run_id)
+    first = await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+    await log.append(seq.delta([1], "", 0))
+    asked = asyncio.Event()
+
+    async def ledger_start() -> LogPosition | None:
+        asked.set()
+        return first
+
+    async def read(after: int) -> list[int]:
+        return [e.sequence async for e in log.follow_from_first(run_id, after, ledger_start)]
+
+    readers = [asyncio.create_task(asyncio.wait_for(read(after), 10)) for after in (0, 1)]
+    await asyncio.wait_for(asyncio.shield(asked.wait()), 5)
+    await log.append(seq.delta([2], "", 0))               # live: its sequence 3 says earlier ones exist
+    await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
+    assert await readers[0] == [1, 2, 3, 4]
+    assert await readers[1] == [2, 3, 4]

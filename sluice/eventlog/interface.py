@@ -8,7 +8,7 @@ follow live.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +73,15 @@ class EventLog(Protocol):
         its terminal event. Raises CursorPastRetention when `start` was deleted, and
         ReaderTooSlow when the caller stops reading for too long (after= the last
         event it got)."""
+        ...
+
+    def follow_from_first(self, run_id: str, after: int,
+                          recorded_start: Callable[[], Awaitable[LogPosition | None]],
+                          ) -> AsyncIterator[runs_pb2.RunEvent]:
+        """follow() for a run whose start the ledger has not recorded yet. Live events are watched
+        from now on: if the first to arrive is the run's first event (sequence 1), nothing was
+        written before and no wait for the ledger is needed; otherwise `recorded_start()` (which
+        waits for the ledger) says where to replay from, None meaning nothing is left to read."""
         ...
 
     async def close(self) -> None:

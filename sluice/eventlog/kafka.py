@@ -18,7 +18,7 @@ what lets Stream promise that no client sees an event the log could still lose.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
@@ -33,6 +33,7 @@ from sluice.eventlog.tail import (
     RECENT_RECORDS_PER_PARTITION,
     SUBSCRIPTION_CAPACITY,
     LiveTail,
+    Subscription,
     SubscriptionOverflow,
 )
 from sluice.v1 import runs_pb2
@@ -138,27 +139,76 @@ class KafkaEventLog:
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
         tail = await self._ready_tail()
         subscription, recent = tail.subscribe(run_id, start.partition, start.offset)
+        try:
+            async for event in self._deliver(run_id, start, after, subscription, recent, []):
+                yield event
+        finally:
+            tail.unsubscribe(subscription)
+
+    async def follow_from_first(self, run_id: str, after: int,
+                                recorded_start: Callable[[], Awaitable[LogPosition | None]],
+                                ) -> AsyncIterator[runs_pb2.RunEvent]:
+        tail = await self._ready_tail()
+        subscription, _ = tail.subscribe(run_id, await self.partition_of(run_id), -1)
+        first_live = asyncio.ensure_future(subscription.take())
+        ledger = asyncio.ensure_future(recorded_start())
+        try:
+            await asyncio.wait({first_live, ledger}, return_when=asyncio.FIRST_COMPLETED)
+            live: list[bytes] = []
+            if first_live.done() and not first_live.exception():
+                live = first_live.result()
+                if runs_pb2.RunEvent.FromString(live[0]).sequence == 1:
+                    # The run's first event came after the subscription: nothing to replay, no wait.
+                    ledger.cancel()
+                    async for event in self._deliver(run_id, None, after, subscription, [], live):
+                        yield event
+                    return
+            start = await ledger
+            if start is None:
+                return
+            if start.partition != subscription.partition:
+                # Not where this process's partitioner put the run (a producer that chose otherwise):
+                # the plain path reads the partition the ledger names.
+                async for event in self.follow(run_id, start, after):
+                    yield event
+                return
+            if not live:
+                if not first_live.done():
+                    first_live.cancel()            # take() only waits: nothing buffered is lost
+                else:
+                    live = first_live.result()     # raises a cut-off, as take() would
+            recent = tail.recent(subscription, start.offset)
+            async for event in self._deliver(run_id, start, after, subscription, recent, live):
+                yield event
+        except SubscriptionOverflow as exc:
+            raise ReaderTooSlow(run_id, after, exc.capacity) from exc
+        finally:
+            for waiting in (first_live, ledger):
+                waiting.cancel()
+            tail.unsubscribe(subscription)
+
+    async def _deliver(self, run_id: str, start: LogPosition | None, after: int, subscription: Subscription,
+                       recent: list[bytes] | None, live: list[bytes]) -> AsyncIterator[runs_pb2.RunEvent]:
+        """The run's events > after: what was written before `subscription` (`recent`, or replayed
+        from `start`; nothing when `start` is None), then `live` (already taken from it), then it."""
         dedupe = EventDeduper(after)
         try:
             # What was written before the subscription: the tail's recent records, or the shared reader.
             if recent is None:
+                assert start is not None, "a replay needs the run's start"
                 recent = await self._replay(run_id, start, subscription.start_offset, dedupe)
-            for value in recent:
-                event = runs_pb2.RunEvent.FromString(value)
-                if dedupe.accept(event):
-                    yield event
+            batch = recent + live
             # Everything after it: handed over by the process's live tail.
-            while not dedupe.finished:
-                for value in await subscription.take():
+            while True:
+                for value in batch:
                     event = runs_pb2.RunEvent.FromString(value)
                     if dedupe.accept(event):
                         yield event
                     if dedupe.finished:
-                        break
+                        return
+                batch = await subscription.take()
         except SubscriptionOverflow as exc:
             raise ReaderTooSlow(run_id, dedupe.last_sequence, exc.capacity) from exc
-        finally:
-            tail.unsubscribe(subscription)
 
     async def _replay(self, run_id: str, start: LogPosition, end: int, dedupe: EventDeduper) -> list[bytes]:
         partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))

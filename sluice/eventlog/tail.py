@@ -170,6 +170,11 @@ class LiveTail:
         self._subscribers.setdefault(subscription.run_key, []).append(subscription)
         return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
+    def recent(self, subscription: Subscription, from_offset: int) -> list[bytes] | None:
+        """The subscription's run's recent records from `from_offset` on (those it was handed as well:
+        the reader's EventDeduper drops them), or None when the tail no longer holds all of them."""
+        return self._recent[subscription.partition].since(subscription.run_key, from_offset)
+
     def unsubscribe(self, subscription: Subscription) -> None:
         waiting = self._subscribers.get(subscription.run_key, [])
         if subscription in waiting:
