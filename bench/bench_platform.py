@@ -234,15 +234,16 @@ FROM runs WHERE id::text = ANY($1::text[])
 
 
 async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
-    """Median of each leg: Submit → run row committed → claimed (QUEUED) → first token recorded
-    (RUNNING: replica TTFT + first append + ledger) → first DELTA at the client (gateway delivery)."""
+    """Median of each leg: Submit → run row committed → claimed (QUEUED) → RUNNING recorded (replica
+    TTFT + the STATUS event's append + the ledger) → first DELTA at the client (the driver appends the
+    DELTA after recording RUNNING, so this leg is that append plus the gateway's delivery)."""
     connection = await asyncpg.connect(asyncpg_dsn(dsn))
     try:
         rows = {row["id"]: row for row in await connection.fetch(_LEDGER_TIMES, [o.run_id for o in outcomes])}
     finally:
         await connection.close()
-    legs: dict[str, list[float]] = {name: [] for name in ("submit", "claim", "first token recorded",
-                                                          "gateway delivery")}
+    legs: dict[str, list[float]] = {name: [] for name in ("submit", "claim", "RUNNING recorded",
+                                                          "delta append + delivery")}
     for outcome in outcomes:
         row = rows.get(outcome.run_id)
         if row is None or row["started"] is None or row["queued"] is None or not outcome.first_at:
@@ -250,8 +251,8 @@ async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
         created, queued, started = float(row["created"]), float(row["queued"]), float(row["started"])
         legs["submit"].append(created - outcome.submitted_at)
         legs["claim"].append(queued - created)
-        legs["first token recorded"].append(started - queued)
-        legs["gateway delivery"].append(outcome.first_at - started)
+        legs["RUNNING recorded"].append(started - queued)
+        legs["delta append + delivery"].append(outcome.first_at - started)
     return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms (p50)"
 
 
