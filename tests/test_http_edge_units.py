@@ -21,8 +21,11 @@ from sluice.services.edge.sse import frame, resume_cursor
 from sluice.services.edge.templates import Message, message, render
 from sluice.services.errors import (
     MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
+    MIN_DEADLINE_MS_KEY,
     AlreadyExists,
+    DeadlineExceeded,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
@@ -118,6 +121,9 @@ def test_domain_errors_map_once_to_status_type_code_and_hints():
     shed = error_reply(Unavailable("busy", retry_after_ms=1500))
     assert (shed.status, shed.headers) == (503, {"retry-after": "2", "retry-after-ms": "1500"})
     assert error_reply(Unauthenticated("k")).status == 401
+    assert error_reply(PermissionDenied("tier")).status == 403
+    late = error_reply(DeadlineExceeded("late", metadata=[(MIN_DEADLINE_MS_KEY, "9000")]))
+    assert (late.status, late.body["error"]["min_deadline_ms"]) == (504, 9000)
     assert error_reply(NotFound("r")).status == 404
     assert error_reply(AlreadyExists("k")).body["error"]["code"] == "idempotency_key_reused"
     assert error_reply(RunEnded("EXPIRED", "")).status == 504
