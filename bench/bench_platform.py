@@ -449,11 +449,13 @@ async def bench(args: argparse.Namespace) -> None:
         for line in lines:
             print(line, flush=True)
     finally:
+        # The processes go first: nothing that fails below may leave them running.
+        await asyncio.to_thread(stack.stop)
         if client is not None:
             await client.close()
-        await meter.close()
+        with contextlib.suppress(Exception):
+            await meter.close()
         await replica_client.close_channels()
-        await asyncio.to_thread(stack.stop)
         with contextlib.suppress(Exception):
             await delete_topic(bootstrap, topic)
         await drop_database(database)
