@@ -40,6 +40,7 @@ from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.templates import ModelCards
 from sluice.services.edge.web import EdgeServices
+from sluice.services.operability import DependencyMonitor, add_operability, kafka_probe, postgres_probe
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from sluice.services.routing.registry_sync import follow_durable_registry
 from sluice.services.routing.servicer import add_routing_servicer
@@ -50,7 +51,8 @@ from sluice.services.usage import add_usage_servicer
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
-from sluice.eventlog.kafka import KafkaEventLog
+from sluice.eventlog.kafka import KafkaEventLog, configured_bootstrap
+from sluice.v1 import admin_pb2, admission_pb2, routing_pb2, runs_pb2, usage_pb2
 
 log = logging.getLogger("sluice")
 
@@ -61,6 +63,18 @@ def gateway_addresses(config: Settings) -> list[str]:
     """The configured per-service addresses, deduplicated in order."""
     addresses = [config.admission.listen, config.runs.listen, config.usage.listen]
     return list(dict.fromkeys(addresses))
+
+
+GATEWAY_SERVICES = tuple(module.DESCRIPTOR.services_by_name[name].full_name for module, name in (
+    (admission_pb2, "Admission"), (runs_pb2, "Runs"), (usage_pb2, "UsageService"), (admin_pb2, "Admin")))
+ROUTING_SERVICES = (routing_pb2.DESCRIPTOR.services_by_name["Routing"].full_name,)
+
+
+async def drain(monitor: DependencyMonitor) -> None:
+    """Health NOT_SERVING everywhere before the servers stop, so balancers stop sending new work."""
+    await monitor.stop()
+    for server in monitor.servers:
+        await server.drain()
 
 
 def grpc_server(reuse_port: bool) -> grpc.aio.Server:
@@ -92,6 +106,9 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     edge: EdgeServer | None = None
     worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
     registry_sync = None
+    # grpc.health.v1 of every server here follows PostgreSQL and Kafka, and turns NOT_SERVING on drain.
+    monitor = DependencyMonitor({"postgresql": postgres_probe(engine),
+                                 "kafka": kafka_probe(configured_bootstrap(config.kafka))})
     try:
         if worker is not None:
             registry_sync = await follow_durable_registry(worker.registry, sessions, config.database.url,
@@ -102,6 +119,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             runs_service = add_runs_servicer(gateway, sessions, config, events)
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)
+            monitor.servers.append(add_operability(gateway, GATEWAY_SERVICES))
             _bind(gateway, listen)
             await gateway.start()
             servers.append(gateway)
@@ -116,9 +134,12 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
         if worker is not None and routing_listen:
             api = grpc_server(reuse_port=False)
             add_routing_servicer(api, worker)
+            monitor.servers.append(add_operability(api, ROUTING_SERVICES))
             _bind(api, [routing_listen])
             await api.start()
             servers.append(api)
+        await monitor.probe_once()
+        monitor.start()
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,11 +153,14 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
             serving = asyncio.create_task(worker.serve(drain_s=DRAIN_S))
             await stopping.wait()
+            await drain(monitor)
             worker.stop()
             await serving           # serve() drains runs in progress before returning
         else:
             await stopping.wait()
+            await drain(monitor)
     finally:
+        await monitor.stop()
         if edge is not None:
             await edge.stop()
         if registry_sync is not None:
