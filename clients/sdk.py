@@ -155,7 +155,10 @@ class Addresses:
 
 class SluiceClient:
     def __init__(self, address: str | Addresses, api_key: str | None = None, *,
-                 max_resumes: int = 5, resume_backoff_s: float = 0.2) -> None:
+                 max_resumes: int = 5, resume_backoff_s: float = 0.2,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`credentials` (e.g. grpc.ssl_channel_credentials(ca, key, chain) for TLS or mutual TLS)
+        make every channel a secure one; without them the channels are plaintext."""
         key = api_key or os.environ.get(API_KEY_ENV)
         if not key:
             raise ValueError(NO_API_KEY)
@@ -163,6 +166,7 @@ class SluiceClient:
         self.max_resumes = max_resumes
         self.resume_backoff_s = resume_backoff_s
         self._metadata = (("x-api-key", key),)
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._admission = admission_pb2_grpc.AdmissionStub(self._channel(self.addresses.admission))
         self._runs = runs_pb2_grpc.RunsStub(self._channel(self.addresses.runs))
@@ -172,7 +176,8 @@ class SluiceClient:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = (grpc.aio.insecure_channel(address) if self._credentials is None
+                                       else grpc.aio.secure_channel(address, self._credentials))
         return self._channels[address]
 
     async def close(self) -> None:

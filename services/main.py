@@ -30,6 +30,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
@@ -51,6 +52,7 @@ from sluice.services.usage import add_usage_servicer
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
+from sluice.config.settings import TlsSection
 from sluice.eventlog.kafka import KafkaEventLog, configured_bootstrap
 from sluice.v1 import admin_pb2, admission_pb2, routing_pb2, runs_pb2, usage_pb2
 
@@ -83,10 +85,30 @@ def grpc_server(reuse_port: bool) -> grpc.aio.Server:
     return grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
 
 
-def _bind(server: grpc.aio.Server, addresses: Sequence[str]) -> None:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+PLAINTEXT_OFF_LOOPBACK = ("refusing plaintext gRPC on {address}: configure [tls] cert_file/key_file"
+                          " (or set [tls].plaintext_off_loopback = true to accept the risk)")
+
+
+def server_credentials(tls: TlsSection) -> grpc.ServerCredentials | None:
+    """TLS (mutual when a client CA is configured) from [tls]; None for plaintext."""
+    if not tls.enabled:
+        return None
+    client_ca = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
+        root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def _bind(server: grpc.aio.Server, addresses: Sequence[str], tls: TlsSection) -> None:
+    credentials = server_credentials(tls)
     for address in addresses:
+        if credentials is None and address.rpartition(":")[0] not in LOOPBACK_HOSTS \
+                and not tls.plaintext_off_loopback:
+            raise SystemExit(PLAINTEXT_OFF_LOOPBACK.format(address=address))
         try:
-            bound = server.add_insecure_port(address)
+            bound = (server.add_insecure_port(address) if credentials is None
+                     else server.add_secure_port(address, credentials))
         except RuntimeError:          # recent grpc raises where older versions returned 0
             bound = 0
         if bound == 0:
@@ -120,7 +142,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)
             monitor.servers.append(add_operability(gateway, GATEWAY_SERVICES))
-            _bind(gateway, listen)
+            _bind(gateway, listen, config.tls)
             await gateway.start()
             servers.append(gateway)
             http = HttpSettings.from_config(config)
@@ -135,7 +157,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             api = grpc_server(reuse_port=False)
             add_routing_servicer(api, worker)
             monitor.servers.append(add_operability(api, ROUTING_SERVICES))
-            _bind(api, [routing_listen])
+            _bind(api, [routing_listen], config.tls)
             await api.start()
             servers.append(api)
         await monitor.probe_once()

@@ -133,6 +133,25 @@ class HttpSection(ListenSection):
     model_card_ttl_s: NonNegative = 5.0
 
 
+class TlsSection(Section):
+    """TLS on every gRPC listener (gateway, Routing API): PEM files; a client CA makes it mutual."""
+
+    cert_file: str = ""               # server certificate chain; "" = plaintext
+    key_file: str = ""
+    client_ca_file: str = ""          # set: clients must present a certificate this CA signed
+    plaintext_off_loopback: bool = False   # allow plaintext on a non-loopback address (not advised)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def model_post_init(self, context: Any) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("tls.cert_file and tls.key_file go together")
+        if self.client_ca_file and not self.cert_file:
+            raise ValueError("tls.client_ca_file needs tls.cert_file and tls.key_file")
+
+
 class RoutingSection(ListenSection):
     listen: str = "127.0.0.1:50054"
     policy: Literal["prefix_aware", "least_loaded", "round_robin"] = "prefix_aware"
@@ -224,6 +243,7 @@ class Settings(BaseSettings):
     runs: RunsSection = RunsSection()
     usage: UsageSection = UsageSection()
     http: HttpSection = HttpSection()
+    tls: TlsSection = TlsSection()
     routing: RoutingSection = RoutingSection()
     telemetry: TelemetrySection = TelemetrySection()
     replica: ReplicaSection = ReplicaSection()
@@ -302,7 +322,9 @@ def _origin(loc: tuple[int | str, ...], environ: Mapping[str, str], files: Seque
         name = ENV_PREFIX + "__".join(str(part) for part in loc[:depth]).upper()
         if name in upper:
             return name
-    return ", ".join(str(path) for path in files)
+    prefix = f"{ENV_PREFIX}{str(loc[0]).upper()}__" if loc else ENV_PREFIX
+    section = sorted(name for name in upper if name.startswith(prefix))
+    return ", ".join([*(str(path) for path in files), *section])
 
 
 def _describe(error: ValidationError, environ: Mapping[str, str], files: Sequence[Path]) -> list[str]:

@@ -1,0 +1,112 @@
+"""TLS and mutual TLS on the gateway's gRPC listener ([tls]), and the SDK over it.
+
+Certificates are made in the test with the openssl CLI: a CA, a server certificate for 127.0.0.1
+and a client certificate, all signed by that CA.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from sluice.services.admission import add_admission_servicer
+from sluice.services.main import PLAINTEXT_OFF_LOOPBACK, _bind
+from sluice_client.sdk import SluiceClient, SluiceError
+
+from sluice.config import Settings, load_settings
+from sluice.config.settings import TlsSection
+from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, prompt_of
+from tests.support.replica_proc import free_ports
+
+MODEL = DEFAULT_MODEL.alias or DEFAULT_MODEL.version
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("pki")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "2", "-subj", "/CN=sluice test CA", cwd=home)
+    (home / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, extension in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=sluice {name}", cwd=home)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", *extension, cwd=home)
+    return home
+
+
+def tls_settings(pki: Path, mutual: bool) -> Settings:
+    return load_settings().updated(tls={"cert_file": str(pki / "server.pem"),
+                                        "key_file": str(pki / "server.key"),
+                                        "client_ca_file": str(pki / "ca.pem") if mutual else ""})
+
+
+async def serve_admission(sessionmaker, word_tokenizer: str, config: Settings) -> tuple[grpc.aio.Server, str]:
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, word_tokenizer)
+    server = grpc.aio.server()
+    add_admission_servicer(server, sessionmaker, config)
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    _bind(server, [address], config.tls)
+    await server.start()
+    return server, address
+
+
+@pytest.fixture
+async def api_key(sessionmaker) -> str:
+    async with sessionmaker() as session, session.begin():
+        return (await add_tenant(session, f"acme-{uuid.uuid4().hex[:6]}")).api_key
+
+
+def credentials(pki: Path, client_certificate: bool) -> grpc.ChannelCredentials:
+    if not client_certificate:
+        return grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+    return grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(),
+                                        (pki / "client.pem").read_bytes())
+
+
+@pytest.mark.integration
+async def test_a_tls_only_gateway_refuses_plaintext_and_serves_the_sdk_with_the_ca(
+        sessionmaker, word_tokenizer, api_key, pki):
+    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=False))
+    try:
+        async with SluiceClient(address, api_key, credentials=credentials(pki, False)) as client:
+            run = await client.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
+            assert run.run_id
+        async with SluiceClient(address, api_key) as plaintext:
+            with pytest.raises(SluiceError) as refused:
+                await plaintext.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.integration
+async def test_mutual_tls_admits_only_clients_with_a_certificate_the_ca_signed(
+        sessionmaker, word_tokenizer, api_key, pki):
+    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=True))
+    try:
+        async with SluiceClient(address, api_key, credentials=credentials(pki, True)) as client:
+            assert (await client.submit(prompt_of(10), model=MODEL, max_output_tokens=4)).run_id
+        async with SluiceClient(address, api_key, credentials=credentials(pki, False)) as anonymous:
+            with pytest.raises(SluiceError) as refused:
+                await anonymous.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
+
+
+def test_plaintext_is_refused_off_loopback_unless_accepted():
+    with pytest.raises(SystemExit) as refused:
+        _bind(grpc.aio.server(), ["0.0.0.0:0"], TlsSection())
+    assert str(refused.value) == PLAINTEXT_OFF_LOOPBACK.format(address="0.0.0.0:0")
+    with pytest.raises(ValueError, match="tls.cert_file and tls.key_file go together"):
+        TlsSection(cert_file="server.pem")
