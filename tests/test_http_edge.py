@@ -343,3 +343,67 @@ async def test_chat_messages_are_billed_as_the_registry_template_renders_them_ne
                "<|im_start|>assistant\n"
     exact = tokenization.load_tokenizer(tokenizer).encode(rendered, add_special_tokens=False).ids
     assert run.input_tokens == len(exact) and list(run.prompt_token_ids) == list(exact)
+
+
+async def test_models_and_usage_read_the_same_ledger_as_the_grpc_door(edge: Edge):
+    stack = edge.stack
+    await stack.start_worker()
+    api_key = stack.tenant.api_key
+    models = [m.id for m in (await edge.openai(api_key).models.list()).data]
+    async with edge.http.post(f"{edge.url}/v1/inference", headers=bearer(api_key, **SSE),
+                              json=inference_body(9, "usage-1")) as reply:
+        run_id = reply.headers["x-sluice-run-id"]
+        await asyncio.wait_for(sse_events(reply), 30)
+    run = await stack.wait_for_published(run_id)
+
+    async with edge.http.get(f"{edge.url}/v1/usage", headers=bearer(api_key)) as reply:
+        report = await reply.json()
+    async with edge.http.get(f"{edge.url}/v1/usage", headers=bearer(api_key, accept="text/csv")) as reply:
+        csv_lines = (await reply.text()).splitlines()
+
+    assert models == ["tiny-chat-v1", "chat"]
+    assert report["settledTotal"]["runs"] == 1
+    assert (report["settledTotal"]["inputTokens"], report["settledTotal"]["outputTokens"]) \
+        == (run.input_tokens, 9)
+    assert report["inFlight"] == {"runs": 0, "reservedTokens": 0, "reservedCostMicros": 0}
+    day = report["rows"][0]["day"]
+    assert csv_lines == ["day,model_version,runs,input_tokens,cached_input_tokens,output_tokens,cost_micros",
+                         f"{day},tiny-chat-v1,1,{run.input_tokens},0,9,{report['settledTotal']['costMicros']}"]
+
+
+async def test_a_stop_string_ends_the_answer_before_it_and_the_run_is_cancelled_and_charged(edge: Edge):
+    stack = edge.stack
+    await stack.start_worker()
+    client = edge.openai(stack.tenant.api_key)
+    messages = [{"role": "user", "content": "Tell me about sluice gates."}]
+    full = await client.chat.completions.create(model="chat", messages=messages, max_tokens=300, seed=3)
+    text = full.choices[0].message.content or ""
+    stop = text[40:46]                   # deterministic engine: the same request gives the same text
+    cut = text.index(stop)
+
+    stopped = await client.chat.completions.create(model="chat", messages=messages, max_tokens=300, seed=3,
+                                                   stop=stop)
+
+    run_id = stopped.id.removeprefix("chatcmpl-")
+    assert stopped.choices[0].message.content == text[:cut]
+    assert stopped.choices[0].finish_reason == "stop"
+    run = await stack.wait_for_published(run_id)
+    assert run.status == RunStatus.CANCELLED and stopped.usage is not None
+    assert 0 < run.output_tokens == stopped.usage.completion_tokens < 300
+
+
+async def test_a_background_response_is_cancelled_through_the_openai_door(edge: Edge):
+    stack = edge.stack
+    await stack.start_worker()
+    client = edge.openai(stack.tenant.api_key)
+    created = await client.responses.create(model="chat", input="Tell me about sluice gates.",
+                                            background=True, max_output_tokens=400)
+    run_id = str(uuid.UUID(hex=created.id.removeprefix("resp_")))
+    await stack.wait_for_status(run_id, {"RUNNING"})
+
+    await client.responses.cancel(created.id)
+
+    await stack.wait_for_published(run_id)
+    final = await client.responses.retrieve(created.id)
+    assert final.status == "cancelled"
+    assert final.usage is not None and 0 < final.usage.output_tokens < 400

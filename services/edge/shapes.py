@@ -66,7 +66,7 @@ def admitted_json(admitted: Admitted) -> dict[str, Any]:
             "deduplicated": admitted.deduplicated, "urls": run_urls(run_id)}
 
 
-def _iso_ms(ms: int) -> int | None:
+def _ms_or_none(ms: int) -> int | None:
     return ms or None
 
 
@@ -75,8 +75,8 @@ def run_json(run: runs_pb2.Run) -> dict[str, Any]:
             "status": status_name(run.status), "replica": run.replica or None,
             "inputTokens": run.input_tokens, "cachedInputTokens": run.cached_input_tokens,
             "maxOutputTokens": run.max_output_tokens, "usage": usage_json(run.usage),
-            "createdAtMs": _iso_ms(run.created_at_ms), "startedAtMs": _iso_ms(run.started_at_ms),
-            "finishedAtMs": _iso_ms(run.finished_at_ms), "deadlineAtMs": _iso_ms(run.deadline_at_ms),
+            "createdAtMs": _ms_or_none(run.created_at_ms), "startedAtMs": _ms_or_none(run.started_at_ms),
+            "finishedAtMs": _ms_or_none(run.finished_at_ms), "deadlineAtMs": _ms_or_none(run.deadline_at_ms),
             "lastSequence": run.last_sequence, "detail": run.detail or None, "urls": run_urls(run.run_id)}
 
 

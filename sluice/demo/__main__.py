@@ -29,6 +29,7 @@ MODEL = "chat-small"
 PROMPT = "Explain in one paragraph why a stream must be resumable by cursor."
 LONG_CAP = 400          # long enough to interrupt mid-stream
 DROP_AFTER = 10
+ANSWER_CAP = 40
 
 
 def say(text: str = "") -> None:
@@ -44,10 +45,10 @@ def usage_line(event: runs_pb2.RunEvent) -> str:
 async def streamed_answer(client: SluiceClient) -> EarlierRun:
     say("1. A streamed answer  (what `sluice chat` does)")
     key = f"demo-{uuid.uuid4().hex[:8]}"
-    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=40, request_key=key)
+    run = await client.submit(PROMPT, model=MODEL, max_output_tokens=ANSWER_CAP, request_key=key)
     say(f"   run {run.run_id}: model {run.model_version}, {run.input_tokens} prompt tokens, "
         f"cap {run.max_output_tokens}")
-    retry = await client.submit(PROMPT, model=MODEL, max_output_tokens=40, request_key=key)
+    retry = await client.submit(PROMPT, model=MODEL, max_output_tokens=ANSWER_CAP, request_key=key)
     say(f"   a retried submit with the same request key returns the same run: "
         f"{retry.run_id == run.run_id} (deduplicated={retry.deduplicated})")
     text = []
@@ -57,7 +58,7 @@ async def streamed_answer(client: SluiceClient) -> EarlierRun:
         elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
             say(f"   > {''.join(text)!r}"[:220])
             say(f"   {usage_line(event)}; {event.sequence} events")
-    return EarlierRun(key, PROMPT, 48, "".join(text))
+    return EarlierRun(key, MODEL, PROMPT, ANSWER_CAP, "".join(text))
 
 
 async def disconnect_and_resume(client: SluiceClient, drop_after: int = DROP_AFTER) -> str:

@@ -20,6 +20,7 @@ from sluice.ledger.seed import DEMO_API_KEY
 @dataclass(frozen=True, slots=True)
 class EarlierRun:
     request_key: str
+    model: str
     prompt: str
     cap: int
     text: str                        # the answer as the gRPC door streamed it
@@ -28,7 +29,7 @@ class EarlierRun:
 async def same_answer_through_openai(base_url: str, run: EarlierRun, say: Callable[[str], None]) -> None:
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=DEMO_API_KEY, max_retries=0)
     stream = await client.completions.create(
-        model="chat", prompt=run.prompt, max_tokens=run.cap, stream=True,
+        model=run.model, prompt=run.prompt, max_tokens=run.cap, stream=True,
         stream_options={"include_usage": True}, extra_headers={"Idempotency-Key": run.request_key})
     pieces: list[str] = []
     usage, object_id = None, ""
