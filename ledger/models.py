@@ -272,6 +272,9 @@ class Run(Base):
     cancel_requested_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
     lease_owner: Mapped[str | None] = mapped_column(Text, nullable=True)
     lease_expires_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    # Fencing token: +1 whenever a process takes the run (claim, reaper); writes and events of an
+    # older epoch are refused (services/routing/leases.py).
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     # The worst case held against the tenant's budget until settlement (prompt + output cap).
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)

@@ -54,10 +54,11 @@ class TerminalRecord:
     status: RunStatus
     usage: common_pb2.TokenUsage
     detail: str
+    epoch: int = 0               # lease epoch of whoever publishes it (stamped on the event)
 
 
 async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: Ending, owner: str,
-                                  lease_seconds: float) -> TerminalRecord | None:
+                                  lease_seconds: float, epoch: int = 0) -> TerminalRecord | None:
     """Step 1, inside the caller's transaction. None when the run was already settled."""
     untaken = ending.prompt_taken is False
     settled = await settle_run_usage(session, run_id, ending.status, output_tokens=ending.output_tokens,
@@ -77,25 +78,26 @@ async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: En
     await session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(**values)
                           .execution_options(synchronize_session=False))
     # What was just settled is the record: no need to read it back.
-    return _record(run_id, ending.last_sequence + 1, settled, ending.detail)
+    return _record(run_id, ending.last_sequence + 1, settled, ending.detail, epoch)
 
 
-async def terminal_record(session: AsyncSession, run_id: str, sequence: int) -> TerminalRecord:
+async def terminal_record(session: AsyncSession, run_id: str, sequence: int, epoch: int) -> TerminalRecord:
     """A settled run's record read back from the ledger (the reaper's republish)."""
     usage = await settled_usage(session, run_id)
     assert usage is not None, f"run {run_id} has a terminal sequence but no settlement"
     # A column select, not session.get: settle_run updated the row behind the identity map.
     detail = await session.scalar(select(Run.detail).where(Run.id == uuid.UUID(run_id)))
-    return _record(run_id, sequence, usage, detail)
+    return _record(run_id, sequence, usage, detail, epoch)
 
 
-def _record(run_id: str, sequence: int, usage: SettledUsage, detail: str | None) -> TerminalRecord:
+def _record(run_id: str, sequence: int, usage: SettledUsage, detail: str | None,
+            epoch: int) -> TerminalRecord:
     return TerminalRecord(
         run_id=run_id, sequence=sequence, status=usage.status,
         usage=common_pb2.TokenUsage(input_tokens=usage.input_tokens,
                                     cached_input_tokens=usage.cached_input_tokens,
                                     output_tokens=usage.output_tokens, cost_micros=usage.cost_micros),
-        detail=detail or "",
+        detail=detail or "", epoch=epoch,
     )
 
 
@@ -103,7 +105,7 @@ async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSess
                            record: TerminalRecord) -> LogPosition:
     """Steps 2 and 3."""
     event = terminal_event(record.run_id, record.sequence, status_value(record.status.value),
-                           record.usage, record.detail, int(time.time() * 1000))
+                           record.usage, record.detail, int(time.time() * 1000), record.epoch)
     position = await log.append(event)
     async with sessions() as session, session.begin():
         await session.execute(

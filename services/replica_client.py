@@ -18,12 +18,19 @@ Outcomes of `stream_generate`, as the routing worker needs to tell them apart:
 - the replica went away (connection refused/reset, process killed, nothing
   received for `inactivity_timeout_s`): `ReplicaLost`. Keepalive pings also
   detect a peer that vanished without closing the connection.
+
+Cost per response (issue 9.1): a read is one plain await (no timer per read: one sweeper task
+per event loop checks every open stream's silence four times a second), and a response is
+parsed by reading the raw bytes of the tensors used (output_ids and two counters), not by
+building an InferResult with a numpy array per output. The routing worker's replica monitor
+judges a hung replica sooner than these limits, from its step time and scraped liveness.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -33,7 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 from numpy.typing import NDArray
-from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from sluice.replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
 
@@ -42,6 +49,7 @@ LOG = logging.getLogger(__name__)
 DEFAULT_FIRST_TOKEN_TIMEOUT_S = 30.0     # queueing on a busy replica may delay the first token
 DEFAULT_INACTIVITY_TIMEOUT_S = 10.0      # between two responses of a running stream
 DEFAULT_KEEPALIVE_MS = 2000              # the replica permits pings this often (replica/serve.py)
+SWEEP_INTERVAL_S = 0.25                  # how often the loop's sweeper checks every open stream's silence
 
 ERR_LOST_INACTIVE = "replica {address} sent nothing for {seconds:.1f}s on request {request_id}"
 ERR_LOST_RPC = "replica {address} lost during request {request_id}: {code} {details}"
@@ -74,9 +82,12 @@ class _LoopState:
     """Per event loop: grpc.aio channels must not be shared across loops."""
 
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    stubs: dict[str, service_pb2_grpc.GRPCInferenceServiceStub] = field(default_factory=dict)
     # (address, request id) of streams open on this loop -> whether stop() was sent for them.
     stop_sent: dict[tuple[str, str], bool] = field(default_factory=dict)
     background: set[asyncio.Task[None]] = field(default_factory=set)   # stops for abandoned streams
+    streams: set[_OpenStream] = field(default_factory=set)   # open streams, watched by the sweeper
+    sweeper: asyncio.Task[None] | None = None
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
@@ -91,7 +102,12 @@ def _state() -> _LoopState:
 
 
 def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
-    channels = _state().channels
+    """The address's stub, made once: a stub builds a callable per RPC of the service."""
+    state = _state()
+    stub = state.stubs.get(address)
+    if stub is not None:
+        return stub
+    channels = state.channels
     channel = channels.get(address)
     if channel is None:
         channel = grpc.aio.insecure_channel(address, options=[
@@ -102,12 +118,15 @@ def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ])
         channels[address] = channel
-    return service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    stub = state.stubs[address] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    return stub
 
 
 async def close_channels() -> None:
     """Close this event loop's channels (call before the loop ends)."""
-    channels = _state().channels
+    state = _state()
+    state.stubs.clear()
+    channels = state.channels
     while channels:
         _, channel = channels.popitem()
         await channel.close()
@@ -179,21 +198,85 @@ def _is_final(response: service_pb2.ModelInferResponse) -> bool:
     return bool(param is not None and param.bool_param)
 
 
+def _tensor_ints(response: service_pb2.ModelInferResponse, index: int) -> tuple[int, ...]:
+    """One output tensor's values, straight from its raw bytes (little-endian, as Triton sends)."""
+    raw = response.raw_output_contents[index]
+    width = _INT_WIDTHS.get(response.outputs[index].datatype)
+    if width is None:
+        raise ReplicaRejected(f"unexpected datatype {response.outputs[index].datatype} for "
+                              f"{response.outputs[index].name}")
+    return struct.unpack(f"<{len(raw) // width}{'i' if width == 4 else 'q'}", raw)
+
+
+_INT_WIDTHS = {"INT32": 4, "INT64": 8}
+
+
+def parse_chunk(response: service_pb2.ModelInferResponse, num_input_tokens: int,
+                reused_blocks: int) -> TokenChunk:
+    """The tensors the platform uses, and only those: output_ids, and the two counters a replica may
+    report (kept from earlier responses when absent). InferResult would build a numpy array per
+    output of every response; this reads each tensor's bytes once."""
+    token_ids: tuple[int, ...] = ()
+    for index, output in enumerate(response.outputs):
+        if output.name == "output_ids":
+            token_ids = _tensor_ints(response, index)
+        elif output.name == "num_input_tokens":
+            num_input_tokens = _tensor_ints(response, index)[0]
+        elif output.name == "kv_cache_reused_blocks":
+            reused_blocks = _tensor_ints(response, index)[0]
+    return TokenChunk(token_ids, num_input_tokens, reused_blocks)
+
+
+@dataclass(slots=True, eq=False)      # identity: kept in a set
+class _OpenStream:
+    """A stream the sweeper watches: silent for longer than `limit_s`, it is ended ReplicaLost."""
+
+    call: Any                            # the grpc.aio stream-stream call
+    address: str
+    request_id: str
+    limit_s: float                       # the first-response limit, then the inactivity limit
+    last_activity: float                 # monotonic time of the last response (or of the send)
+    error: ReplicaLost | None = None     # set by the sweeper before it cancels the call
+
+
+def _watch(stream: _OpenStream) -> None:
+    """Register with this loop's sweeper, starting it if it is not running."""
+    state = _state()
+    state.streams.add(stream)
+    if state.sweeper is None or state.sweeper.done():
+        state.sweeper = asyncio.get_running_loop().create_task(_sweep(state), name="replica-sweeper")
+
+
+async def _sweep(state: _LoopState) -> None:
+    """One timer per event loop instead of one per read: every SWEEP_INTERVAL_S, end the streams that
+    have been silent past their limit. Exits when no stream is open (restarted by the next one)."""
+    while state.streams:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        now = time.monotonic()
+        for stream in list(state.streams):
+            silent = now - stream.last_activity
+            if stream.error is None and silent > stream.limit_s:
+                stream.error = ReplicaLost(ERR_LOST_INACTIVE.format(
+                    address=stream.address, seconds=silent, request_id=stream.request_id))
+                stream.call.cancel()
+
+
 async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_timeout_s: float,
                     inactivity_timeout_s: float) -> AsyncIterator[service_pb2.ModelInferResponse]:
-    """Send one request on its own stream; yield its responses up to and including the final one."""
+    """Send one request on its own stream; yield its responses up to and including the final one.
+
+    Reads are plain awaits: the silence limits are enforced by the loop's sweeper, which cancels a
+    call that went quiet (its pending read then raises, and the sweeper's ReplicaLost is raised)."""
     call = _stub(address).ModelStreamInfer()
+    stream = _OpenStream(call, address, request.id, first_timeout_s, time.monotonic())
+    _watch(stream)
     try:
         try:
-            await asyncio.wait_for(call.write(request), first_timeout_s)
-            timeout = first_timeout_s
+            await call.write(request)
             while True:
-                started = time.monotonic()
-                try:
-                    message = await asyncio.wait_for(call.read(), timeout)
-                except TimeoutError:
-                    raise ReplicaLost(ERR_LOST_INACTIVE.format(
-                        address=address, seconds=time.monotonic() - started, request_id=request.id)) from None
+                message = await call.read()
+                stream.last_activity = time.monotonic()
+                stream.limit_s = inactivity_timeout_s
                 if message is grpc.aio.EOF:
                     raise ReplicaLost(ERR_LOST_EOF.format(address=address, request_id=request.id))
                 if message.error_message:
@@ -201,11 +284,17 @@ async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_
                 yield message.infer_response
                 if _is_final(message.infer_response):
                     return
-                timeout = inactivity_timeout_s
         except grpc.aio.AioRpcError as exc:
+            if stream.error is not None:
+                raise stream.error from None
             raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request.id,
                                                   code=exc.code().name, details=exc.details())) from exc
+        except asyncio.CancelledError:
+            if stream.error is not None:     # cancelled by the sweeper, not by our consumer
+                raise stream.error from None
+            raise
     finally:
+        _state().streams.discard(stream)
         call.cancel()
 
 
@@ -234,11 +323,9 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
         async for response in _exchange(address, request, first_token_timeout_s, inactivity_timeout_s):
             if not response.outputs:             # the empty final response
                 break
-            result = InferResult(response)
-            chunk = tuple(int(t) for t in result.as_numpy("output_ids").reshape(-1))
-            num_input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
-            reused = int(result.as_numpy("kv_cache_reused_blocks").reshape(-1)[0])
-            yield TokenChunk(chunk, num_input_tokens, reused)
+            chunk = parse_chunk(response, num_input_tokens, reused)
+            num_input_tokens, reused = chunk.num_input_tokens, chunk.kv_cache_reused_blocks
+            yield chunk
         ended = True
         stopped = stop_sent.get(key, False)
     except ReplicaError:

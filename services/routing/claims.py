@@ -3,24 +3,24 @@ caller owns the transaction (STYLE 7), so every boundary is visible in worker.py
 driver.py and services/finish.py.
 
 Ownership of an active run is its lease: `lease_owner` names the routing
-process driving it and `lease_expires_at` says until when. Every write a
-driver makes is conditioned on still holding the lease, so a driver that was
+process driving it, `lease_expires_at` says until when, and `lease_epoch` is
+the fencing token, one more each time a process takes the run. Every write a
+driver makes is conditioned on the epoch it was granted, so a driver that was
 presumed dead (its lease expired and a reaper took the run) can never move the
-run again.
+run again. Lease renewal itself is in leases.py (its own connection).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services.notify import notify
-from sqlalchemy import Integer, and_, bindparam, func, select, text, update
+from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from sluice.eventlog.interface import LogPosition
@@ -47,6 +47,7 @@ class ClaimedRun:
     queued_at: dt.datetime | None
     created_at: dt.datetime | None = None   # the submit (TTFT runs from here)
     cache_salt: int = 0          # the run's trust scope as the replica's cache_salt_id (trust_scope.py)
+    epoch: int = 0               # the lease epoch this claim was granted (fencing token)
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:
@@ -67,42 +68,46 @@ async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Mo
 
 
 async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, owner: str,
-                      lease_seconds: float) -> dt.datetime:
-    """ACCEPTED → QUEUED on `replica`, leased to `owner`; returns queued_at. Commit before
-    contacting the replica: a crash after the commit leaves a run the reaper will end."""
-    queued_at = await session.scalar(
+                      lease_seconds: float) -> tuple[dt.datetime, int]:
+    """ACCEPTED → QUEUED on `replica`, leased to `owner` under a new epoch; returns (queued_at,
+    epoch). Commit before contacting the replica: a crash after the commit leaves a run the reaper
+    will end."""
+    row = (await session.execute(
         update(Run)
         .where(Run.id == run_id, Run.status == RunStatus.ACCEPTED.value)
         .values(status=RunStatus.QUEUED.value, queued_at=func.now(), replica=replica,
-                lease_owner=owner, lease_expires_at=lease_until(lease_seconds))
-        .returning(Run.queued_at)
-    )
-    assert isinstance(queued_at, dt.datetime), f"run {run_id} was locked as ACCEPTED yet could not be queued"
-    return queued_at
+                lease_owner=owner, lease_expires_at=lease_until(lease_seconds),
+                lease_epoch=Run.lease_epoch + 1)
+        .returning(Run.queued_at, Run.lease_epoch)
+    )).one_or_none()
+    assert row is not None, f"run {run_id} was locked as ACCEPTED yet could not be queued"
+    return row.queued_at, int(row.lease_epoch)
 
 
-async def reassign_replica(session: AsyncSession, run_id: str, owner: str, replica: str) -> bool:
+async def reassign_replica(session: AsyncSession, run_id: str, epoch: int, replica: str) -> bool:
     """Move a QUEUED run (no token yet) to another replica; False if the lease is gone. Committed
     before the new replica is contacted, as the first assignment was: a reaper then stops the
     replica the ledger names."""
     result = await session.execute(
         update(Run)
-        .where(Run.id == uuid.UUID(run_id), Run.lease_owner == owner, Run.status == RunStatus.QUEUED.value)
+        .where(Run.id == uuid.UUID(run_id), Run.lease_epoch == epoch, Run.status == RunStatus.QUEUED.value)
         .values(replica=replica)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-async def mark_running(session: AsyncSession, run_id: str, owner: str, first: LogPosition,
+async def mark_running(session: AsyncSession, run_id: str, epoch: int, first: LogPosition,
                        last_sequence: int) -> bool:
-    """QUEUED → RUNNING with where the run's events start; False if the lease is gone.
+    """QUEUED → RUNNING with where the run's events start; False if the lease is gone. Idempotent
+    (a retry after a lost commit acknowledgment finds it RUNNING under the same epoch).
     Streams waiting for the run's first event are woken when this commits."""
     result = await session.execute(
         update(Run)
-        .where(Run.id == uuid.UUID(run_id), Run.lease_owner == owner,
-               Run.status == RunStatus.QUEUED.value)
-        .values(status=RunStatus.RUNNING.value, started_at=func.now(), event_partition=first.partition,
-                event_first_offset=first.offset, last_sequence=last_sequence)
+        .where(Run.id == uuid.UUID(run_id), Run.lease_epoch == epoch, Run.status.in_(ACTIVE_CLAIMED))
+        .values(status=RunStatus.RUNNING.value, started_at=func.coalesce(Run.started_at, func.now()),
+                event_partition=func.coalesce(Run.event_partition, first.partition),
+                event_first_offset=func.coalesce(Run.event_first_offset, first.offset),
+                last_sequence=func.greatest(Run.last_sequence, last_sequence))
     )
     if not result.rowcount:  # type: ignore[attr-defined]
         return False
@@ -110,108 +115,76 @@ async def mark_running(session: AsyncSession, run_id: str, owner: str, first: Lo
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseProgress:
-    run_id: str
-    last_sequence: int           # last event durable in the log
-    output_tokens: int           # tokens in durable DELTA events
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseState:
-    run_id: str
-    cancel_requested: bool
-
-
-_RENEW = text(
-    """
-    UPDATE runs AS r
-       SET lease_expires_at = now() + make_interval(secs => :lease_seconds),
-           last_sequence = GREATEST(r.last_sequence, p.last_sequence),
-           output_tokens = GREATEST(r.output_tokens, p.output_tokens)
-      FROM unnest(CAST(:ids AS uuid[]), CAST(:sequences AS bigint[]), CAST(:tokens AS int[]))
-           AS p(id, last_sequence, output_tokens)
-     WHERE r.id = p.id AND r.lease_owner = :owner AND r.status IN ('QUEUED', 'RUNNING')
-    RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested
-    """
-).bindparams(bindparam("lease_seconds", type_=Integer))
-
-
-async def renew_leases(session: AsyncSession, owner: str, lease_seconds: float,
-                       progress: Sequence[LeaseProgress]) -> list[LeaseState]:
-    """One statement renews every lease this process holds and records durable progress.
-
-    Runs missing from the result are no longer ours (a reaper ended them after our
-    lease lapsed); their drivers must stop without writing anything.
-    """
-    if not progress:
-        return []
-    rows = await session.execute(
-        _RENEW,
-        {
-            "lease_seconds": max(1, round(lease_seconds)),
-            "ids": [p.run_id for p in progress],
-            "sequences": [p.last_sequence for p in progress],
-            "tokens": [p.output_tokens for p in progress],
-            "owner": owner,
-        },
-    )
-    return [LeaseState(run_id=str(row.id), cancel_requested=bool(row.cancel_requested)) for row in rows]
-
-
-async def lock_own_active(session: AsyncSession, run_id: str, owner: str) -> Run | None:
-    """The run, row-locked, if `owner` still holds its lease and it is not terminal yet."""
+async def lock_own_active(session: AsyncSession, run_id: str, epoch: int) -> Run | None:
+    """The run, row-locked, if the lease of `epoch` still holds it and it is not terminal yet."""
     return await session.scalar(
         select(Run)
-        .where(Run.id == uuid.UUID(run_id), Run.lease_owner == owner, Run.status.in_(ACTIVE_CLAIMED))
+        .where(Run.id == uuid.UUID(run_id), Run.lease_epoch == epoch, Run.status.in_(ACTIVE_CLAIMED))
         .with_for_update()
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TakenRun:
+    """A run a reaper leased to itself, with what it needs to end it."""
+
+    run_id: str
+    epoch: int                   # the reaper's new epoch
+    previous_owner: str          # whose lease lapsed
+    replica: str | None
+    first: LogPosition | None    # where the run's events start, if the ledger knows
+    queued_at: dt.datetime | None
+    terminal_sequence: int | None
+
+
+_TAKE = """
+    WITH taken AS (
+        SELECT id, lease_owner FROM runs
+         WHERE {where}
+         ORDER BY lease_expires_at
+         LIMIT :limit
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE runs AS r
+       SET lease_owner = :owner, lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           lease_epoch = r.lease_epoch + 1
+      FROM taken
+     WHERE r.id = taken.id
+    RETURNING r.id, r.lease_epoch, taken.lease_owner AS previous_owner, r.replica, r.event_partition,
+              r.event_first_offset, r.queued_at, r.terminal_sequence
+"""
+_TAKE_EXPIRED = text(_TAKE.format(
+    where="status IN ('QUEUED', 'RUNNING') AND lease_expires_at < now()")).bindparams(
+    bindparam("lease_seconds", type_=Float))
+_TAKE_UNPUBLISHED = text(_TAKE.format(
+    where="terminal_published = false AND terminal_sequence IS NOT NULL AND lease_expires_at < now()")
+).bindparams(bindparam("lease_seconds", type_=Float))
+
+
 async def take_expired_leases(session: AsyncSession, owner: str, lease_seconds: float,
-                              limit: int) -> list[Run]:
-    """Active runs whose driver stopped renewing; the reaper leases them to itself first
-    so that two reapers never end the same run concurrently."""
-    expired = (
-        await session.scalars(
-            select(Run)
-            .where(Run.status.in_(ACTIVE_CLAIMED), Run.lease_expires_at < func.now())
-            .order_by(Run.lease_expires_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        )
-    ).all()
-    await _lease_to(session, expired, owner, lease_seconds)
-    return list(expired)
+                              limit: int) -> list[TakenRun]:
+    """Active runs whose lease expired by the ledger's clock, leased to the reaper under a new epoch
+    in one statement, so two reapers never end the same run and the old owner is fenced off."""
+    return await _take(session, _TAKE_EXPIRED, owner, lease_seconds, limit)
 
 
 async def take_unpublished_terminals(session: AsyncSession, owner: str, lease_seconds: float,
-                                     limit: int) -> list[Run]:
+                                     limit: int) -> list[TakenRun]:
     """Terminal runs whose TERMINAL event was never confirmed published, once the lease of
     whoever settled them has lapsed (it may still be publishing until then)."""
-    runs = (
-        await session.scalars(
-            select(Run)
-            .where(and_(Run.terminal_published.is_(False), Run.terminal_sequence.is_not(None),
-                        Run.lease_expires_at < func.now()))
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        )
-    ).all()
-    await _lease_to(session, runs, owner, lease_seconds)
-    return list(runs)
+    return await _take(session, _TAKE_UNPUBLISHED, owner, lease_seconds, limit)
 
 
-async def _lease_to(session: AsyncSession, runs: Sequence[Run], owner: str, lease_seconds: float) -> None:
-    """Lease the row-locked `runs` to `owner`. The loaded objects keep their previous lease_owner
-    (synchronize_session=False): the reaper reports whose lease lapsed from them."""
-    if runs:
-        await session.execute(
-            update(Run)
-            .where(Run.id.in_([run.id for run in runs]))
-            .values(lease_owner=owner, lease_expires_at=lease_until(lease_seconds))
-            .execution_options(synchronize_session=False)
-        )
+async def _take(session: AsyncSession, statement: TextClause, owner: str, lease_seconds: float,
+                limit: int) -> list[TakenRun]:
+    rows = await session.execute(statement, {"owner": owner, "lease_seconds": float(lease_seconds),
+                                             "limit": limit})
+    return [TakenRun(run_id=str(row.id), epoch=int(row.lease_epoch), previous_owner=row.previous_owner or "?",
+                     replica=row.replica,
+                     first=None if row.event_partition is None or row.event_first_offset is None
+                     else LogPosition(row.event_partition, row.event_first_offset),
+                     queued_at=row.queued_at, terminal_sequence=row.terminal_sequence)
+            for row in rows]
 
 
 async def in_flight_by_replica(session: AsyncSession) -> dict[str, int]:

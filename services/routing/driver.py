@@ -1,29 +1,34 @@
 """One run on one replica, from the first token to its terminal event.
 
-    replica stream ──pump──▶ DeltaCoalescer ──loop──▶ event log (1 event in flight)
-                                  ▲                         │ durable position
-        cancel / deadline / lease ┘                         ▼
-                                               progress (renewed into the ledger)
+    replica stream ──pump──▶ DeltaCoalescer ──loop──▶ event log (pipelined: up to
+                                  ▲                    MAX_IN_FLIGHT events in flight)
+     cancel / deadline / hung /   │                         │ acks, in order
+     lease (ledger clock) ────────┘                         ▼
+                                               durable progress (lease.last_sequence,
+                                               renewed into the ledger by the keeper)
 
 The pump task only reads the replica's stream into the coalescer; the main
-loop publishes. While an append is in flight new tokens keep accumulating, so
-a slow log produces fewer, larger DELTA events rather than a backlog.
+loop publishes. Publishing does not wait for the broker: each window's DELTA is
+handed to the process's shared producer (which batches across runs) and the
+loop goes on; acknowledgments advance the run's durable progress in order. At
+most MAX_IN_FLIGHT events of a run are unacknowledged; past that the loop waits
+for the oldest, while new tokens keep accumulating into fewer, larger DELTAs.
+The terminal ledger write happens only once every event before it is durable.
 
 Every token the replica produced before the run ended is published before the
 terminal event and counted in its usage (consumed compute counts, DESIGN.md).
+How an attempt ended, and whether it is retried on another replica (router/retry.py),
+is decided by outcome.decide; this module only observes and acts.
 
-Retry (router/retry.py). An attempt that fails before its first token (the
-replica refused the connection or the request, died, or produced nothing within
-first_token_timeout_s) is not the end of the run: nothing was promised yet, so
-the worker may route it to a replica it has not tried (`reroute`, which records
-the new replica in the ledger before it is contacted), up to max_attempts. Once
-a token exists a replica failure ends the run INTERRUPTED, never retried. A run
-no replica ever took ends FAILED and its prompt is not charged.
+Leases (leases.py): the driver runs while its lease is valid by the ledger's clock
+and stops (LeaseLost, writing nothing more) only when a renewal was refused or the
+lease truly expired. Its ledger writes and events carry its lease epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -34,30 +39,37 @@ from typing import Protocol
 
 from sluice.ledger.models import RunStatus
 from sluice.services import replica_client
-from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
-from sluice.services.routing.claims import ClaimedRun, LeaseProgress, lock_own_active, mark_running
+from sluice.services.finish import Ending, TerminalRecord
+from sluice.services.replica_client import ReplicaError, TokenChunk
+from sluice.services.routing.claims import ClaimedRun
+from sluice.services.routing.leases import Lease
+from sluice.services.routing.monitor import Silence
 from sluice.services.routing.observability import RunOutcome
+from sluice.services.routing.outcome import (
+    DETAIL_CANCELLED,
+    DETAIL_EXPIRED,
+    DETAIL_NO_FIRST_TOKEN,
+    DETAIL_REPLICA_HUNG,
+    Attempt,
+    RunSoFar,
+    Stop,
+    decide,
+    not_started,
+)
+from sluice.services.routing.run_ledger import LeaseLost, RunLedger
 from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import DeltaCoalescer, RunEventSequencer
 from sluice.eventlog.interface import EventLog, LogPosition
-from sluice.router.retry import DEFAULT_MAX_ATTEMPTS, NO_REPLICA_STARTED, FailureAction, after_replica_failure
-from sluice.v1 import common_pb2
+from sluice.router.retry import DEFAULT_MAX_ATTEMPTS
+from sluice.v1 import common_pb2, runs_pb2
 
 log = logging.getLogger(__name__)
 
-STOP_DRAIN_S = 3.0  # after `stop`, how long the replica may take to close the stream
-FENCE_FRACTION = 0.5  # a driver stops appending this far (in leases) after its last renewal was sent
+STOP_DRAIN_S = 3.0   # after `stop`, how long the replica may take to close the stream
+MAX_IN_FLIGHT = 16   # a run's events published and not yet acknowledged
 
-DETAIL_CANCELLED = "cancelled by the caller"
-DETAIL_EXPIRED = "deadline passed before the run completed"
-DETAIL_NO_FIRST_TOKEN = "replica {replica} produced no token within {seconds:g}s"
-DETAIL_REPLICA_LOST = "replica {replica} lost mid-stream after {tokens} tokens: {error}"
-DETAIL_REPLICA_REJECTED = "replica {replica} refused the run: {error}"
-DETAIL_NOT_STARTED = NO_REPLICA_STARTED + "; the last: {last}"
-DETAIL_FAILED_BEFORE_START = "replica {replica} failed before the first token: {error}"
+__all__ = ["DETAIL_CANCELLED", "DETAIL_EXPIRED", "LeaseLost", "RunDriver", "Target", "TRITON"]
 
 
 class ReplicaClient(Protocol):
@@ -71,7 +83,7 @@ class ReplicaClient(Protocol):
 
 
 class _ModuleReplicaClient:
-    """The Triton client module as a ReplicaClient (the seam tests never need to replace)."""
+    """The Triton client module as a ReplicaClient."""
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
                         max_new_tokens: int, end_id: int | None = None, *,
@@ -96,10 +108,6 @@ class DriverSettings:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token
 
 
-class LeaseLost(Exception):
-    """Another routing process took the run over; this driver must not write anything more."""
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """A replica a run is (re)sent to."""
@@ -110,27 +118,19 @@ class Target:
 
 
 Reroute = Callable[["RunDriver"], Awaitable[Target | None]]
-"""The worker's retry hook: choose an untried replica for the driver's run and record it in the
-ledger (None: nowhere to go). Raises LeaseLost when the run is no longer this process's."""
+"""The worker's retry hook: choose an untried replica for the driver's run (None: nowhere to go);
+the driver records it in the ledger before contacting it."""
 
 
 async def _nowhere(driver: RunDriver) -> Target | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    """Why the driver stopped the replica's stream itself."""
-
-    status: RunStatus
-    detail: str
-    no_first_token: bool = False  # the first-token timeout: a failed attempt, retryable
-
-
 @dataclass(slots=True)
 class _Pump:
     coalescer: DeltaCoalescer
     wake: asyncio.Event
+    sent_at: float                          # monotonic: the request left for the replica
     done: bool = False
     error: BaseException | None = None
     received_tokens: int = 0
@@ -139,29 +139,42 @@ class _Pump:
     first_token_wall: float | None = None   # time.time(), for TTFT from the submit
     last_token_at: float | None = None      # monotonic
 
+    def sparse(self) -> bool:
+        """Tokens arrive further apart than the coalescing window: waiting for the window to close
+        would gather nothing more, only add its latency (and a timer and a wake-up per token)."""
+        step = self.step_s()
+        return step is not None and step * 1000 > self.coalescer.window_ms
+
+    def step_s(self) -> float | None:
+        """The replica's observed time per token on this stream (None before the second token)."""
+        if self.received_tokens < 2 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / (self.received_tokens - 1)
+
 
 @dataclass(slots=True)
 class RunDriver:
     claim: ClaimedRun
     address: str
     settings: DriverSettings
-    sessions: async_sessionmaker[AsyncSession]
     events: EventLog
+    ledger: RunLedger
+    lease: Lease
     replicas: ReplicaClient = TRITON
     on_replica_lost: Callable[[str], None] = lambda name: None
     reroute: Reroute = _nowhere
-    # Driver state read by the worker's lease keeper and cancel listener.
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    lease_lost: bool = False
-    # Self-fencing: the driver appends nothing at or after this monotonic time unless a lease
-    # renewal moved it. It trails the ledger's lease_expires_at by half a lease, so a driver
-    # cut off from the ledger (paused, partitioned) stops writing before any reaper may act.
-    fence_at: float = float("inf")
     last_sequence: int = 0       # last event durable in the log
     output_tokens: int = 0       # tokens in durable DELTA events
     tried: list[str] = field(default_factory=list)   # replicas sent this run, in order
     prompt_taken: bool = False   # some replica produced output or held the request until stopped
     outcome: RunOutcome | None = None                # set when the driver settled the run
+    _hung: str | None = None     # set by the replica monitor
+    _pump: _Pump | None = None
+    _in_flight: collections.deque[tuple[asyncio.Future[LogPosition], int, int]] = field(
+        default_factory=collections.deque)           # (ack, sequence, tokens), oldest first
+    _publish_error: BaseException | None = None
+    _published_tokens: int = 0   # tokens in DELTA events published (durable by the time the run ends)
     _reported_cached: int = 0
     _first_token_wall: float | None = None
     _tpot_s: float | None = None
@@ -171,141 +184,161 @@ class RunDriver:
     def run_id(self) -> str:
         return self.claim.run_id
 
-    def progress(self) -> LeaseProgress:
-        return LeaseProgress(self.run_id, self.last_sequence, self.output_tokens)
+    @property
+    def replica(self) -> str:
+        return self.claim.replica or self.address
+
+    # --- signals from the worker's jobs (lease keeper, cancel listener, replica monitor) ---------
 
     def request_cancel(self) -> None:
         self.cancel_requested.set()
         self._wake.set()
 
     def revoke_lease(self) -> None:
-        self.lease_lost = True
+        self.lease.refused = True
         self._wake.set()
 
-    def extend_fence(self, renewal_sent_at: float) -> None:
-        """A renewal sent at `renewal_sent_at` (monotonic) succeeded."""
-        fence = renewal_sent_at + self.settings.lease_seconds * FENCE_FRACTION
-        self.fence_at = fence if self.fence_at == float("inf") else max(self.fence_at, fence)
+    def silence(self, now: float, alive_age_s: float | None) -> Silence | None:
+        """How long the current attempt's replica has been silent (None when nothing is streaming)."""
+        pump = self._pump
+        if pump is None or pump.done:
+            return None
+        since = pump.last_token_at if pump.last_token_at is not None else pump.sent_at
+        return Silence(now - since, pump.step_s(), alive_age_s, first_token=pump.first_token_at is not None)
+
+    def replica_hung(self, why: str) -> None:
+        if self._hung is None:
+            self._hung = why
+            self._wake.set()
+
+    # --- the run ------------------------------------------------------------------------------
 
     def _check_lease(self) -> None:
-        if self.lease_lost or time.monotonic() >= self.fence_at:
-            raise LeaseLost()
+        now = time.monotonic()
+        if not self.lease.valid(now):
+            raise LeaseLost("refused by the ledger" if self.lease.refused
+                            else f"expired {now - self.lease.expires_at:.2f}s ago by the ledger's clock")
 
     async def run(self) -> TerminalRecord | None:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
         try:
             ending = await self._drive()
-            record = await self._finish(ending)
-            if record is not None:
-                self.outcome = self._outcome(record)
+            await self._flush()
+            self._check_lease()
+            record = await self.ledger.finish(self.lease, ending)
+            if record is None:
+                return None
+            await self.ledger.publish_terminal(record)
+            self.outcome = self._outcome(record)
             return record
-        except LeaseLost:
-            log.warning("run %s: lease lost, leaving it to the reaper", self.run_id)
+        except LeaseLost as lost:
+            log.warning("run %s: lease lost (%s), leaving it to the reaper", self.run_id, lost)
             return None
+        finally:
+            for ack, _, _ in self._in_flight:
+                ack.cancel()
 
     async def _drive(self) -> Ending:
-        claim = self.claim
-        sequencer = RunEventSequencer(claim.run_id)
-        decoder = IncrementalDecoder(load_tokenizer(claim.tokenizer))
-        self.tried.append(claim.replica or self.address)
-        pump, task = self._send()
-        started = time.monotonic()
-        stop_reason: _Stop | None = None
+        sequencer = RunEventSequencer(self.run_id, epoch=self.lease.epoch)
+        decoder = IncrementalDecoder(load_tokenizer(self.claim.tokenizer))
+        self.tried.append(self.replica)
+        while True:
+            attempt = await self._attempt(sequencer, decoder)
+            run = RunSoFar(attempts=len(self.tried), max_attempts=self.settings.max_attempts,
+                           last_sequence=sequencer.last_sequence, output_tokens=self._published_tokens,
+                           cached_input_tokens=self._reported_cached, prompt_taken=self.prompt_taken)
+            decision = decide(attempt, run)
+            self.prompt_taken = decision.prompt_taken
+            if decision.replica_failed:
+                self.on_replica_lost(attempt.replica)
+            if decision.ending is not None:
+                if attempt.error is not None and not isinstance(attempt.error, ReplicaError):
+                    log.error("run %s: replica stream failed", self.run_id, exc_info=attempt.error)
+                return decision.ending
+            if not await self._move_to_another_replica(decision.detail):
+                return not_started(run, decision.detail, self.prompt_taken)
+
+    async def _attempt(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder) -> Attempt:
+        """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
+        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake, time.monotonic())
+        self._pump, self._hung = pump, None
+        task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
+        stop: Stop | None = None
         try:
             while True:
                 self._wake.clear()
                 self._check_lease()
+                if self._publish_error is not None:
+                    raise self._publish_error
                 now = time.monotonic()
-                if stop_reason is None:
-                    stop_reason = self._stop_reason(pump, now, started)
-                    if stop_reason is not None:
-                        await self._stop_replica(task)
+                if stop is None:
+                    stop = self._stop_reason(pump, now)
+                    if stop is not None:
+                        await self._stop_replica(task, abandon=stop.hung)
                 coalescer = pump.coalescer
-                if coalescer.pending() and (pump.done or stop_reason or coalescer.due(now * 1000)):
+                if coalescer.pending() and (pump.done or stop or coalescer.due(now * 1000) or pump.sparse()):
                     await self._publish_delta(sequencer, decoder, coalescer.take())
                     continue
-                if pump.done or stop_reason is not None:
-                    retry = self._failed_before_first_token(pump, stop_reason)
-                    if retry and await self._retry(pump, stop_reason):
-                        await _cancelled(task)
-                        pump, task = self._send()
-                        started, stop_reason = time.monotonic(), None
-                        continue
+                if pump.done or stop is not None:
                     break
-                await self._sleep(self._next_wake(pump, now, started))
+                await self._sleep(self._next_wake(pump, now))
         finally:
             await _cancelled(task)
+            self._pump = None
         self._note_timing(pump)
-        return self._ending(sequencer, pump, stop_reason)
+        return Attempt(self.replica, pump.received_tokens, pump.error, stop)
 
-    def _send(self) -> tuple[_Pump, asyncio.Task[None]]:
-        """One attempt: stream the run from the current replica into a fresh pump."""
-        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake)
-        return pump, asyncio.create_task(self._pump(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
-
-    def _stop_reason(self, pump: _Pump, now: float, started: float) -> _Stop | None:
+    def _stop_reason(self, pump: _Pump, now: float) -> Stop | None:
         if self.cancel_requested.is_set():
-            return _Stop(RunStatus.CANCELLED, DETAIL_CANCELLED)
+            return Stop(RunStatus.CANCELLED, DETAIL_CANCELLED)
         if time.time() >= self.claim.deadline_at.timestamp():
-            return _Stop(RunStatus.EXPIRED, DETAIL_EXPIRED)
-        if pump.first_token_at is None and now - started >= self.settings.first_token_timeout_s:
-            return _Stop(RunStatus.INTERRUPTED, DETAIL_NO_FIRST_TOKEN.format(
-                replica=self.claim.replica, seconds=self.settings.first_token_timeout_s), no_first_token=True)
+            return Stop(RunStatus.EXPIRED, DETAIL_EXPIRED)
+        if self._hung is not None:
+            return Stop(RunStatus.INTERRUPTED, DETAIL_REPLICA_HUNG.format(
+                replica=self.replica, tokens=pump.received_tokens, why=self._hung),
+                hung=True)
+        if pump.first_token_at is None and now - pump.sent_at >= self.settings.first_token_timeout_s:
+            return Stop(RunStatus.INTERRUPTED, DETAIL_NO_FIRST_TOKEN.format(
+                replica=self.replica, seconds=self.settings.first_token_timeout_s), no_first_token=True)
         return None
 
-    @staticmethod
-    def _failed_before_first_token(pump: _Pump, stop: _Stop | None) -> bool:
-        """The attempt ended with no token: the replica refused or lost it, or never answered in time."""
-        if pump.received_tokens:
-            return False
-        if stop is not None:
-            return stop.no_first_token
-        return isinstance(pump.error, ReplicaLost | ReplicaRejected)
-
-    def _attempt_detail(self, pump: _Pump, stop: _Stop | None) -> str:
-        replica = self.claim.replica or self.address
-        if stop is not None:
-            return stop.detail
-        if isinstance(pump.error, ReplicaRejected):
-            return DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error)
-        return DETAIL_FAILED_BEFORE_START.format(replica=replica, error=pump.error)
-
-    async def _retry(self, pump: _Pump, stop: _Stop | None) -> bool:
-        """After an attempt that failed before its first token: True when the run moved to another replica."""
-        failed = self.claim.replica or self.address
-        if stop is not None:
-            self.prompt_taken = True         # the replica held the prompt until we stopped it
-        if stop is not None or isinstance(pump.error, ReplicaLost):
-            self.on_replica_lost(failed)     # a refusal of this request says nothing of the replica
-        if after_replica_failure(0, len(self.tried), self.settings.max_attempts) is not FailureAction.RETRY:
-            return False
+    async def _move_to_another_replica(self, why: str) -> bool:
+        """After an attempt that failed before its first token: True when the run moved elsewhere."""
+        failed = self.replica
         self._check_lease()
         target = await self.reroute(self)
         if target is None:
             return False
-        log.info("run %s: %s failed before the first token (%s); retrying on %s", self.run_id, failed,
-                 self._attempt_detail(pump, stop), target.replica)
+        await self.ledger.reassign(self.lease, target.replica)
+        log.info("run %s: %s failed before the first token (%s); retrying on %s", self.run_id, failed, why,
+                 target.replica)
         self.claim = dataclasses.replace(self.claim, replica=target.replica)
         self.address = target.address
         self.settings = dataclasses.replace(self.settings, block_size=target.block_size)
         self.tried.append(target.replica)
         return True
 
-    def _next_wake(self, pump: _Pump, now: float, started: float) -> float:
-        """Seconds until something time-based can happen: window close, deadline, first-token limit."""
-        waits = [self.claim.deadline_at.timestamp() - time.time()]
+    def _next_wake(self, pump: _Pump, now: float) -> float:
+        """Seconds until something time-based can happen: window close, deadline, first-token limit,
+        the lease's end."""
+        waits = [self.claim.deadline_at.timestamp() - time.time(), self.lease.expires_at - now]
         window = pump.coalescer.remaining_ms(now * 1000)
         if window is not None:
             waits.append(window / 1000)
         if pump.first_token_at is None:
-            waits.append(started + self.settings.first_token_timeout_s - now)
+            waits.append(pump.sent_at + self.settings.first_token_timeout_s - now)
         return max(0.0, min(waits))
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+        # One timer per sleep, only while nothing else wakes the driver (a token, a cancel, an ack).
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(seconds, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            handle.cancel()
 
-    async def _pump(self, pump: _Pump) -> None:
+    async def _read(self, pump: _Pump) -> None:
         claim = self.claim
         try:
             stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
@@ -315,7 +348,7 @@ class RunDriver:
                 pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
                 # Never more than the cap the budget reserved for, whatever the replica sends.
                 room = claim.max_output_tokens - pump.received_tokens
-                tokens = list(chunk.token_ids[:room])
+                tokens = chunk.token_ids[:room]
                 if not tokens:
                     continue
                 arrived = time.monotonic()
@@ -323,76 +356,87 @@ class RunDriver:
                     pump.first_token_at, pump.first_token_wall = arrived, time.time()
                 pump.last_token_at = arrived
                 pump.received_tokens += len(tokens)
+                # The driver sleeps until the window closes: only the token that opens a window
+                # (or one on a sparse stream, published at once) needs to wake it.
+                opens = not pump.coalescer.pending()
                 pump.coalescer.add(tokens, arrived * 1000)
-                pump.wake.set()
-        except Exception as exc:  # the outcome is classified in _ending
+                if opens or pump.sparse():
+                    pump.wake.set()
+        except Exception as exc:  # the outcome is decided by outcome.decide
             pump.error = exc
         finally:
             pump.done = True
             pump.wake.set()
 
-    async def _stop_replica(self, pump_task: asyncio.Task[None]) -> None:
-        """Ask the replica to stop and give its stream a moment to end with what it produced."""
+    async def _stop_replica(self, pump_task: asyncio.Task[None], abandon: bool = False) -> None:
+        """Ask the replica to stop and give its stream a moment to end with what it produced. A hung
+        replica is not asked (it would not answer): its stream is abandoned at once."""
+        if abandon:
+            await _cancelled(pump_task)
+            return
         try:
             await asyncio.wait_for(self.replicas.stop(self.address, self.run_id), STOP_DRAIN_S)
             await asyncio.wait_for(asyncio.shield(pump_task), STOP_DRAIN_S)
         except Exception as exc:
             log.warning("run %s: stop on %s did not complete cleanly: %s", self.run_id, self.address, exc)
 
+    # --- publishing ---------------------------------------------------------------------------
+
     async def _publish_delta(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder,
-                             tokens: list[int]) -> None:
+                             tokens: Sequence[int]) -> None:
         now_ms = int(time.time() * 1000)
         if sequencer.last_sequence == 0:
-            # The first token makes the run RUNNING: STATUS event first, then the ledger
-            # records the transition together with where the run's events start.
+            # The first token makes the run RUNNING: the STATUS event and the first DELTA go out
+            # together; once the STATUS is durable the ledger records the transition and where the
+            # run's events start (Streams wait for that).
+            status = await self.events.publish(sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms))
+            self._track(status, sequencer.last_sequence, 0)
+            delta = sequencer.delta(tokens, decoder.push(tokens), now_ms)
+            await self._publish(delta, len(tokens))
+            first = await status
             self._check_lease()
-            first = await self.events.append(sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms))
-            self.last_sequence = sequencer.last_sequence
-            await self._mark_running(first)
-        self._check_lease()
-        await self.events.append(sequencer.delta(tokens, decoder.push(tokens), now_ms))
-        self.last_sequence = sequencer.last_sequence
-        self.output_tokens += len(tokens)
+            await self.ledger.mark_running(self.lease, first, 1)
+            return
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            await asyncio.wait([self._in_flight[0][0]])
+            self._check_lease()
+        await self._publish(sequencer.delta(tokens, decoder.push(tokens), now_ms), len(tokens))
 
-    async def _mark_running(self, first: LogPosition) -> None:
-        async with self.sessions() as session, session.begin():
-            if not await mark_running(session, self.run_id, self.settings.owner, first, self.last_sequence):
-                raise LeaseLost()
+    async def _publish(self, event: runs_pb2.RunEvent, tokens: int) -> None:
+        self._track(await self.events.publish(event), event.sequence, tokens)
+        self._published_tokens += tokens
+
+    def _track(self, ack: asyncio.Future[LogPosition], sequence: int, tokens: int) -> None:
+        self._in_flight.append((ack, sequence, tokens))
+        ack.add_done_callback(self._acked)
+
+    def _acked(self, _: asyncio.Future[LogPosition]) -> None:
+        """Advance durable progress over the acknowledged prefix of the run's events, in order."""
+        while self._in_flight and self._in_flight[0][0].done():
+            ack, sequence, tokens = self._in_flight.popleft()
+            if ack.cancelled():
+                continue
+            if (error := ack.exception()) is not None:
+                self._publish_error = self._publish_error or error
+                self._wake.set()
+                continue
+            self.last_sequence = sequence
+            self.output_tokens += tokens
+            self.lease.last_sequence, self.lease.output_tokens = self.last_sequence, self.output_tokens
+
+    async def _flush(self) -> None:
+        """Wait until every event published is durable (the terminal write must follow them)."""
+        if self._in_flight:
+            await asyncio.wait([ack for ack, _, _ in self._in_flight])
+        if self._publish_error is not None:
+            raise self._publish_error
+
+    # --- after the run ------------------------------------------------------------------------
 
     def _note_timing(self, pump: _Pump) -> None:
         self._reported_cached = min(self.claim.input_tokens, pump.reused_blocks * self.settings.block_size)
         self._first_token_wall = pump.first_token_wall
-        if pump.received_tokens >= 2 and pump.first_token_at is not None and pump.last_token_at is not None:
-            self._tpot_s = (pump.last_token_at - pump.first_token_at) / (pump.received_tokens - 1)
-
-    def _ending(self, sequencer: RunEventSequencer, pump: _Pump, stop_reason: _Stop | None) -> Ending:
-        last, tokens = sequencer.last_sequence, self.output_tokens
-        cached = self._reported_cached
-        if pump.received_tokens or (stop_reason is not None and pump.error is None):
-            self.prompt_taken = True
-        if self._failed_before_first_token(pump, stop_reason):
-            return Ending(RunStatus.FAILED, last, tokens,
-                          DETAIL_NOT_STARTED.format(attempts=len(self.tried),
-                                                    last=self._attempt_detail(pump, stop_reason)),
-                          prompt_taken=self.prompt_taken)
-        if stop_reason is not None:
-            return Ending(stop_reason.status, last, tokens, stop_reason.detail, cached_input_tokens=cached,
-                          prompt_taken=self.prompt_taken)
-        replica = self.claim.replica or self.address
-        if isinstance(pump.error, ReplicaLost):
-            self.on_replica_lost(replica)
-            return Ending(RunStatus.INTERRUPTED, last, tokens,
-                          DETAIL_REPLICA_LOST.format(replica=replica, tokens=tokens, error=pump.error),
-                          cached_input_tokens=cached)
-        if isinstance(pump.error, ReplicaRejected):
-            return Ending(RunStatus.FAILED, last, tokens,
-                          DETAIL_REPLICA_REJECTED.format(replica=replica, error=pump.error),
-                          prompt_taken=self.prompt_taken)
-        if pump.error is not None:
-            log.error("run %s: replica stream failed", self.run_id, exc_info=pump.error)
-            return Ending(RunStatus.FAILED, last, tokens, f"replica stream failed: {pump.error!r}",
-                          prompt_taken=self.prompt_taken)
-        return Ending(RunStatus.COMPLETED, last, tokens, cached_input_tokens=cached)
+        self._tpot_s = pump.step_s()
 
     def _outcome(self, record: TerminalRecord) -> RunOutcome:
         created = self.claim.created_at
@@ -404,17 +448,6 @@ class RunDriver:
                           input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
                           cached_input_tokens=usage.cached_input_tokens,
                           reported_cached_tokens=self._reported_cached, ttft_s=ttft, tpot_s=self._tpot_s)
-
-    async def _finish(self, ending: Ending) -> TerminalRecord | None:
-        async with self.sessions() as session, session.begin():
-            if await lock_own_active(session, self.run_id, self.settings.owner) is None:
-                raise LeaseLost()
-            record = await settle_and_fix_terminal(session, self.run_id, ending, self.settings.owner,
-                                                   self.settings.lease_seconds)
-        if record is None:
-            return None
-        await publish_terminal(self.events, self.sessions, record)
-        return record
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

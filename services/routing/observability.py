@@ -35,6 +35,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3)
 LOAD_KINDS = ("active", "waiting", "scheduled", "kv_used_blocks", "kv_fraction")   # LoadSnapshot fields
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+LEASE_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,18 @@ class RoutingMetrics:
                                         ["replica"], registry=registry)
         self._restarts = Counter("sluice_replica_restarts", "Replica restarts seen by scraping",
                                  ["replica"], registry=registry)
+        # Observed from the lease keeper's thread (prometheus_client metrics are thread-safe).
+        self._lease_lag = Histogram("sluice_lease_renewal_lag_seconds",
+                                    "How long after it was due each lease renewal completed",
+                                    buckets=LEASE_LAG_BUCKETS, registry=registry)
+        self._lease_failures = Counter("sluice_lease_renewal_failures",
+                                       "Lease renewals that failed and were retried", registry=registry)
+
+    def lease_renewed(self, lag_s: float) -> None:
+        self._lease_lag.observe(lag_s)
+
+    def lease_renewal_failed(self) -> None:
+        self._lease_failures.inc()
 
     def decided(self, policy: str, decision: RouteDecision, seconds: float) -> None:
         self.router.record_decision(policy, decision)

@@ -17,6 +17,7 @@ whole run on every delta did (4,000 tokens: ~0.5 s of event-loop time).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from tokenizers import Tokenizer
@@ -44,7 +45,7 @@ class IncrementalDecoder:
         self._prefix_offset = 0     # start of the decoding window (context for the next piece)
         self._read_offset = 0       # tokens before this are emitted as text
 
-    def push(self, token_ids: list[int]) -> str:
+    def push(self, token_ids: Sequence[int]) -> str:
         if self._tokenizer is None:
             return ""
         self._tokens.extend(token_ids)

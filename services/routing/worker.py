@@ -1,4 +1,10 @@
-"""A routing process: claim loop, run drivers, lease keeper, cancel listener, reaper.
+"""A routing process: one room per job, all on one event loop except the lease keeper.
+
+    claim loop ──claims──▶ RunDriver per run (driver.py; outcome.decide says how an attempt ended)
+    lease keeper (leases.py: own thread, loop and connection) ──renews every lease in one UPDATE
+    replica monitor ──scrapes, readiness checks, hung-stream judgment (monitor.py)
+    reaper ──ends runs whose lease expired by the ledger's clock, behind a fence (events.py)
+    cancel listener ──LISTEN for Runs.Cancel
 
 Exactly once, with any number of these processes:
 - a run is claimed by one transaction (FOR UPDATE SKIP LOCKED, ACCEPTED → QUEUED
@@ -7,7 +13,9 @@ Exactly once, with any number of these processes:
 - a claimed run is never lost: its lease is renewed about every second while its
   driver lives; when renewals stop, any process's reaper ends it INTERRUPTED
   from its last durable event (never re-run: DESIGN.md "Worker loss");
-- every driver write is conditioned on still holding the lease (claims.py).
+- every driver write is conditioned on its lease epoch (claims.py), and every event
+  it publishes carries it: a reaper that takes a run over publishes a fence first,
+  and readers drop the old owner's later events (eventlog/events.py "Fencing").
 
 Replica state comes from three sources, all feeding router/: the metrics endpoint
 of each replica, scraped every [routing].scrape_interval_ms (load for the
@@ -46,23 +54,25 @@ from sluice.services.finish import (
 from sluice.services.notify import ChannelListener
 from sluice.services.routing.claims import (
     ClaimedRun,
+    TakenRun,
     lock_accepted,
     lock_own_active,
     mark_queued,
-    reassign_replica,
-    renew_leases,
     take_expired_leases,
     take_unpublished_terminals,
 )
-from sluice.services.routing.driver import TRITON, DriverSettings, LeaseLost, ReplicaClient, RunDriver, Target
+from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
+from sluice.services.routing.leases import Lease, LeaseKeeper
+from sluice.services.routing.monitor import MONITOR_TICK_S, hung
 from sluice.services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
+from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.telemetry import tracer
 from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
-from sluice.eventlog.events import tokens_in
-from sluice.eventlog.interface import EventLog, LogPosition
+from sluice.eventlog.events import fence_event, tokens_in
+from sluice.eventlog.interface import EventLog
 from sluice.router.health import HealthBook, HealthOptions
 from sluice.router.load import LoadTracker, record_scrape, restarted
 from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, explain
@@ -131,6 +141,7 @@ class _Routed:
     claim: ClaimedRun
     request: RouteRequest
     decision: RouteDecision
+    granted_from: float = 0.0    # monotonic: before the claim's transaction began
 
 
 class RoutingWorker:
@@ -144,12 +155,17 @@ class RoutingWorker:
         self.registry = registry
         self.replicas = replicas
         self._dsn = dsn                 # for LISTEN (fast claim and cancel); polling is the fallback
+        self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds)
+        self.keeper = LeaseKeeper(dsn or _dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
+        self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
         self.drivers: dict[str, RunDriver] = {}
         self._tasks: dict[str, asyncio.Task[TerminalRecord | None]] = {}
         self._requests: dict[str, _Routed] = {}
         self.health = HealthBook(HEALTH)
         self.loads = LoadTracker()
         self.metrics = metrics or RoutingMetrics()
+        self.keeper.on_renewed = self.metrics.lease_renewed
+        self.keeper.on_failed = self.metrics.lease_renewal_failed
         self.health.sync([spec.name for spec in registry.specs()], time.time())
         self._http: aiohttp.ClientSession | None = None   # for scrapes; opened by the scrape loop
         self._stopping = asyncio.Event()   # set by stop(): claim nothing more
@@ -157,6 +173,7 @@ class RoutingWorker:
         # is in flight coalesces into ONE more claim pass, never one pass per notification.
         self._accepted = asyncio.Event()
         self._stopped = asyncio.Event()    # drained: every loop ends
+        self._started_at = time.monotonic()
 
     # --- process lifecycle ------------------------------------------------------------------
 
@@ -166,8 +183,9 @@ class RoutingWorker:
         going after that are abandoned to another process's reaper (their leases lapse)."""
         claiming = asyncio.create_task(
             self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True, wake=self._accepted))
+        self.keeper.start()
         upkeep = [asyncio.create_task(loop) for loop in (
-            self._every(self.renew_once, self.settings.renew_interval_s, until=self._stopped),
+            self._every(self.monitor_once, MONITOR_TICK_S, until=self._stopped),
             self._every(self.reap_once, self.settings.lease_seconds / 2),
             self._every(self.check_health_once, HEALTH_TICK_S, until=self._stopped))]
         if self.settings.scrape_interval_s > 0:
@@ -193,6 +211,7 @@ class RoutingWorker:
             for task in self._tasks.values():
                 task.cancel()
             await _cancelled(claiming, *upkeep)
+            await self.keeper.close()
             for listener in listeners:
                 await listener.close()
             if self._http is not None:
@@ -230,7 +249,9 @@ class RoutingWorker:
             return False
         now = time.time()
         started_ns = time.time_ns()
-        claim_sent_at = time.monotonic()  # the lease it grants runs from after this instant
+        # The ledger's lease runs from its transaction's start (now()), after this instant: a deadline
+        # counted from here is never later than the ledger's. The keeper renews it as soon as it is held.
+        claim_started = time.monotonic()
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
         try:
@@ -246,11 +267,11 @@ class RoutingWorker:
                         record = await settle_and_fix_terminal(
                             session, str(run.id),
                             Ending(RunStatus.EXPIRED, 0, 0, DETAIL_EXPIRED_BEFORE_START),
-                            self.settings.owner, self.settings.lease_seconds)
+                            self.settings.owner, self.settings.lease_seconds, run.lease_epoch)
                         if record is not None:
                             expired.append(record)
                         continue
-                    item = await self._route(session, run, model, now)
+                    item = await self._route(session, run, model, now, claim_started)
                     if item is not None:
                         routed.append(item)
                         # Counted at once, so the batch's next decisions see this run's load.
@@ -265,14 +286,15 @@ class RoutingWorker:
         span.end()
         for item in routed:
             self.policy.on_routed(item.request, item.decision, now)
-            self._start_driver(item, claim_sent_at, link)
+            self._start_driver(item, link)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
         # of a healthy replica must not spin this loop.
         return len(routed) + len(expired) == free
 
-    async def _route(self, session: AsyncSession, run: Run, model: Model, now: float) -> _Routed | None:
+    async def _route(self, session: AsyncSession, run: Run, model: Model, now: float,
+                     claim_started: float) -> _Routed | None:
         salt = cache_salt(run.cache_scope or scope_of(run.tenant_id, None))
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
                                token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
@@ -281,16 +303,16 @@ class RoutingWorker:
         decision = self._choose(request, views, now)
         if decision is None:
             return None  # no healthy replica in the pool: the run stays ACCEPTED for a later pass
-        queued_at = await mark_queued(session, run.id, decision.replica, self.settings.owner,
-                                      self.settings.lease_seconds)
+        queued_at, epoch = await mark_queued(session, run.id, decision.replica, self.settings.owner,
+                                             self.settings.lease_seconds)
         claim = ClaimedRun(
             run_id=str(run.id), tenant_id=run.tenant_id, model_version=run.model_version,
             worker_pool=model.worker_pool, tokenizer=model.tokenizer, end_id=model.end_id,
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at, cache_salt=salt)
-        return _Routed(claim, request, decision)
+            created_at=run.created_at, cache_salt=salt, epoch=epoch)
+        return _Routed(claim, request, decision, claim_started)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
         started = time.perf_counter()
@@ -304,17 +326,18 @@ class RoutingWorker:
         # is what the run is charged at the cached rate.
         return Target(spec.name, spec.grpc_address, self.loads.load(spec.name).block_size or spec.block_size)
 
-    def _start_driver(self, item: _Routed, claim_sent_at: float,
+    def _start_driver(self, item: _Routed,
                       claim_span: trace.Link | None = None) -> None:
         entry = self.registry.get(item.decision.replica)
         assert entry is not None, f"policy chose {item.decision.replica}, which is not registered"
         target = self._target(entry)
         settings = dataclasses.replace(self.settings.driver(), block_size=target.block_size)
-        driver = RunDriver(claim=item.claim, address=target.address, settings=settings,
-                           sessions=self.sessions, events=self.events, replicas=self.replicas,
-                           on_replica_lost=self._replica_failed, reroute=self._reroute)
-        driver.extend_fence(claim_sent_at)
         run_id = item.claim.run_id
+        lease = Lease(run_id, item.claim.epoch, expires_at=item.granted_from + self.settings.lease_seconds)
+        driver = RunDriver(claim=item.claim, address=target.address, settings=settings, events=self.events,
+                           ledger=self.ledger, lease=lease, replicas=self.replicas,
+                           on_replica_lost=self._replica_failed, reroute=self._reroute)
+        self.keeper.hold(lease, driver.revoke_lease, driver.request_cancel)
         self.drivers[run_id] = driver
         self._requests[run_id] = item
         task = asyncio.create_task(self._drive(item, driver, claim_span), name=f"run-{run_id}")
@@ -336,6 +359,7 @@ class RoutingWorker:
             return record
 
     def _driver_done(self, run_id: str, driver: RunDriver, task: asyncio.Task[TerminalRecord | None]) -> None:
+        self.keeper.release(run_id)
         self.drivers.pop(run_id, None)
         self._tasks.pop(run_id, None)
         item = self._requests.pop(run_id, None)
@@ -356,8 +380,8 @@ class RoutingWorker:
             self.health.record_success(item.decision.replica, time.time())
 
     async def _reroute(self, driver: RunDriver) -> Target | None:
-        """A driver's attempt failed before the first token: release it, choose among the replicas the
-        run has not tried, and commit the new replica to the ledger before it is contacted."""
+        """A driver's attempt failed before the first token: release it and choose among the replicas
+        the run has not tried (the driver commits the new replica to the ledger before contacting it)."""
         run_id = driver.run_id
         item = self._requests.pop(run_id, None)
         if item is None:
@@ -372,14 +396,10 @@ class RoutingWorker:
             return None
         entry = self.registry.get(decision.replica)
         assert entry is not None, f"policy chose {decision.replica}, which is not registered"
-        async with self.sessions() as session, session.begin():
-            moved = await reassign_replica(session, run_id, self.settings.owner, decision.replica)
-        if not moved:
-            raise LeaseLost()
         self.policy.on_routed(item.request, decision, now)
         self.loads.on_sent(decision.replica)
         self._requests[run_id] = _Routed(dataclasses.replace(item.claim, replica=decision.replica),
-                                         item.request, decision)
+                                         item.request, decision, item.granted_from)
         self.metrics.retried(item.claim.worker_pool)
         return self._target(entry)
 
@@ -395,6 +415,8 @@ class RoutingWorker:
                 self.health.forget(name)
                 continue
             ready = await replica_client.is_ready(spec.grpc_address, timeout_s=1.0)
+            if ready:
+                self._alive_at[name] = time.monotonic()
             record = self.health.record_success if ready else self.health.record_failure
             record(name, time.time())
         now = time.time()
@@ -419,6 +441,7 @@ class RoutingWorker:
                 text = await response.text()
             previous = self.loads.snapshot(spec.name)
             snapshot = record_scrape(self.loads, self.policy, spec.name, text)
+            self._alive_at[spec.name] = time.monotonic()
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.metrics.scrape_failed(spec.name, time.perf_counter() - started)
             if self.registry.get(spec.name) is not None:   # not removed while we waited
@@ -441,26 +464,26 @@ class RoutingWorker:
 
     # --- leases and cancels -----------------------------------------------------------------
 
-    async def renew_once(self) -> bool:
-        drivers = dict(self.drivers)
-        if not drivers:
-            return False
-        sent_at = time.monotonic()
-        async with self.sessions() as session, session.begin():
-            states = await renew_leases(session, self.settings.owner, self.settings.lease_seconds,
-                                        [driver.progress() for driver in drivers.values()])
-        held = {state.run_id: state for state in states}
-        for run_id, driver in drivers.items():
-            state = held.get(run_id)
-            if state is None:
-                # Either the driver just finished (settled, so no longer active) or a
-                # reaper took the run; in both cases it must stop writing.
-                if run_id in self.drivers and not self._tasks[run_id].done():
-                    driver.revoke_lease()
+    async def monitor_once(self) -> bool:
+        """The replica monitor's judgment of every stream in progress (monitor.py): a replica silent
+        past its step time whose liveness lapsed is hung, and the runs on it end INTERRUPTED."""
+        now = time.monotonic()
+        scraped = {spec.name for spec in self.registry.specs() if spec.metrics_url} \
+            if self.settings.scrape_interval_s > 0 else set()
+        for driver in list(self.drivers.values()):
+            replica = driver.replica
+            alive = self._alive_at.get(replica)
+            if replica not in scraped and alive is None:
+                age = None
             else:
-                driver.extend_fence(sent_at)
-                if state.cancel_requested:
-                    driver.request_cancel()
+                age = now - (alive if alive is not None else self._started_at)
+            silence = driver.silence(now, age)
+            if silence is None:
+                continue
+            why = hung(silence)
+            if why is not None:
+                log.warning("run %s: replica %s looks hung (%s); ending the run", driver.run_id, replica, why)
+                driver.replica_hung(why)
         return False
 
     def _run_accepted(self, pool: str) -> None:
@@ -477,25 +500,25 @@ class RoutingWorker:
 
     async def reap_once(self) -> bool:
         async with self.sessions() as session, session.begin():
-            expired = [_Expired.of(run) for run in await take_expired_leases(
-                session, self.settings.owner, self.settings.lease_seconds, REAP_BATCH)]
+            expired = await take_expired_leases(session, self.settings.owner, self.settings.lease_seconds,
+                                                REAP_BATCH)
         for run in expired:
             try:
                 await self._end_abandoned(run)
             except Exception:
                 log.exception("reaper: could not end run %s; it will be retried after its lease", run.run_id)
         async with self.sessions() as session, session.begin():
-            unpublished = [(str(run.id), int(run.terminal_sequence or 0)) for run in
-                           await take_unpublished_terminals(session, self.settings.owner,
-                                                            self.settings.lease_seconds, REAP_BATCH)]
-        for run_id, sequence in unpublished:
+            unpublished = await take_unpublished_terminals(session, self.settings.owner,
+                                                           self.settings.lease_seconds, REAP_BATCH)
+        for run in unpublished:
             async with self.sessions() as session:
-                record = await terminal_record(session, run_id, sequence)
-            log.info("reaper: republishing the terminal event of run %s", run_id)
+                record = await terminal_record(session, run.run_id, int(run.terminal_sequence or 0),
+                                               run.epoch)
+            log.info("reaper: republishing the terminal event of run %s", run.run_id)
             await publish_terminal(self.events, self.sessions, record)
         return bool(expired or unpublished)
 
-    async def _end_abandoned(self, run: _Expired) -> None:
+    async def _end_abandoned(self, run: TakenRun) -> None:
         log.warning("reaper: run %s lost its driver %s; ending it INTERRUPTED",
                     run.run_id, run.previous_owner)
         entry = self.registry.get(run.replica) if run.replica else None
@@ -504,19 +527,23 @@ class RoutingWorker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.replicas.stop(entry.grpc_address, run.run_id),
                                        REPLICA_STOP_TIMEOUT_S)
+        # The fence first: whatever the old owner still publishes lands after it and is refused by
+        # every reader; what it published before is read back below and counted.
+        fence = await self.events.append(fence_event(run.run_id, run.epoch, int(time.time() * 1000)))
         start = run.first
-        if start is None and run.queued_at_ms is not None:
-            start = await self.events.locate(run.run_id, run.queued_at_ms - LOCATE_MARGIN_MS)
-        durable = await self.events.read_durable(run.run_id, start) if start is not None else []
+        if start is None and run.queued_at is not None:
+            queued_ms = int(run.queued_at.timestamp() * 1000)
+            start = await self.events.locate(run.run_id, queued_ms - LOCATE_MARGIN_MS)
+        durable = await self.events.read_durable(run.run_id, start or fence)
         last = max((event.sequence for event in durable), default=0)
         ending = Ending(RunStatus.INTERRUPTED, last, tokens_in(durable),
                         DETAIL_DRIVER_LOST.format(owner=run.previous_owner),
-                        first=start if run.first is None else None)
+                        first=(start or fence) if run.first is None else None)
         async with self.sessions() as session, session.begin():
-            if await lock_own_active(session, run.run_id, self.settings.owner) is None:
+            if await lock_own_active(session, run.run_id, run.epoch) is None:
                 return
             record = await settle_and_fix_terminal(session, run.run_id, ending, self.settings.owner,
-                                                   self.settings.lease_seconds)
+                                                   self.settings.lease_seconds, run.epoch)
         if record is not None:
             await publish_terminal(self.events, self.sessions, record)
 
@@ -544,19 +571,6 @@ async def _cancelled(*tasks: asyncio.Task[None]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@dataclass(frozen=True, slots=True)
-class _Expired:
-    run_id: str
-    replica: str | None
-    previous_owner: str
-    first: LogPosition | None
-    queued_at_ms: int | None
-
-    @classmethod
-    def of(cls, run: Run) -> _Expired:
-        first = None
-        if run.event_partition is not None and run.event_first_offset is not None:
-            first = LogPosition(run.event_partition, run.event_first_offset)
-        return cls(run_id=str(run.id), replica=run.replica, previous_owner=run.lease_owner or "?",
-                   first=first,
-                   queued_at_ms=int(run.queued_at.timestamp() * 1000) if run.queued_at else None)
+def _dsn_of(sessions: async_sessionmaker[AsyncSession]) -> str:
+    """The database URL the session factory is bound to (for the lease keeper's own connection)."""
+    return str(sessions.kw["bind"].url.render_as_string(hide_password=False))

@@ -5,6 +5,15 @@ A run's events are numbered 1, 2, 3, ... by the one process driving the run.
 that arrive within a short window into one DELTA event; `EventDeduper` is the
 reader's filter that turns "at least once, in order" (a terminal event may be
 republished by a reaper) into "exactly the events with sequence > after".
+
+Fencing (DESIGN.md "Leases and fencing"). Every event carries the lease epoch of
+the process that wrote it. A process that takes a run over from one whose lease
+expired first publishes a FENCE (sequence 0, its newer epoch) and then reads the
+run's durable events up to the end of the log: what the old owner wrote before
+the fence counts, what it writes after the fence (a zombie's late events) is
+dropped by every reader, because `EventDeduper` refuses an event whose epoch is
+older than one it already saw for the run. All readers see one partition in one
+order, so they all accept the same events, live or replayed.
 """
 
 from __future__ import annotations
@@ -34,22 +43,32 @@ def status_name(value: common_pb2.RunStatus) -> str:
 
 
 def delta_event(run_id: str, sequence: int, token_ids: Sequence[int], text: str,
-                time_ms: int) -> runs_pb2.RunEvent:
+                time_ms: int, epoch: int = 0) -> runs_pb2.RunEvent:
     return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_DELTA,
-                             token_ids=list(token_ids), text=text, time_ms=time_ms)
+                             token_ids=list(token_ids), text=text, time_ms=time_ms, lease_epoch=epoch)
 
 
-def status_event(run_id: str, sequence: int, status: common_pb2.RunStatus, time_ms: int) -> runs_pb2.RunEvent:
+def status_event(run_id: str, sequence: int, status: common_pb2.RunStatus, time_ms: int,
+                 epoch: int = 0) -> runs_pb2.RunEvent:
     assert status not in TERMINAL_STATUSES, "terminal statuses travel in terminal events"
     return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_STATUS,
-                             status=status, time_ms=time_ms)
+                             status=status, time_ms=time_ms, lease_epoch=epoch)
 
 
 def terminal_event(run_id: str, sequence: int, status: common_pb2.RunStatus, usage: common_pb2.TokenUsage,
-                   detail: str, time_ms: int) -> runs_pb2.RunEvent:
+                   detail: str, time_ms: int, epoch: int = 0) -> runs_pb2.RunEvent:
     assert status in TERMINAL_STATUSES, f"{status_name(status)} is not terminal"
     return runs_pb2.RunEvent(run_id=run_id, sequence=sequence, type=runs_pb2.EVENT_TYPE_TERMINAL,
-                             status=status, usage=usage, detail=detail, time_ms=time_ms)
+                             status=status, usage=usage, detail=detail, time_ms=time_ms, lease_epoch=epoch)
+
+
+FENCE_SEQUENCE = 0   # below every real sequence: no reader ever passes a fence on
+
+
+def fence_event(run_id: str, epoch: int, time_ms: int) -> runs_pb2.RunEvent:
+    """Marks where the owner of `epoch` took the run over: older epochs' events after it are refused."""
+    return runs_pb2.RunEvent(run_id=run_id, sequence=FENCE_SEQUENCE, type=runs_pb2.EVENT_TYPE_STATUS,
+                             time_ms=time_ms, lease_epoch=epoch)
 
 
 def is_terminal(event: runs_pb2.RunEvent) -> bool:
@@ -59,10 +78,11 @@ def is_terminal(event: runs_pb2.RunEvent) -> bool:
 class RunEventSequencer:
     """Numbers one run's events. Only the process holding the run's lease owns one."""
 
-    __slots__ = ("run_id", "_last")
+    __slots__ = ("run_id", "epoch", "_last")
 
-    def __init__(self, run_id: str, last_sequence: int = 0) -> None:
+    def __init__(self, run_id: str, last_sequence: int = 0, epoch: int = 0) -> None:
         self.run_id = run_id
+        self.epoch = epoch           # the owner's lease epoch, stamped on every event
         self._last = last_sequence
 
     @property
@@ -74,14 +94,14 @@ class RunEventSequencer:
         return self._last
 
     def status(self, status: common_pb2.RunStatus, time_ms: int) -> runs_pb2.RunEvent:
-        return status_event(self.run_id, self.next_sequence(), status, time_ms)
+        return status_event(self.run_id, self.next_sequence(), status, time_ms, self.epoch)
 
     def delta(self, token_ids: Sequence[int], text: str, time_ms: int) -> runs_pb2.RunEvent:
-        return delta_event(self.run_id, self.next_sequence(), token_ids, text, time_ms)
+        return delta_event(self.run_id, self.next_sequence(), token_ids, text, time_ms, self.epoch)
 
     def terminal(self, status: common_pb2.RunStatus, usage: common_pb2.TokenUsage, detail: str,
                  time_ms: int) -> runs_pb2.RunEvent:
-        return terminal_event(self.run_id, self.next_sequence(), status, usage, detail, time_ms)
+        return terminal_event(self.run_id, self.next_sequence(), status, usage, detail, time_ms, self.epoch)
 
 
 class DeltaCoalescer:
@@ -130,21 +150,27 @@ class EventDeduper:
     The log holds a run's events in sequence order (one key, one partition, an
     idempotent producer), but a terminal event may be published twice (a
     reaper republishes one whose publication was never confirmed), so a
-    sequence at or below the last one passed is dropped.
+    sequence at or below the last one passed is dropped. An event whose lease epoch
+    is older than the newest seen for the run (a fence's included) is dropped too:
+    it was written by a process that had lost the run (module doc, "Fencing").
     """
 
-    __slots__ = ("_last", "finished", "gaps")
+    __slots__ = ("_last", "finished", "gaps", "epoch")
 
     def __init__(self, after: int) -> None:
         self._last = after
         self.finished = False
         self.gaps = 0  # sequences skipped over; 0 unless the log lost events (it must not)
+        self.epoch = 0  # the newest lease epoch seen for the run
 
     @property
     def last_sequence(self) -> int:
         return self._last
 
     def accept(self, event: runs_pb2.RunEvent) -> bool:
+        if event.lease_epoch < self.epoch:
+            return False       # a fenced-off writer's late event
+        self.epoch = event.lease_epoch
         if self.finished:
             return False
         if is_terminal(event):

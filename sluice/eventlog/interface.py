@@ -8,6 +8,7 @@ follow live.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +54,11 @@ class LogPosition:
 
 
 class EventLog(Protocol):
+    async def publish(self, event: runs_pb2.RunEvent) -> asyncio.Future[LogPosition]:
+        """Enqueue one event (key = its run id) after every event published before it; the future
+        resolves once it is durable. Many may be in flight; a run's order is kept."""
+        ...
+
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
         """Publish one event (key = its run id); returns once it is durable."""
         ...

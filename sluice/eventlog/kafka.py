@@ -2,9 +2,14 @@
 
 Writes: one idempotent producer per process (enable_idempotence, acks=all),
 key = run id so that one run's events land in one partition, in order; value =
-a serialized sluice.v1.RunEvent. `append` returns once the broker has
-acknowledged the record to all in-sync replicas, so the position it returns is
-durable and may be recorded in the ledger.
+a serialized sluice.v1.RunEvent. The producer is shared by every run of the
+process and pipelined: `publish` only enqueues a record (linger_ms lets records
+of many runs, produced within a few milliseconds, travel in one request per
+partition) and returns a future that resolves once the broker acknowledged it
+to all in-sync replicas; a run keeps several events in flight and their order
+holds (one partition per run, idempotent producer). `append` = publish and wait,
+for the rare caller that needs the position at once. A position is durable when
+its future resolves, and only then may it be recorded in the ledger.
 
 Reads: consumers with no group (manual assignment), two per process for every
 stream: one tail (eventlog/tail.py) that fans the end of the topic out to the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
@@ -39,6 +45,8 @@ from sluice.eventlog.tail import (
 from sluice.v1 import runs_pb2
 
 POLL_TIMEOUT_MS = 200
+LINGER_MS = 5            # how long the producer waits to fill a batch across runs
+PARTITION_CACHE = 8192   # runs whose partition is remembered
 
 
 CLUSTER_BROKERS = 3   # [kafka].brokers of the local cluster (infra/kafka_cluster.sh)
@@ -59,15 +67,19 @@ class KafkaEventLog:
     """EventLog over one Kafka topic. Create and close it on the event loop that uses it."""
 
     def __init__(self, bootstrap: str, topic: str, *, stream_capacity: int = SUBSCRIPTION_CAPACITY,
-                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION) -> None:
+                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
+                 linger_ms: int = LINGER_MS) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.stream_capacity = stream_capacity              # events a follower may leave unread
         self.recent_per_partition = recent_per_partition    # records the tail keeps for late joiners
+        self.linger_ms = linger_ms
         self._producer: AIOKafkaProducer | None = None
         self._producer_lock = asyncio.Lock()
         self._tail: LiveTail | None = None   # started by the first follow()
         self.replay = SharedReplay(bootstrap, topic)
+        # run id -> partition, so the producer's pure-Python murmur2 runs once per run, not per event
+        self._partitions: dict[bytes, int] = {}
 
     @classmethod
     def from_config(cls, config: Settings) -> KafkaEventLog:
@@ -80,7 +92,7 @@ class KafkaEventLog:
                     bootstrap_servers=self.bootstrap,
                     enable_idempotence=True,   # broker drops retried duplicates; order kept per partition
                     acks="all",
-                    linger_ms=0,               # coalescing happens upstream, per run
+                    linger_ms=self.linger_ms,  # batches across runs; deltas are coalesced per run upstream
                 )
                 await producer.start()
                 self._producer = producer
@@ -98,11 +110,22 @@ class KafkaEventLog:
             await self._producer.stop()
             self._producer = None
 
+    async def publish(self, event: runs_pb2.RunEvent) -> asyncio.Future[LogPosition]:
+        producer = self._producer or await self._ready_producer()
+        key = event.run_id.encode()
+        partition = self._partitions.get(key)
+        if partition is None:
+            if len(self._partitions) >= PARTITION_CACHE:
+                self._partitions.clear()
+            partition = self._partitions[key] = await self.partition_of(event.run_id)
+        # send() waits only for room in the producer's buffer; the broker's ack resolves `sent`.
+        sent = await producer.send(self.topic, value=event.SerializeToString(), key=key, partition=partition)
+        durable: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+        sent.add_done_callback(lambda done: _resolve(durable, done))
+        return durable
+
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
-        producer = await self._ready_producer()
-        metadata = await producer.send_and_wait(
-            self.topic, value=event.SerializeToString(), key=event.run_id.encode())
-        return LogPosition(partition=metadata.partition, offset=metadata.offset)
+        return await (await self.publish(event))
 
     def _consumer(self) -> AIOKafkaConsumer:
         return AIOKafkaConsumer(
@@ -268,3 +291,15 @@ class KafkaEventLog:
         if start.offset < beginning:
             raise CursorPastRetention(run_id, after)
         consumer.seek(tp, start.offset)
+
+
+def _resolve(durable: asyncio.Future[LogPosition], sent: asyncio.Future[Any]) -> None:
+    if durable.done():
+        return
+    if sent.cancelled():
+        durable.cancel()
+    elif (error := sent.exception()) is not None:
+        durable.set_exception(error)
+    else:
+        metadata = sent.result()
+        durable.set_result(LogPosition(partition=metadata.partition, offset=metadata.offset))

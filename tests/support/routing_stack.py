@@ -127,11 +127,17 @@ class WorkerProcess:
                 self.kill()
 
 
-def launch_worker_process(config: Settings, log_dir: Path, name: str,
+def launch_worker_process(config: Settings, log_dir: Path, name: str, profile_to: str | None = None,
                           timeout_s: float = 30.0) -> WorkerProcess:
+    """A routing worker process; `profile_to` runs it under cProfile, stats written there on exit."""
     log_path = log_dir / f"routing-{name}-{uuid.uuid4().hex[:6]}.log"
+    command = ["-m", "sluice.services.routing", "--name", name]
+    if profile_to:   # CPU time, not wall time: a loaded box must not distort the profile
+        command = ["-c", "import cProfile, sys, time; from sluice.services.routing.__main__ import main; "
+                   "p = cProfile.Profile(time.process_time); p.runcall(main, ['--name', sys.argv[2]]); "
+                   "p.dump_stats(sys.argv[1])", profile_to, name]
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "sluice.services.routing", "--name", name],
+        process = subprocess.Popen([sys.executable, *command],
                                    cwd=REPO_ROOT, env=worker_env(config), stdout=log,
                                    stderr=subprocess.STDOUT)
     worker = WorkerProcess(name, process, log_path)

@@ -1,0 +1,271 @@
+"""Leases: the ledger is the only clock that ends a driver's ownership of a run.
+
+    claim (epoch e, expires T0) ──▶ driver works while  now < expires  and not refused
+                                          ▲
+    LeaseKeeper thread ── every lease/5 ──┘  one UPDATE renews every lease of the process;
+      own event loop, own connection         each row returns how long its lease has left
+      (never behind token work, never        (ledger clock); missing rows = refused
+       behind the shared pool)
+
+- A renewal returns, per run, the seconds left on its lease by the database's clock;
+  the driver's local deadline is `sent + remaining`, where `sent` is when the renewal
+  left this process: never later than the ledger's own deadline, whatever the latency.
+- A failed renewal (connection lost, PostgreSQL restarting) is retried every
+  RETRY_S on a fresh connection for as long as leases are valid: an outage shorter
+  than the lease interrupts nothing, and no driver stops on a local timer.
+- A driver stops only when a renewal is refused (its row no longer matches its epoch:
+  a reaper took the run after the lease expired) or its deadline passed.
+- Fencing: the epoch a driver was granted conditions every ledger write it makes
+  (claims.py) and is stamped on every event it publishes; a reaper taking the run
+  over publishes a fence with the next epoch first, after which every reader drops
+  the old owner's events (eventlog/events.py, "Fencing").
+- The keeper renews only while the process's main event loop still beats: a loop
+  wedged for WEDGED_LEASES leases lets its leases lapse, so a stuck process cannot
+  hold runs forever (a merely busy one beats every few hundred milliseconds).
+
+Lease-renewal lag (seconds a renewal completed after it was due) and failures are
+metrics: sluice_lease_renewal_lag_seconds, sluice_lease_renewal_failures_total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+from sqlalchemy.engine import make_url
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.2                # after a failed renewal, try again this soon
+CONNECT_TIMEOUT_S = 1.0
+WEDGED_LEASES = 2.0          # main loop silent this many leases: stop renewing (see module doc)
+HEARTBEAT_S = 0.25
+
+# One statement for every lease of the process. Rows another transaction holds locked (a driver
+# settling, Runs.Cancel, a reaper taking over) are skipped, not waited for: the renewal never queues
+# behind other work. A skipped row still ours by the snapshot is neither renewed nor refused this
+# round; only a row whose epoch moved on or that ended is refused.
+RENEW_SQL = """
+    WITH p AS (
+        SELECT * FROM unnest($2::uuid[], $3::bigint[], $4::bigint[], $5::int[])
+                   AS p(id, epoch, last_sequence, output_tokens)
+    ), ours AS (
+        SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
+         WHERE r.status IN ('QUEUED', 'RUNNING')
+    ), locked AS (
+        SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
+         WHERE r.status IN ('QUEUED', 'RUNNING')
+           FOR UPDATE OF r SKIP LOCKED
+    ), renewed AS (
+        UPDATE runs AS r
+           SET lease_expires_at = now() + make_interval(secs => $1::float8),
+               last_sequence = GREATEST(r.last_sequence, p.last_sequence),
+               output_tokens = GREATEST(r.output_tokens, p.output_tokens)
+          FROM p, locked
+         WHERE r.id = locked.id AND p.id = locked.id
+        RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested,
+                  extract(epoch FROM r.lease_expires_at - now())::float8 AS remaining_s
+    )
+    SELECT p.id::text AS id, renewed.cancel_requested, renewed.remaining_s,
+           ours.id IS NOT NULL AS ours
+      FROM p LEFT JOIN ours ON ours.id = p.id LEFT JOIN renewed ON renewed.id = p.id
+"""
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """One run's lease as its driver sees it. Written by the keeper thread (expires_at, refused,
+    cancel_requested) and by the driver (progress); each field is one atomic store."""
+
+    run_id: str
+    epoch: int                   # fencing token granted with the claim
+    expires_at: float            # monotonic; the ledger's deadline, never later
+    last_sequence: int = 0       # durable progress, recorded with every renewal
+    output_tokens: int = 0
+    refused: bool = False        # a renewal found the run under another epoch or ended
+    cancel_requested: bool = False
+
+    def valid(self, now: float) -> bool:
+        return not self.refused and now < self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    run_id: str
+    ours: bool                   # False: refused (the epoch moved on, or the run ended)
+    cancel_requested: bool
+    remaining_s: float | None    # seconds left on the renewed lease by the ledger's clock;
+                                 #   None: skipped this round (row locked by another transaction)
+
+
+def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: float) -> tuple[
+        list[Lease], list[Lease]]:
+    """Pure: move each lease's deadline to `sent_at + remaining`; returns (refused, newly cancelled)."""
+    by_id = {row.run_id: row for row in renewed}
+    refused, cancelled = [], []
+    for lease in leases:
+        row = by_id.get(lease.run_id)
+        if row is None or not row.ours:
+            lease.refused = True
+            refused.append(lease)
+            continue
+        if row.remaining_s is None:
+            continue
+        lease.expires_at = max(lease.expires_at, sent_at + row.remaining_s)
+        if row.cancel_requested and not lease.cancel_requested:
+            lease.cancel_requested = True
+            cancelled.append(lease)
+    return refused, cancelled
+
+
+def asyncpg_dsn(dsn: str) -> str:
+    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@dataclass(slots=True)
+class _Held:
+    lease: Lease
+    on_refused: Callable[[], None]     # called on the driver's loop
+    on_cancel: Callable[[], None]
+
+
+@dataclass(slots=True)
+class LeaseKeeper:
+    """Renews every lease of the process from its own thread, event loop and connection."""
+
+    dsn: str
+    lease_seconds: float
+    interval_s: float
+    on_renewed: Callable[[float], None] = lambda lag_s: None      # lag metric (thread-safe callee)
+    on_failed: Callable[[], None] = lambda: None
+    _held: dict[str, _Held] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _loop: asyncio.AbstractEventLoop | None = None          # the drivers' loop
+    _beat: float = field(default_factory=time.monotonic)    # the drivers' loop's last heartbeat
+    _own_loop: asyncio.AbstractEventLoop | None = None      # the keeper thread's loop
+    _poke: asyncio.Event | None = None                      # set (thread-safely) by hold(): renew now
+    _heart: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Call on the drivers' event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._heart = self._loop.create_task(self._heartbeat(), name="lease-heartbeat")
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        self._stopping.set()
+        if self._heart is not None:
+            self._heart.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heart
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    def hold(self, lease: Lease, on_refused: Callable[[], None], on_cancel: Callable[[], None]) -> None:
+        """Renew `lease` from now on; the first renewal goes out at once (a fresh claim's deadline was
+        counted conservatively from before its transaction began)."""
+        with self._guard:
+            self._held[lease.run_id] = _Held(lease, on_refused, on_cancel)
+        loop, poke = self._own_loop, self._poke
+        if loop is not None and poke is not None:
+            with contextlib.suppress(RuntimeError):     # the keeper's loop is closing
+                loop.call_soon_threadsafe(poke.set)
+
+    def release(self, run_id: str) -> None:
+        with self._guard:
+            self._held.pop(run_id, None)
+
+    def _run(self) -> None:
+        """The keeper thread: its loop is restarted should anything escape it (it must not die)."""
+        while not self._stopping.is_set():
+            try:
+                asyncio.run(self._main())
+            except BaseException:
+                log.exception("lease keeper loop failed; restarting it")
+                time.sleep(RETRY_S)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _main(self) -> None:
+        connection: Any = None
+        due = time.monotonic()       # when the next renewal is owed (lag is measured from here)
+        attempt = due                # when to try next (sooner than `due` after a failure)
+        self._own_loop, self._poke = asyncio.get_running_loop(), asyncio.Event()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            connection = await self._connect()   # ready before the first lease arrives
+        try:
+            while not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._poke.wait(), max(0.0, attempt - time.monotonic()))
+                self._poke.clear()
+                with self._guard:
+                    held = list(self._held.values())
+                if not held or time.monotonic() - self._beat > WEDGED_LEASES * self.lease_seconds:
+                    due = attempt = time.monotonic() + self.interval_s
+                    continue
+                try:
+                    if connection is None:
+                        connection = await self._connect()
+                    sent = time.monotonic()
+                    renewed = await self._renew(connection, [entry.lease for entry in held])
+                except (Exception, asyncio.CancelledError) as exc:  # retried on a fresh connection
+                    if self._stopping.is_set():
+                        break
+                    log.warning("lease renewal failed (%r); retrying in %.1fs", exc, RETRY_S)
+                    self.on_failed()
+                    await _closed(connection)
+                    connection = None
+                    attempt = time.monotonic() + RETRY_S
+                    continue
+                self.on_renewed(max(0.0, time.monotonic() - due))
+                took = time.monotonic() - sent
+                if took > self.interval_s:
+                    log.info("lease renewal of %d runs took %.2fs (%d skipped: rows locked), lag %.2fs",
+                             len(held), took, sum(row.remaining_s is None for row in renewed),
+                             time.monotonic() - due)
+                due = attempt = sent + self.interval_s
+                self._deliver(held, renewed, sent)
+        finally:
+            await _closed(connection)
+
+    async def _connect(self) -> Any:
+        limit = max(CONNECT_TIMEOUT_S, self.lease_seconds / 3)
+        return await asyncio.wait_for(asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit), limit * 2)
+
+    async def _renew(self, connection: Any, leases: list[Lease]) -> list[Renewed]:
+        rows = await connection.fetch(
+            RENEW_SQL, float(self.lease_seconds), [lease.run_id for lease in leases],
+            [lease.epoch for lease in leases], [lease.last_sequence for lease in leases],
+            [lease.output_tokens for lease in leases], timeout=max(0.5, self.lease_seconds / 3))
+        return [Renewed(row["id"], row["ours"], bool(row["cancel_requested"]), row["remaining_s"])
+                for row in rows]
+
+    def _deliver(self, held: list[_Held], renewed: list[Renewed], sent: float) -> None:
+        refused, cancelled = apply_renewal([entry.lease for entry in held], renewed, sent)
+        callbacks = {id(entry.lease): entry for entry in held}
+        assert self._loop is not None
+        for lease in refused:
+            with contextlib.suppress(RuntimeError):     # the drivers' loop is closing
+                self._loop.call_soon_threadsafe(callbacks[id(lease)].on_refused)
+        for lease in cancelled:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(callbacks[id(lease)].on_cancel)
+
+
+async def _closed(connection: Any) -> None:
+    if connection is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(connection.close(), 1.0)

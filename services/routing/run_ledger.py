@@ -1,0 +1,120 @@
+"""The ledger writes of one run's driver, behind a Protocol so the driver can be tested in memory.
+
+Each write is one short transaction conditioned on the driver's lease epoch (claims.py). A
+transient database error (connection lost, PostgreSQL restarting, a failover) is retried until
+the lease runs out: a blip shorter than the lease interrupts nothing. Every write is idempotent
+under its epoch, so a retry after a commit whose acknowledgment was lost changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import asyncpg
+from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from sluice.services.routing.claims import lock_own_active, mark_running, reassign_replica
+from sluice.services.routing.leases import Lease
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.eventlog.interface import EventLog, LogPosition
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.1
+T = TypeVar("T")
+
+
+class LeaseLost(Exception):
+    """The run is no longer this driver's (renewal refused, lease expired, epoch moved on):
+    it must not write anything more."""
+
+
+class RunLedger(Protocol):
+    async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+        """QUEUED → RUNNING with where the run's events start. Raises LeaseLost."""
+        ...
+
+    async def reassign(self, lease: Lease, replica: str) -> None:
+        """A retry's new replica, recorded before it is contacted. Raises LeaseLost."""
+        ...
+
+    async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
+        """Settle the run and fix its terminal event; None if it was already settled.
+        Raises LeaseLost."""
+        ...
+
+    async def publish_terminal(self, record: TerminalRecord) -> None:
+        """Publish the terminal event and record that it was published."""
+        ...
+
+
+_CONNECTION_ERRORS = (OSError, ConnectionError, asyncio.TimeoutError, asyncpg.InterfaceError,
+                      asyncpg.PostgresConnectionError, asyncpg.exceptions.AdminShutdownError,
+                      asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.CrashShutdownError)
+
+
+def transient(error: BaseException | None) -> bool:
+    """A database error worth retrying: the connection (or the server's availability), not the
+    statement, failed. SQLAlchemy wraps the driver's error: the whole cause chain is looked at."""
+    pending, seen = [error], 0
+    while pending and seen < 16:
+        error = pending.pop()
+        seen += 1
+        if error is None:
+            continue
+        if isinstance(error, _CONNECTION_ERRORS):
+            return True
+        if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+            return True
+        pending.extend((getattr(error, "orig", None), error.__cause__, error.__context__))
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class SqlRunLedger:
+    sessions: async_sessionmaker[AsyncSession]
+    events: EventLog
+    owner: str
+    lease_seconds: float
+
+    async def _retrying(self, lease: Lease, write: Callable[[AsyncSession], Awaitable[T]]) -> T:
+        while True:
+            try:
+                async with self.sessions() as session, session.begin():
+                    return await write(session)
+            except Exception as error:
+                if not transient(error) or not lease.valid(time.monotonic()):
+                    raise
+                log.warning("run %s: ledger write failed (%r); retrying within the lease",
+                            lease.run_id, error)
+                await asyncio.sleep(RETRY_S)
+
+    async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+        async def write(session: AsyncSession) -> bool:
+            return await mark_running(session, lease.run_id, lease.epoch, first, last_sequence)
+        if not await self._retrying(lease, write):
+            raise LeaseLost("the ledger refused RUNNING under this epoch")
+
+    async def reassign(self, lease: Lease, replica: str) -> None:
+        async def write(session: AsyncSession) -> bool:
+            return await reassign_replica(session, lease.run_id, lease.epoch, replica)
+        if not await self._retrying(lease, write):
+            raise LeaseLost("the ledger refused the new replica under this epoch")
+
+    async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
+        async def write(session: AsyncSession) -> TerminalRecord | None:
+            if await lock_own_active(session, lease.run_id, lease.epoch) is None:
+                raise LeaseLost("the run is no longer active under this epoch")
+            return await settle_and_fix_terminal(session, lease.run_id, ending, self.owner,
+                                                 self.lease_seconds,
+                                                 lease.epoch)
+        return await self._retrying(lease, write)
+
+    async def publish_terminal(self, record: TerminalRecord) -> None:
+        await publish_terminal(self.events, self.sessions, record)
