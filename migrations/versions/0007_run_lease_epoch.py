@@ -5,8 +5,8 @@ taking over an expired lease, a reaper republishing a terminal event). Every led
 driver is conditioned on the epoch it was granted, and every event it publishes carries it, so a
 process whose lease was taken over can neither move the run nor add events readers accept.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-30 07:00:00
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0006'
-down_revision: str | None = '0005'
+revision: str = '0007'
+down_revision: str | None = '0006'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
