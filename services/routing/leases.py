@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 0.2                # after a failed renewal, try again this soon
 CONNECT_TIMEOUT_S = 1.0
-WEDGED_LEASES = 2.0          # main loop silent this many leases: stop renewing (see module doc)
+WEDGED_LEASES = 4.0          # main loop silent this many leases: stop renewing (see module doc)
 HEARTBEAT_S = 0.25
 
 # One statement for every lease of the process. Rows another transaction holds locked (a driver
