@@ -99,6 +99,7 @@ class Sizing:
     prefill_share: float | None                     # share of each replica prefill takes (GOODPUT)
     tp: int | None                                  # None → fill one NVSwitch domain (gpus_per_node)
     search_tp: bool                                 # `tp: auto`: the TP that needs the fewest GPUs
+    precisions: tuple[str, ...]                     # `precision: auto | [..]`: weights+KV searched; () → fixed
     spare_replicas: int                             # N + spare for availability
     max_utilization: float                          # above this, queueing puts the TTFT SLO at risk
 
@@ -222,7 +223,7 @@ def parse_brief(data: object, default_name: str = "brief") -> Brief:
         price_per_gpu_hour=hardware_section.number("price_per_gpu_hour"),
         sizing=_sizing(root.section("sizing", (
             "mode", "gpus", "goodput_tok_per_s_per_replica", "prefill_share", "tp", "spare_replicas",
-            "max_utilization"))),
+            "max_utilization", "precision")), hardware),
         demand=demand,
         workload=workload,
         slo=slo,
@@ -327,7 +328,10 @@ def _hardware(section: Reader) -> HardwareProfile:
     )
 
 
-def _sizing(section: Reader) -> Sizing:
+SEARCHED_PRECISIONS = ("bf16", "fp8")   # `precision: auto`: the quality-neutral serving precisions
+
+
+def _sizing(section: Reader, hardware: HardwareProfile) -> Sizing:
     mode = section.choice("mode", SIZING_MODES)
     fixed, goodput = mode == FIXED_BUDGET, mode == GOODPUT
     search_tp = section.raw("tp") == AUTO
@@ -338,11 +342,34 @@ def _sizing(section: Reader) -> Sizing:
         prefill_share=section.fraction("prefill_share") if goodput else None,
         tp=None if search_tp else section.optional_integer("tp", maximum=MAX_GPUS_PER_NODE),
         search_tp=search_tp,
+        precisions=_precisions(section, hardware),
         spare_replicas=section.integer("spare_replicas", 1, "N+1: survive one replica lost",
                                        allow_zero=True),
         max_utilization=section.number("max_utilization", 0.85,
                                        "queueing delay grows as 1/(1 − ρ); past ~85% p95 TTFT degrades"),
     )
+
+
+def _precisions(section: Reader, hardware: HardwareProfile) -> tuple[str, ...]:
+    """`sizing.precision`: absent → the model's own, no search; `auto` → bf16 and fp8; or a list of names.
+    Each candidate stores weights and KV alike; those the GPU cannot run are dropped, none left is refused."""
+    raw = section.raw("precision")
+    if raw is None:
+        return ()
+    field = section.field("precision")
+    given = SEARCHED_PRECISIONS if raw == AUTO else tuple(raw) if isinstance(raw, list) else (raw,)
+    names: list[str] = []
+    for name in given:
+        if not isinstance(name, str) or name not in PRECISION_BYTES:
+            raise BriefError(field, UNKNOWN_PRECISION.format(field=field, value=name,
+                                                             known=", ".join((AUTO, *PRECISION_BYTES))))
+        names.append(name)
+    runs = tuple(dict.fromkeys(name for name in names if hardware.supports_precision(name)))
+    if not runs:
+        known = ", ".join(p for p in PRECISION_BYTES if hardware.supports_precision(p))
+        raise BriefError(field, PRECISION_NOT_ON_GPU.format(field=field, hardware=hardware.name,
+                                                            value=" / ".join(names), known=known))
+    return runs
 
 
 def _demand(section: Reader) -> Demand:

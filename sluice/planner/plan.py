@@ -28,7 +28,7 @@ from sluice.planner.fleet import (
 )
 from sluice.planner.latency import Ttft, latency_section, ttft
 from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario
-from sluice.planner.solve import load_curve, solve, traffic_headroom
+from sluice.planner.solve import MAX_REPLICAS, evaluate, load_curve, solve, traffic_headroom
 from sluice.planner.supply import (
     Replica,
     decode_section,
@@ -73,8 +73,47 @@ def _search_tp(brief: Brief, load: Load) -> tuple[Replica, Figure | None]:
                         "fewest")
 
 
+def _search_precision(brief: Brief, load: Load) -> tuple[Brief, tuple[Figure, ...]]:
+    """`sizing.precision`: the brief with weights and KV at the allowed precision whose solved fleet (at
+    the brief's TP, or the searched one) needs the fewest GPUs. One GPU-hour price per brief, so fewest
+    GPUs is also cheapest; ties go to the wider precision, which risks no accuracy."""
+    if not brief.sizing.precisions:
+        return brief, ()
+    spares = brief.sizing.spare_replicas
+    options: list[tuple[float, Brief]] = []
+    lines: list[Figure] = []
+    refusals: list[BriefError] = []
+    for precision in brief.sizing.precisions:
+        candidate = replace(brief, model=brief.model.with_precision(precision, precision))
+        try:
+            rep, _ = _search_tp(candidate, load)
+        except BriefError as error:   # the weights fit no allowed TP at this precision
+            refusals.append(error)
+            line, gpus = f"refused: {error}", math.inf
+        else:
+            found = solve(candidate, rep, load)
+            gpus: float = (found.serving + spares) * rep.tp if found is not None else math.inf
+            line = (f"TP{rep.tp}: ({found.serving} + {spares} spare) × {rep.tp} = {fmt.count(gpus)} GPUs, "
+                    f"p95 ITL {fmt.ms(found.itl_p95_s)}, p95 TTFT {fmt.ms(found.ttft.p95_s)}, utilization "
+                    f"{fmt.pct(found.utilization)}" if found is not None else
+                    f"TP{rep.tp}: no replica count meets the brief (at {fmt.count(MAX_REPLICAS)}: "
+                    f"{'; '.join(evaluate(candidate, rep, load, MAX_REPLICAS).failures)})")
+            options.append((gpus, candidate))
+        lines.append(Figure(f"memory.precision.{precision}", f"{precision} weights and KV", gpus, "GPUs",
+                            f"{precision} {line}"))
+    if not options:
+        raise refusals[0]
+    gpus, best = min(options, key=lambda option: (option[0], -option[1].model.bytes_per_weight))
+    chosen = best.model.weight_precision
+    why = (f"{chosen} needs the fewest GPUs of {', '.join(brief.sizing.precisions)} (one line each above)"
+           if math.isfinite(gpus) else f"no allowed precision meets the brief; planned at {chosen}")
+    return best, (*lines, Figure("memory.precision_search", f"precision chosen by the solved fleet size: "
+                                 f"{chosen}", gpus, "GPUs", why))
+
+
 def plan(brief: Brief) -> Plan:
     load, demand_figures = demand(brief)
+    brief, precision_figures = _search_precision(brief, load)
     rep, tp_figure = _search_tp(brief, load)
     sizing = fleet_replicas(brief, rep, load)
     n = sizing.replicas
@@ -85,8 +124,8 @@ def plan(brief: Brief) -> Plan:
              brief.workload.prefix_hit_rate)
     gpus = n * rep.tp
     memory = memory_section(brief, rep, load, n)
-    if tp_figure is not None:
-        memory = replace(memory, figures=(*memory.figures, tp_figure))
+    searched = (tp_figure,) if tp_figure is not None else ()
+    memory = replace(memory, figures=(*memory.figures, *searched, *precision_figures))
     serving = max(1, n - brief.sizing.spare_replicas)
     growth = traffic_headroom(brief, rep, load, serving)
     utilization = utilization_section(brief, rep, load, base)
