@@ -99,7 +99,7 @@ class Sizing:
     prefill_share: float | None                     # share of each replica prefill takes (GOODPUT)
     tp: int | None                                  # None → fill one NVSwitch domain (gpus_per_node)
     search_tp: bool                                 # `tp: auto`: the TP that needs the fewest GPUs
-    precisions: tuple[str, ...]                     # `precision: auto | [..]`: weights+KV searched; () → fixed
+    precisions: tuple[str, ...]                     # `precision`: weights+KV searched; () → fixed
     spare_replicas: int                             # N + spare for availability
     max_utilization: float                          # above this, queueing puts the TTFT SLO at risk
 

@@ -84,15 +84,16 @@ def _search_precision(brief: Brief, load: Load) -> tuple[Brief, tuple[Figure, ..
     lines: list[Figure] = []
     refusals: list[BriefError] = []
     for precision in brief.sizing.precisions:
+        gpus: float = math.inf
         candidate = replace(brief, model=brief.model.with_precision(precision, precision))
         try:
             rep, _ = _search_tp(candidate, load)
         except BriefError as error:   # the weights fit no allowed TP at this precision
             refusals.append(error)
-            line, gpus = f"refused: {error}", math.inf
+            line = f"refused: {error}"
         else:
             found = solve(candidate, rep, load)
-            gpus: float = (found.serving + spares) * rep.tp if found is not None else math.inf
+            gpus = (found.serving + spares) * rep.tp if found is not None else math.inf
             line = (f"TP{rep.tp}: ({found.serving} + {spares} spare) × {rep.tp} = {fmt.count(gpus)} GPUs, "
                     f"p95 ITL {fmt.ms(found.itl_p95_s)}, p95 TTFT {fmt.ms(found.ttft.p95_s)}, utilization "
                     f"{fmt.pct(found.utilization)}" if found is not None else
