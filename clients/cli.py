@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default="chat-small",
                       help="model alias or version (default: chat-small, the real SmolLM2-135M-Instruct)")
     chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    chat.add_argument("--top-p", type=float, default=0.0, help="nucleus mass; 0 (default): no cut")
+    chat.add_argument("--seed", type=int, default=0, help="same seed, same answer; 0 (default): the prompt's")
     chat.add_argument("--request-key", default=None, help="idempotency key (default: a new one)")
     chat.add_argument("--deadline-ms", type=int, default=0, help="deadline (default: the server's)")
     chat.add_argument("--retry", action="store_true",
@@ -129,7 +132,8 @@ async def submit_chat(client: SluiceClient, args: argparse.Namespace,
 
     async def submit() -> admission_pb2.SubmitResponse:
         return await client.submit(args.prompt, model=args.model, max_output_tokens=args.max_tokens,
-                                   request_key=request_key, deadline_ms=args.deadline_ms)
+                                   request_key=request_key, deadline_ms=args.deadline_ms,
+                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
     try:
         return await submit()

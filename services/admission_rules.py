@@ -10,8 +10,9 @@ import datetime as dt
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sluice.ledger.pricing import PriceCard, largest_output_cap_within_cost
 from sluice.ledger.repositories import WindowEntry
@@ -52,6 +53,15 @@ class Sampling:
 
     def as_json(self) -> dict[str, float | int]:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+    @classmethod
+    def from_json(cls, stored: Mapping[str, Any]) -> Sampling:
+        """What as_json stored in runs.sampling (missing keys: the engine default, 0)."""
+        return cls(float(stored.get("temperature", 0.0)), float(stored.get("top_p", 0.0)),
+                   int(stored.get("seed", 0)))
+
+
+ENGINE_DEFAULT = Sampling(0.0, 0.0, 0)   # greedy, no nucleus cut, the replica's own seed
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.ledger.models import RunStatus
+from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from sluice.services.routing.claims import ClaimedRun
@@ -118,8 +119,8 @@ class ScriptedReplicas:
     _stopped: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *,
-                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
+                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
         return self._stream(address, self.scripts[address])
 
     async def _stream(self, address: str, script: Script) -> AsyncIterator[TokenChunk]:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sluice.ledger.models import RunStatus, UsageEntry
 from sluice.services import telemetry
+from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.replica_client import TokenChunk
 from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.driver import TRITON
@@ -166,11 +167,11 @@ class SilentAt:
         self._stops: dict[str, asyncio.Event] = {}
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *,
-                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
+                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
         if address != self.address:
             return TRITON.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
-                                          cache_salt=cache_salt)
+                                          cache_salt=cache_salt, sampling=sampling)
         return self._silent(request_id)
 
     async def _silent(self, request_id: str) -> AsyncIterator[TokenChunk]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Model, Run, RunStatus
+from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.notify import notify
 from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -48,6 +49,7 @@ class ClaimedRun:
     created_at: dt.datetime | None = None   # the submit (TTFT runs from here)
     cache_salt: int = 0          # the run's trust scope as the replica's cache_salt_id (trust_scope.py)
     epoch: int = 0               # the lease epoch this claim was granted (fencing token)
+    sampling: Sampling = ENGINE_DEFAULT   # the submit's, from runs.sampling; 0 = the replica's default
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:

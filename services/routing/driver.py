@@ -39,6 +39,7 @@ from typing import Protocol
 
 from sluice.ledger.models import RunStatus
 from sluice.services import replica_client
+from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaError, TokenChunk
 from sluice.services.routing.claims import ClaimedRun
@@ -74,8 +75,8 @@ __all__ = ["DETAIL_CANCELLED", "DETAIL_EXPIRED", "LeaseLost", "RunDriver", "Targ
 
 class ReplicaClient(Protocol):
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *,
-                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
+                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
         ...
 
     async def stop(self, address: str, request_id: str) -> None:
@@ -86,10 +87,12 @@ class _ModuleReplicaClient:
     """The Triton client module as a ReplicaClient."""
 
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *,
-                        cache_salt: int = 0) -> AsyncIterator[TokenChunk]:
+                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
+                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
+        # A 0 field is left out: the replica then applies its default (TensorRT-LLM's).
         return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
-                                              cache_salt=cache_salt)
+                                              cache_salt=cache_salt, temperature=sampling.temperature or None,
+                                              top_p=sampling.top_p or None, seed=sampling.seed or None)
 
     async def stop(self, address: str, request_id: str) -> None:
         await replica_client.stop(address, request_id)
@@ -343,7 +346,7 @@ class RunDriver:
         try:
             stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
                                                    claim.max_output_tokens, claim.end_id,
-                                                   cache_salt=claim.cache_salt)
+                                                   cache_salt=claim.cache_salt, sampling=claim.sampling)
             async for chunk in stream:
                 pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
                 # Never more than the cap the budget reserved for, whatever the replica sends.

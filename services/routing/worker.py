@@ -44,6 +44,7 @@ from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services import replica_client
+from sluice.services.admission_rules import Sampling
 from sluice.services.finish import (
     Ending,
     TerminalRecord,
@@ -311,7 +312,8 @@ class RoutingWorker:
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at, cache_salt=salt, epoch=epoch)
+            created_at=run.created_at, cache_salt=salt, epoch=epoch,
+            sampling=Sampling.from_json(run.sampling))
         return _Routed(claim, request, decision, claim_started)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
