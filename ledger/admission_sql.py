@@ -31,22 +31,18 @@ from typing import Any
 
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
 from sluice.ledger.models import RunStatus
-from sluice.ledger.repositories import LAST_USED_RESOLUTION, Caller, ModelInfo, caller_of, touch_key
+from sluice.ledger.repositories import Caller, ModelInfo, caller_of
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import BigInteger, Integer
 
 # A literal status, not a parameter: the plan can then prove ix_runs_model_version_accepted's predicate.
-LAST_USED_RESOLUTION_S = int(LAST_USED_RESOLUTION.total_seconds())
-
 # The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
 # its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
 _READ = text(f"""
-SELECT k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, k.scope,
-       (k.last_used_at IS NULL OR k.last_used_at < now() - interval '{LAST_USED_RESOLUTION_S} seconds')
-           AS key_stale,
-       t.id AS tenant_id, t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
+SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, k.scope,
+       t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
        t.tokens_per_minute, t.shared_cache_scope, t.suspended_at,
        m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
        m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
@@ -112,8 +108,7 @@ async def read_submit_context(connection: AsyncConnection, key: str, model_name:
     row = next((row for row in rows if matches(key, row.key_hash, row.key_salt)), None)
     if row is None:
         return SubmitContext(None, None, 0)
-    if row.key_stale:
-        await connection.execute(touch_key(row.key_id))
+    # No last_used_at write here: the hot path stays two statements (the other services record use).
     caller = caller_of(row)
     if row.version is None:
         return SubmitContext(caller, None, 0)

@@ -96,7 +96,6 @@ async def test_a_revoked_key_is_refused_by_the_next_submit_on_another_gateway_pr
         )
         (listed,) = keys.keys
         assert key.startswith(listed.prefix + "_") and listed.scope == "tenant"
-        assert listed.last_used_at != ""  # the submits touched it
 
         revoked = await gateway.admin.RevokeApiKey(
             admin_pb2.RevokeApiKeyRequest(id=listed.prefix), metadata=gateway.as_admin
