@@ -78,6 +78,7 @@ from sluice.services.admission_rules import (
     check_context,
     check_deadline,
     check_request_shape,
+    check_storable,
     largest_cap_that_fits,
     limit_advice,
     normalize_float,
@@ -125,6 +126,7 @@ class AdmissionSettings:
     default_deadline_ms: int         # used when a request sends deadline_ms = 0
     max_request_key_chars: int
     pace: PoolPace                   # backlog bound and the speeds the deadline floor assumes
+    max_deadline_ms: int = 86_400_000   # [admission].max_deadline_ms
 
     @classmethod
     def from_config(cls, config: Settings) -> AdmissionSettings:
@@ -132,6 +134,7 @@ class AdmissionSettings:
         return cls(
             default_deadline_ms=section.default_deadline_ms,
             max_request_key_chars=section.max_request_key_chars,
+            max_deadline_ms=section.max_deadline_ms,
             pace=PoolPace(
                 max_backlog=section.max_backlog_per_pool,
                 drain_runs_per_s=section.pool_drain_runs_per_s,
@@ -173,6 +176,9 @@ class AdmissionService:
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         key = api_key_from_metadata(metadata)
+        # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
+        # the config sets is refused before the first query reads a field.
+        check_storable(intent, self._settings.max_deadline_ms)
         pace = self._settings.pace
         async with self._autocommit.connect() as connection:
             context = await read_submit_context(connection, key, intent.model, pace.max_backlog)

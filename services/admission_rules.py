@@ -25,6 +25,8 @@ from sluice.services.errors import (
     DEADLINE_CANNOT_BE_MET,
     DEADLINE_NEGATIVE,
     EMPTY_INPUT,
+    FIELD_ABOVE_RANGE,
+    FIELD_HAS_NUL,
     INPUT_NOT_UTF8,
     MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
     MIN_DEADLINE_MS_KEY,
@@ -83,6 +85,19 @@ class SubmitIntent:
 def normalize_float(value: float) -> float:
     """float32 wire values (0.7 → 0.699999988…) as the short decimal the caller meant."""
     return float(f"{value:.6g}")
+
+
+def check_storable(intent: SubmitIntent, max_deadline_ms: int) -> None:
+    """What every door must refuse before a query sees the request: a NUL in a text field (PostgreSQL
+    text cannot hold one) and a deadline past the configured bound (it would overflow a timestamp)."""
+    for name, value in (("model", intent.model), ("request_key", intent.request_key),
+                        ("conversation_id", intent.conversation_id or "")):
+        position = value.find("\x00")
+        if position >= 0:
+            raise InvalidArgument(FIELD_HAS_NUL.format(field=name, position=position), field=name)
+    if intent.deadline_ms > max_deadline_ms:
+        raise InvalidArgument(FIELD_ABOVE_RANGE.format(field="deadline_ms", high=max_deadline_ms,
+                                                       value=intent.deadline_ms), field="deadline_ms")
 
 
 def check_request_shape(intent: SubmitIntent, max_request_key_chars: int) -> str:

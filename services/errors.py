@@ -53,6 +53,10 @@ TIER_NOT_ALLOWED = (
 EMPTY_INPUT = "input is empty: send at least one character of UTF-8 text"
 INPUT_NOT_UTF8 = "input is not valid UTF-8 (byte {position}): send UTF-8 encoded text"
 OUTPUT_CAP_NOT_POSITIVE = "max_output_tokens must be greater than 0 (got {cap})"
+# Shared by the RPC edge's field checks (services/validation.py) and admission (every door).
+FIELD_HAS_NUL = "{field} contains a NUL character at position {position}, which Sluice cannot store:" \
+    " remove it"
+FIELD_ABOVE_RANGE = "{field} must be at most {high:,} (got {value:,})"
 REQUEST_KEY_MISSING = "request_key is empty: send an idempotency key of 1 to {limit} characters"
 REQUEST_KEY_TOO_LONG = "request_key has {length} characters: use at most {limit}"
 DEADLINE_NEGATIVE = "deadline_ms must be 0 (the default) or positive (got {deadline_ms})"

@@ -32,6 +32,7 @@ import grpc.aio
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
+from sluice.services.errors import FIELD_ABOVE_RANGE, FIELD_HAS_NUL
 
 from sluice.config import Settings
 from sluice.config.settings import AdmissionSection
@@ -40,10 +41,7 @@ log = logging.getLogger(__name__)
 
 # Message templates (shared by code and tests).
 UNDECODABLE = "request body is not a valid {message} ({reason}): send a protobuf-encoded {message}"
-FIELD_HAS_NUL = "{field} contains a NUL character at position {position}, which Sluice cannot store:" \
-    " remove it"
 FIELD_TOO_LONG = "{field} has {length:,} {unit}: send at most {limit:,}"
-FIELD_ABOVE_RANGE = "{field} must be at most {high:,} (got {value:,})"
 
 # Defaults for the [admission] keys this module reads (config/sluice.toml documents each).
 # [admission].max_input_bytes and max_deadline_ms when a config leaves them out (sluice.toml says why).

@@ -16,6 +16,7 @@ from sluice.services.admission_rules import (
     check_context,
     check_deadline,
     check_request_shape,
+    check_storable,
     deadline_floor,
     largest_cap_that_fits,
     largest_cap_within,
@@ -198,3 +199,20 @@ def test_the_pace_refuses_a_config_that_makes_no_sense():
         PoolPace(max_backlog=0, drain_runs_per_s=1.0, ms_per_prompt_token=0.0, ms_per_output_token=0.0)
     with pytest.raises(ValueError, match="pool_drain_runs_per_s"):
         PoolPace(max_backlog=1, drain_runs_per_s=0.0, ms_per_prompt_token=0.0, ms_per_output_token=0.0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("model", "ch\x00at"), ("request_key", "k\x00"),
+                                              ("conversation_id", "\x00c")])
+def test_a_nul_in_any_stored_text_field_is_refused_naming_field_and_position(field: str, value: str) -> None:
+    with pytest.raises(errors.InvalidArgument) as refused:
+        check_storable(intent(**{field: value}), max_deadline_ms=1_000)
+    assert str(refused.value) == errors.FIELD_HAS_NUL.format(field=field, position=value.index("\x00"))
+    assert refused.value.field == field
+
+
+def test_a_deadline_past_the_configured_bound_is_refused_and_the_bound_itself_is_not() -> None:
+    check_storable(intent(deadline_ms=1_000), max_deadline_ms=1_000)
+    with pytest.raises(errors.InvalidArgument) as refused:
+        check_storable(intent(deadline_ms=2**63 - 1), max_deadline_ms=1_000)
+    assert str(refused.value) == errors.FIELD_ABOVE_RANGE.format(field="deadline_ms", high=1_000,
+                                                                 value=2**63 - 1)

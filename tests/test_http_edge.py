@@ -251,6 +251,11 @@ BAD_INPUT = [
     ("/v1/inference", b'{"model": "chat", "input": "hi", "maxOutputTokens": 3}',
      400, "requestKey", "invalid_value"),
     ("/v1/responses", b'{"model": "chat", "input": [], "background": true}', 400, "input", "invalid_value"),
+    # A NUL (PostgreSQL text holds none) is refused naming the field, as the gRPC door does (not a 500)
+    ("/v1/inference", b'{"model": "chat", "input": "hi", "maxOutputTokens": 3, "requestKey": "k\\u0000"}',
+     400, "requestKey", "invalid_value"),
+    (CHAT, b'{"model": "ch\\u0000at", "messages": [{"role": "user", "content": "hi"}]}',
+     400, "model", "invalid_value"),
 ]
 
 

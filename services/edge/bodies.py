@@ -23,6 +23,7 @@ from sluice.services.edge.errors import (
     UNSUPPORTED_ARGUMENT,
     InvalidField,
 )
+from sluice.services.errors import FIELD_HAS_NUL
 
 SEED_MAX = 2**64 - 1             # SamplingParams.seed is uint64
 PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]   # output caps travel as int32
@@ -137,9 +138,25 @@ def parse_body(raw: bytes, model: type[B]) -> B:
     except UnicodeDecodeError as error:
         raise InvalidField(BODY_NOT_UTF8.format(position=error.start), None) from None
     try:
-        return model.model_validate_json(text)
+        body = model.model_validate_json(text)
     except ValidationError as error:
         raise _field_error(error.errors(include_url=False)[0]) from None
+    if "\\u0000" in text:                  # JSON's only way to carry a NUL; PostgreSQL text holds none
+        _refuse_nul(body.model_dump(by_alias=True, exclude_none=True), "")
+    return body
+
+
+def _refuse_nul(value: object, path: str) -> None:
+    """Refuse the first string holding a NUL, naming its field as the gRPC door does."""
+    if isinstance(value, str):
+        if (position := value.find("\x00")) >= 0:
+            raise InvalidField(FIELD_HAS_NUL.format(field=path, position=position), path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_nul(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_nul(item, f"{path}[{index}]")
 
 
 def output_cap(body: ChatBody) -> int | None:
