@@ -157,8 +157,9 @@ def capacity(workload: Workload, duration_s: float) -> Capacity:
     rate, best, ratio = CAPACITY_GUESS_RPS, 0.0, 0.0
     while True:
         report = run(workload, "oracle", rate, duration_s)
-        print(f"  {workload.name} capacity sweep: asked {rate:.0f} req/s, {report.offered_rate:.1f} arrived, "
-              f"{report.request_throughput:.1f} completed", flush=True)
+        print(f"  {workload.name} capacity sweep: asked {rate:.0f} req/s, {report.offered_rate:.1f} arrived "
+              f"(ratio {report.offered_rate / rate:.3f}), {report.request_throughput:.1f} completed",
+              flush=True)
         ratio = ratio or report.offered_rate / rate
         best = max(best, report.request_throughput)
         # Saturated: queues build (p95 TTFT past SATURATED_TTFT_S) or completions fall well short of
@@ -320,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--loads", default=",".join(str(load) for load in LOADS))
     parser.add_argument("--duration", type=float, default=120.0, help="simulated seconds per run")
     parser.add_argument("--replicas", type=int, default=8, help="replicas in the fleet (seed 003: 8)")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="skip the sweep: capacity (req/s) an earlier run measured for the workload")
+    parser.add_argument("--arrival-ratio", type=float, default=1.0,
+                        help="with --capacity: the arrival ratio that run printed (arrived / asked)")
     parser.add_argument("--quick", action="store_true", help="chat and slow only, 60 s runs, 80% load")
     parser.add_argument("--plots", default=".sluice/bench/routing", help="folder for the PNGs ('' for none)")
     args = parser.parse_args(argv)
@@ -333,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
         workload = replace(workload, fleet=replace(workload.fleet, replicas=args.replicas))
-        measured = capacity(workload, args.duration)
+        measured = (Capacity(args.capacity, args.arrival_ratio) if args.capacity is not None
+                    else capacity(workload, args.duration))
         for load in (float(value) for value in args.loads.split(",")):
             at_load = [make_row(workload, load, policy, measured.rate_for(load), args.duration)
                        for policy in policies]

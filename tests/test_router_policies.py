@@ -377,3 +377,27 @@ def test_a_reused_request_id_with_another_prompt_is_hashed_afresh():
     assert asked is not None and (asked.replica, asked.predicted_cached_tokens) == ("r0", 44)
     other = policy.choose(request("same-id", turn(9, 4)), views, 1.0)      # same length, another chat
     assert other is not None and other.predicted_cached_tokens == len(SYSTEM)
+
+
+# -- a slow replica: load weighted by step time ----------------------------------------------------
+
+
+def test_least_loaded_counts_a_replica_twice_as_slow_as_twice_as_loaded():
+    slow = replace(view("slow", running=3), step_time_s=0.020)
+    fast = replace(view("fast", running=5), step_time_s=0.010)
+    # 3 requests stepping at 20 ms hold 6 fast-step equivalents; 5 at 10 ms hold 5: the fast one wins
+    assert route(LeastLoaded(), request("q", range(8)), [slow, fast]).replica == "fast"
+    unknown = [view("slow", running=3), view("fast", running=5)]                   # no step times
+    assert route(LeastLoaded(), request("q", range(8)), unknown).replica == "slow"
+
+
+def test_prefix_aware_bounds_a_slow_replica_by_its_weighted_load():
+    prompt = list(range(64))
+    for step_times, expected in (((0.010, 0.010), "slow"), ((0.020, 0.010), "fast")):
+        policy = PrefixAware(EXACT)
+        route(policy, request("warm", prompt), [view("slow"), view("fast", running=100)])
+        # 'slow' holds the prompt with 6 running; 'fast' is idle. The bound admits loads up to
+        # 0 * 1.5 + 8 = 8: 6 requests pass at an equal step time, 6 x 2 = 12 do not at twice the time.
+        views = [replace(view("slow", running=6), step_time_s=step_times[0]),
+                 replace(view("fast"), step_time_s=step_times[1])]
+        assert route(policy, request("q", prompt + [7]), views).replica == expected

@@ -118,7 +118,20 @@ def kv_utilization(view: ReplicaView) -> float:
     return view.kv_used_blocks / view.kv_capacity_blocks if view.kv_capacity_blocks > 0 else 0.0
 
 
-def load_limit(min_load: int, bound: float, slack: int) -> float:
+def slowest_ratio(view: ReplicaView, fastest_step_s: float) -> float:
+    """How many times longer than the pool's fastest replica this one takes per step (1 when either
+    is unknown). A request on a replica twice as slow holds it twice as long, so load is weighted by
+    it: least-loaded by count alone keeps feeding a slow replica its full share (seed 000)."""
+    if fastest_step_s <= 0.0 or view.step_time_s <= 0.0:
+        return 1.0
+    return view.step_time_s / fastest_step_s
+
+
+def fastest_step(candidates: Sequence[ReplicaView]) -> float:
+    return min((view.step_time_s for view in candidates if view.step_time_s > 0.0), default=0.0)
+
+
+def load_limit(min_load: float, bound: float, slack: int) -> float:
     """Highest load a replica may have and still be chosen."""
     return min_load * (1.0 + bound) + slack
 
@@ -178,7 +191,9 @@ class LeastLoaded:
         if not candidates:
             return None
         load = self._in_flight.load
-        best = min(candidates, key=lambda view: (load(view), kv_utilization(view), view.name))
+        fastest = fastest_step(candidates)
+        best = min(candidates, key=lambda view: (load(view) * slowest_ratio(view, fastest),
+                                                 kv_utilization(view), view.name))
         self._block_size[best.name] = best.block_size
         return RouteDecision(replica=best.name, outcome=OUTCOME_LEAST_LOADED)
 
@@ -199,7 +214,7 @@ class LeastLoaded:
 # A scored candidate is a plain tuple, not a dataclass: choose() builds 64 of them per decision and
 # the decision must stay under 200 us. Field order is the ranking: cost, then load, then KV
 # utilization, then name, so min() over eligible candidates is the choice.
-_Scored = tuple[float, int, float, str, int, ReplicaView]
+_Scored = tuple[float, float, float, str, int, ReplicaView]
 _LOAD: Final = 1
 _OVERLAP: Final = 4
 _VIEW: Final = 5
@@ -278,7 +293,7 @@ class PrefixAware:
             self._last_expiry = now
 
     def _score(self, request: RouteRequest,
-               candidates: Sequence[ReplicaView]) -> tuple[list[_Scored], int, int, int]:
+               candidates: Sequence[ReplicaView]) -> tuple[list[_Scored], float, int, int]:
         """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
         lowest load and the highest and lowest overlap among them. One pass, no builtin calls
         per candidate: this loop is most of the decision's cost after hashing."""
@@ -289,7 +304,9 @@ class PrefixAware:
         prompt_tokens = len(request.token_ids)
         scored: list[_Scored] = []
         append = scored.append
-        min_load = most = -1
+        fastest = fastest_step(candidates)
+        min_load: float = -1.0
+        most = -1
         least = 1 << 62
         for view in candidates:
             name = view.name
@@ -303,11 +320,12 @@ class PrefixAware:
             own = own_count.get(name, 0)
             if own > load:
                 load = own
+            weighted = load * slowest_ratio(view, fastest) if fastest > 0.0 else float(load)
             capacity = view.kv_capacity_blocks
-            append((weight * (-(-prompt_tokens // view.block_size) - overlap) + decode, load,
+            append((weight * (-(-prompt_tokens // view.block_size) - overlap) + decode, weighted,
                     used / capacity if capacity > 0 else 0.0, name, overlap, view))
-            if load < min_load or min_load < 0:
-                min_load = load
+            if weighted < min_load or min_load < 0:
+                min_load = weighted
             if overlap > most:
                 most = overlap
             if overlap < least:

@@ -49,6 +49,8 @@ class ReplicaView:
     kv_used_blocks: int = 0             # as last reported
     in_flight: int = 0                  # host's own count of runs sent and not finished
     start_time: float = 0.0             # replica's reported start time; a change means a restart
+    step_time_s: float = 0.0            # its recent decode step time, as reported (0 = unknown): a
+                                        # throttled or degraded replica steps slower at the same load
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,7 +129,7 @@ class SimReplica:
 
     __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
                  "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
-                 "paused", "down", "start_time", "retired", "state")
+                 "paused", "down", "start_time", "retired", "state", "step_time_s")
 
     def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
         self.name = name
@@ -151,6 +151,10 @@ class SimReplica:
         self.start_time = 0.0                  # changes at a restart, as the replica's gauge does
         self.retired: list[EngineStats] = []   # final stats of engines lost to restarts
         self.state = SERVING                   # autoscaling: off | starting | warm | serving | draining
+        # What the replica reports as its step time: the modelled decode step at a nominal batch
+        # (a live replica's measured one moves with load too; the simulator keeps the intrinsic part)
+        cost = engine.cost_model
+        self.step_time_s = cost.decode_step_s(8, 2048) if cost is not None else 0.0
 
     def view(self, pool: str) -> ReplicaView:
         engine = self.engine
@@ -158,7 +162,7 @@ class SimReplica:
                            kv_capacity_blocks=engine.pool.num_blocks, long_context=self.long_context,
                            waiting=engine.num_waiting, running=engine.num_running,
                            kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight,
-                           start_time=self.start_time)
+                           start_time=self.start_time, step_time_s=self.step_time_s)
 
 
 class Fleet:
