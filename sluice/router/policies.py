@@ -320,10 +320,12 @@ class PrefixAware:
             own = own_count.get(name, 0)
             if own > load:
                 load = own
-            weighted = load * slowest_ratio(view, fastest) if fastest > 0.0 else float(load)
+            # Cost and load in time: prefill and decode both run `slowness` times longer on a slow replica.
+            slowness = slowest_ratio(view, fastest) if fastest > 0.0 else 1.0
+            weighted = load * slowness
             capacity = view.kv_capacity_blocks
-            append((weight * (-(-prompt_tokens // view.block_size) - overlap) + decode, weighted,
-                    used / capacity if capacity > 0 else 0.0, name, overlap, view))
+            cost = (weight * (-(-prompt_tokens // view.block_size) - overlap) + decode) * slowness
+            append((cost, weighted, used / capacity if capacity > 0 else 0.0, name, overlap, view))
             if weighted < min_load or min_load < 0:
                 min_load = weighted
             if overlap > most:
