@@ -217,6 +217,8 @@ class KafkaEventLog:
         dedupe = EventDeduper(after)
         try:
             # What was written before the subscription: the tail's recent records, or the shared reader.
+            if recent is not None and start is not None:
+                await self._check_retained(run_id, start, after)
             if recent is None:
                 assert start is not None, "a replay needs the run's start"
                 recent = await self._replay(run_id, start, subscription.start_offset, dedupe)
@@ -232,6 +234,15 @@ class KafkaEventLog:
                 batch = await subscription.take()
         except SubscriptionOverflow as exc:
             raise ReaderTooSlow(run_id, dedupe.last_sequence, exc.capacity) from exc
+
+    async def _check_retained(self, run_id: str, start: LogPosition, after: int) -> None:
+        """A stream that starts before the live tail is served from the tail's memory only while the
+        log still holds the run: records retention deleted stay refused (OUT_OF_RANGE) whichever
+        process is asked, at one offsets request per such stream (a stream opened as its run starts
+        is handed its first event live and never pays it)."""
+        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
+        if start.offset < await self.replay.log_start(partitions, start.partition):
+            raise CursorPastRetention(run_id, after)
 
     async def _replay(self, run_id: str, start: LogPosition, end: int, dedupe: EventDeduper) -> list[bytes]:
         partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))

@@ -56,6 +56,13 @@ class SharedReplay:
             self._consumer = consumer
         return self._consumer
 
+    async def log_start(self, partitions: list[int], partition: int) -> int:
+        """The partition's first offset still in the log (retention moves it forward)."""
+        async with self._lock:
+            consumer = await self._ready(partitions)
+            tp = TopicPartition(self.topic, partition)
+            return int((await consumer.beginning_offsets([tp]))[tp])
+
     async def read(self, key: bytes, partitions: list[int], partition: int, start: int,
                    end: int) -> list[bytes]:
         """The values of `key`'s records at offsets [start, end) of `partition` (one of `partitions`,
