@@ -15,7 +15,8 @@ pool, ~3.2M tokens, never evicts in two simulated minutes).
 
 Workloads (fixed seeds, open-loop arrivals of new conversations):
   chat     multi-turn chat, 1,000-token system prompt, ~5 turns, 5 s think
-  rag      8 shared 6,000-token documents, one short question each, short answers
+  rag      256 shared 6,000-token documents (1.5M tokens: more than one replica's KV pool holds,
+           less than the fleet's), one short question each, short answers
   agent    2,000-token tool preamble, ~12 steps of tool output (~400 tokens) and short calls, 2 s think
   bursty   chat shape, arrivals on for 15 s at twice the rate, off for 15 s
   restart  chat, replica r3 dies at 1/2 of the run and comes back cold 10 s later
@@ -87,7 +88,7 @@ CHAT = WorkloadConfig(arrival="poisson", think_time_s=5.0, system_prompt_tokens=
 WORKLOADS: dict[str, Workload] = {
     "chat": Workload("chat", CHAT, _fleet()),
     "rag": Workload("rag", WorkloadConfig(
-        arrival="poisson", system_prompt_tokens=6000, num_system_prompts=8, turns=GeometricLength(1.0),
+        arrival="poisson", system_prompt_tokens=6000, num_system_prompts=256, turns=GeometricLength(1.0),
         user_tokens=LogNormalLength.from_mean_p95(40, 120),
         output_tokens=LogNormalLength.from_mean_p95(150, 400)),
         _fleet()),
