@@ -71,6 +71,24 @@ OUTCOME_MAX_SCORE = "max_score"
 OUTCOME_MIN_COST = "min_cost"
 
 
+class PendingHashes:
+    """Prompt hashes computed by choose() for on_routed() to insert, keyed by request id. Bounded: a
+    choose() that is never followed by on_routed() (an explain, a refused run) must not grow it."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._by_request: OrderedDict[str, list[int]] = OrderedDict()
+
+    def keep(self, request_id: str, hashes: list[int]) -> None:
+        self._by_request[request_id] = hashes
+        if len(self._by_request) > self.LIMIT:
+            self._by_request.popitem(last=False)
+
+    def pop(self, request_id: str, default: None = None) -> list[int] | None:
+        return self._by_request.pop(request_id, default)
+
+
 class BlockTrees:
     """Per-worker sets of chained prompt-block hashes, LRU-ordered: the approximate trees a gateway
     keeps of what it routed. ``size`` is a worker's tree size in blocks (shared prefixes counted once
@@ -133,7 +151,7 @@ class SglangCacheAware:
         self._trees = BlockTrees(opts.tree_block_tokens, opts.max_tree_size_tokens // opts.tree_block_tokens)
         self._in_flight = InFlight()
         self._next_eviction = opts.eviction_interval_s
-        self._pending: dict[str, list[int]] = {}
+        self._pending = PendingHashes()
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                now: float) -> RouteDecision | None:
@@ -148,7 +166,7 @@ class SglangCacheAware:
             chosen = min(replicas, key=lambda view: (loads[view.name], view.name)).name
             return RouteDecision(replica=chosen, outcome=OUTCOME_SHORTEST_QUEUE)
         hashes = block_hashes(request.token_ids, opts.tree_block_tokens, request.cache_salt)
-        self._pending[request.request_id] = hashes
+        self._pending.keep(request.request_id, hashes)
         matches = {view.name: self._trees.overlap(hashes, view.name) for view in replicas}
         best = max(replicas, key=lambda view: (matches[view.name], -loads[view.name], view.name))
         matched_tokens = matches[best.name] * opts.tree_block_tokens
@@ -207,7 +225,7 @@ class Llmd:
         self.name = "llmd_precise" if cached_tokens is not None else "llmd"
         self._trees = BlockTrees(self.options.block_tokens, self.options.lru_capacity_blocks)
         self._rng = random.Random(self.options.seed)
-        self._pending: dict[str, list[int]] = {}
+        self._pending = PendingHashes()
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                now: float) -> RouteDecision | None:
@@ -238,7 +256,7 @@ class Llmd:
             return {view.name: min(probe(view.name, request.token_ids) // opts.block_tokens,
                                    opts.max_prefix_blocks) for view in replicas}
         hashes = self._hashes(request)
-        self._pending[request.request_id] = hashes
+        self._pending.keep(request.request_id, hashes)
         return {view.name: self._trees.overlap(hashes, view.name) for view in replicas}
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
