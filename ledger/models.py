@@ -32,6 +32,7 @@ from sqlalchemy import (
     CheckConstraint,
     Date,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -43,6 +44,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sluice.traffic.route import RouteReason
 
 # Stable constraint names, so alembic migrations can refer to them and downgrades can drop them.
 NAMING_CONVENTION = {
@@ -84,6 +87,7 @@ def _in_list(column: str, values: list[str]) -> str:
 _RUN_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus])
 _ACTIVE_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus if s in ACTIVE_STATUSES])
 _ACCEPTED_CHECK = f"status = '{RunStatus.ACCEPTED.value}'"
+_ROUTE_REASON_CHECK = _in_list("route_reason", [r.value for r in RouteReason])
 _UNPUBLISHED_TERMINAL_CHECK = "terminal_published = false AND terminal_sequence IS NOT NULL"
 
 
@@ -283,9 +287,19 @@ class Run(Base):
     # Who submitted it (finance groups usage by key) and the price card it was reserved at.
     api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
     price_card_id: Mapped[int | None] = mapped_column(ForeignKey("price_cards.id"), nullable=True)
+    # The routing decision (sluice/traffic/route.py), fixed at admission: the name the caller wrote,
+    # why the run went to model_version (requested | alias | canary | fallback), that version's pool
+    # and tier, and for a fallback the version it would have gone to. NULL: admitted before 0008.
+    requested_model: Mapped[str | None] = mapped_column(Text, nullable=True)
+    route_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    worker_pool: Mapped[str | None] = mapped_column(Text, nullable=True)
+    quality_tier: Mapped[str | None] = mapped_column(Text, nullable=True)
+    fallback_from: Mapped[str | None] = mapped_column(Text, nullable=True)
+    route_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("tenant_id", "request_key"),
+        CheckConstraint(f"route_reason IS NULL OR {_ROUTE_REASON_CHECK}", name="route_reason_known"),
         CheckConstraint(_RUN_STATUS_CHECK, name="status_known"),
         CheckConstraint("max_output_tokens > 0", name="max_output_tokens_positive"),
         Index("ix_runs_status_created_at", "status", "created_at"),
@@ -351,6 +365,10 @@ class UsageEntry(Base):
     # Copied from the run: the key that submitted it and the price card the cost follows.
     api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
     price_card_id: Mapped[int | None] = mapped_column(ForeignKey("price_cards.id"), nullable=True)
+    # Copied from the run's routing decision, so finance can group by why runs went where.
+    route_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    worker_pool: Mapped[str | None] = mapped_column(Text, nullable=True)
+    quality_tier: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         Index("ix_usage_entries_tenant_id_day", "tenant_id", "day"),
@@ -395,3 +413,63 @@ class ReplicaRow(Base):
         BigInteger, server_default=text("nextval('replicas_revision_seq')"), index=True
     )
     updated_at: Mapped[dt.datetime] = _timestamp(now=True)
+
+
+class TenantFallback(Base):
+    """A model a tenant accepts instead of the one requested, and when (sluice/traffic/fallback.py).
+    Set by an admin (Admin.SetFallbacks); a request may only narrow it."""
+
+    __tablename__ = "tenant_fallbacks"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    from_model: Mapped[str] = mapped_column(Text, primary_key=True)   # alias or version requested
+    to_model: Mapped[str] = mapped_column(Text, primary_key=True)     # alias or version accepted
+    position: Mapped[int] = mapped_column(Integer)                    # tried in this order
+    conditions: Mapped[list[str]] = mapped_column(ARRAY(Text))        # of backlog, deadline
+
+    __table_args__ = (
+        CheckConstraint("from_model <> to_model", name="not_itself"),
+        CheckConstraint("cardinality(conditions) > 0 AND conditions <@ ARRAY['backlog', 'deadline']::text[]",
+                        name="conditions_known"),
+    )
+
+
+class CanaryState(enum.StrEnum):
+    ACTIVE = "active"                # share_bp of the alias's new runs go to the candidate
+    ROLLED_BACK = "rolled_back"      # a guardrail tripped (or an admin stopped it): share 0
+    PROMOTED = "promoted"            # the alias moved to the candidate
+
+
+class Canary(Base):
+    """An alias's canary: a share of its new runs goes to a candidate version until the guardrails
+    (sluice/traffic/canary.py) roll it back or an admin promotes it. One row per alias; starting a
+    new canary on the alias replaces an ended one. `reason` says why it ended."""
+
+    __tablename__ = "canaries"
+
+    alias: Mapped[str] = mapped_column(Text, primary_key=True)
+    baseline_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
+    candidate_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
+    share_bp: Mapped[int] = mapped_column(Integer)      # basis points of new runs: 2,000 = 20%
+    state: Mapped[str] = mapped_column(Text, server_default=CanaryState.ACTIVE.value)
+    # Guardrails (traffic.canary.Guardrails): the window, samples per arm, and the limits.
+    window_s: Mapped[float] = mapped_column(Float)
+    min_samples: Mapped[int] = mapped_column(Integer)
+    max_ttft_ratio: Mapped[float] = mapped_column(Float)
+    max_tpot_ratio: Mapped[float] = mapped_column(Float)
+    max_failure_rate_increase: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[dt.datetime] = _timestamp(now=True)
+    ended_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)    # why it ended
+    # The last evaluation: verdict and each arm's counts and p95s (what the reason was judged on).
+    last_judgment: Mapped[dict[str, Any] | None] = mapped_column(JSONB, nullable=True)
+    judged_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+
+    __table_args__ = (
+        CheckConstraint("share_bp BETWEEN 0 AND 10000", name="share_in_range"),
+        CheckConstraint(_in_list("state", [s.value for s in CanaryState]), name="state_known"),
+        CheckConstraint("baseline_version <> candidate_version", name="two_versions"),
+        CheckConstraint(f"state = '{CanaryState.ACTIVE.value}' OR share_bp = 0", name="ended_at_zero"),
+    )

@@ -19,6 +19,7 @@ from tests.support.db import create_database, drop_database, run_alembic, unique
 pytestmark = pytest.mark.integration
 
 LEDGER_TABLES = {"tenants", "api_keys", "models", "runs", "budgets", "usage_entries", "price_cards",
+                 "tenant_fallbacks", "canaries",
                  "admin_audit", "replicas"}
 
 
