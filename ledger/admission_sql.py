@@ -37,6 +37,9 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import BigInteger, Integer
 
+from sluice.traffic.canary import SHARE_SCALE
+from sluice.traffic.route import RouteReason
+
 # A literal status, not a parameter: the plan can then prove ix_runs_model_version_accepted's predicate.
 # The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
 # its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
@@ -46,15 +49,21 @@ SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, 
        t.tokens_per_minute, t.shared_cache_scope, t.suspended_at,
        m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
        m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
-       m.price_card_id,
+       m.price_card_id, m.canary_share_bp, m.canary_baseline,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
                               LIMIT :backlog_limit) AS waiting) AS backlog
 FROM api_keys k
 LEFT JOIN tenants t ON t.id = k.tenant_id
 LEFT JOIN LATERAL (
-    SELECT * FROM models WHERE (version = :name OR alias = :name) AND retired_at IS NULL
-    ORDER BY version = :name DESC   -- an exact version wins over an alias of the same spelling
+    -- An exact version wins over an alias of the same spelling; an alias with an active canary
+    -- whose share covers this run's split point resolves to the candidate, else to its holder.
+    SELECT mv.*, c.share_bp AS canary_share_bp, c.baseline_version AS canary_baseline
+    FROM models mv
+    LEFT JOIN canaries c ON c.alias = :name AND c.state = 'active' AND c.candidate_version = mv.version
+                        AND :split_point < c.share_bp
+    WHERE (mv.version = :name OR mv.alias = :name OR c.alias IS NOT NULL) AND mv.retired_at IS NULL
+    ORDER BY mv.version = :name DESC, c.alias IS NOT NULL DESC
     LIMIT 1
 ) m ON true
 WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
@@ -75,11 +84,13 @@ WITH reserved AS (
 )
 INSERT INTO runs (id, tenant_id, request_key, payload_hash, model_version, status, prompt_token_ids,
                   input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
-                  reserved_tokens, reserved_cost_micros, api_key_id, price_card_id)
+                  reserved_tokens, reserved_cost_micros, api_key_id, price_card_id,
+                  requested_model, route_reason, worker_pool, quality_tier, fallback_from, route_detail)
 SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
        :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
        now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros,
-       :api_key_id, :price_card_id
+       :api_key_id, :price_card_id,
+       :requested_model, :route_reason, :worker_pool, :quality_tier, :fallback_from, :route_detail
 FROM reserved
 RETURNING id, pg_notify(:channel, :pool)
 """).bindparams(
@@ -99,12 +110,17 @@ class SubmitContext:
     caller: Caller | None
     model: ModelInfo | None          # None: no model (not retired) has that alias or version
     backlog: int                     # the model's ACCEPTED runs, counted up to the limit asked
+    reason: RouteReason = RouteReason.REQUESTED   # how the name resolved to `model`
+    canary: str = ""                 # CANARY: the split, for the run's route detail
 
 
 async def read_submit_context(connection: AsyncConnection, key: str, model_name: str,
-                              backlog_limit: int) -> SubmitContext:
+                              backlog_limit: int, split_point: int = SHARE_SCALE) -> SubmitContext:
+    """`split_point` is the run's sticky point for a canary split (traffic.canary.split_point); the
+    default is past every share, so the alias resolves to its holder."""
     rows = (await connection.execute(_READ, {"key_hash": unsalted_hash(key), "key_prefix": salted_prefix(key),
-                                             "name": model_name, "backlog_limit": backlog_limit})).all()
+                                             "name": model_name, "backlog_limit": backlog_limit,
+                                             "split_point": split_point})).all()
     row = next((row for row in rows if matches(key, row.key_hash, row.key_salt)), None)
     if row is None:
         return SubmitContext(None, None, 0)
@@ -118,7 +134,13 @@ async def read_submit_context(connection: AsyncConnection, key: str, model_name:
         price_input_per_m_micros=row.price_input_per_m_micros,
         price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
         price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
-    return SubmitContext(caller, model, int(row.backlog))
+    if row.version == model_name:
+        return SubmitContext(caller, model, int(row.backlog), RouteReason.REQUESTED)
+    if row.canary_share_bp is None:
+        return SubmitContext(caller, model, int(row.backlog), RouteReason.ALIAS)
+    split = (f"canary of {model_name}: {row.canary_share_bp / 100:g}% of new runs to {row.version}"
+             f" (baseline {row.canary_baseline})")
+    return SubmitContext(caller, model, int(row.backlog), RouteReason.CANARY, split)
 
 
 async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,

@@ -8,9 +8,12 @@ A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py)
            not a tenant key, or the tenant suspended → PERMISSION_DENIED
     request shape (pure)                     → INVALID_ARGUMENT
     model                                    unknown → NOT_FOUND; tier not allowed → PERMISSION_DENIED
-    backlog >= [admission].max_backlog_per_pool → UNAVAILABLE + retry-after
+                                             (an alias with an active canary may resolve to its candidate:
+                                             the same SELECT, by the run's sticky split point)
+    backlog >= [admission].max_backlog_per_pool → a permitted fallback, else UNAVAILABLE + retry-after
     tokenize (a worker thread for large inputs), prompt + cap <= context → INVALID_ARGUMENT
-    deadline >= queue wait + prefill + cap × token time → else DEADLINE_EXCEEDED naming what would do
+    deadline >= queue wait + prefill + cap × token time → else (queue-bound) a permitted fallback,
+                                             else DEADLINE_EXCEEDED naming what would do
     WRITE  reserve prompt + cap on the budget row and INSERT the run, one statement
            (its RETURNING carries NOTIFY sluice_runs_accepted: delivered at its commit)
     answer: a returned run id always has its reservation committed.
@@ -29,6 +32,14 @@ Everything else takes the transactional path, the same checks as one transaction
 It is taken when the tenant has concurrency or tokens-per-minute limits (they need the lock),
 when the one-statement write wrote nothing (request key taken, budget does not fit, no period
 yet: it decides which and explains), and when a load check refused a retry of an accepted run.
+
+Every run records its routing decision (sluice/traffic/route.py) in the row the write inserts:
+the name the caller wrote, why it went to its version (requested, alias, canary, fallback), the
+version's pool and tier, and for a fallback the version refused and the condition met. A fallback
+(sluice/traffic/fallback.py) is taken only within what the tenant's administrator permits
+(tenant_fallbacks) narrowed by the request, among tiers the tenant may use; its context, deadline
+and reservation are counted with the fallback's own tokenizer and price card. Without a usable
+permitted fallback the original refusal stands (UNAVAILABLE with retry-after, DEADLINE_EXCEEDED).
 
 Refusals write nothing. Shedding and the deadline check come before any write, so an overloaded
 pool costs one bounded index count per refused submit; a refused submit whose request_key
@@ -60,6 +71,7 @@ import grpc.aio
 from sluice.ledger.admission_sql import SubmitContext, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.db import autocommit_engine
+from sluice.ledger.fallbacks import read_candidates, read_rules
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import (
@@ -69,6 +81,7 @@ from sluice.ledger.repositories import (
     TenantInfo,
     TenantRepository,
 )
+from sluice.ledger.routes import route_columns, route_of
 from sluice.services import tokenization
 from sluice.services.admission_rules import (
     PoolPace,
@@ -79,6 +92,7 @@ from sluice.services.admission_rules import (
     check_deadline,
     check_request_shape,
     check_storable,
+    deadline_floor,
     largest_cap_that_fits,
     limit_advice,
     normalize_float,
@@ -100,13 +114,16 @@ from sluice.services.errors import (
     UNKNOWN_API_KEY,
     UNKNOWN_MODEL,
     AlreadyExists,
+    DeadlineExceeded,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
     SluiceError,
     Unauthenticated,
+    Unavailable,
     grpc_errors,
 )
+from sluice.services.routes import route_message
 from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
@@ -114,6 +131,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
+from sluice.traffic.canary import split_point
+from sluice.traffic.fallback import Condition, Narrowing, Unusable, describe, permitted, queue_bound, unusable
+from sluice.traffic.route import RouteReason, RouteRecord
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -152,6 +172,7 @@ class Admitted:
     input_tokens: int
     max_output_tokens: int
     deduplicated: bool               # an earlier identical submit made this run
+    route: RouteRecord | None = None  # where it went and why (None: admitted before 0008)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +181,7 @@ class _Prepared:
 
     tenant: TenantInfo
     model: ModelInfo
+    route: RouteRecord
     intent: SubmitIntent
     prompt_token_ids: list[int] = field(repr=False)
     payload_hash: str
@@ -180,20 +202,41 @@ class AdmissionService:
         # the config sets is refused before the first query reads a field.
         check_storable(intent, self._settings.max_deadline_ms)
         pace = self._settings.pace
+        # Sticky per conversation: every run of one conversation lands on the same side of a split.
+        point = split_point(intent.model, intent.conversation_id or intent.request_key)
         async with self._autocommit.connect() as connection:
-            context = await read_submit_context(connection, key, intent.model, pace.max_backlog)
+            context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point)
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
-        retry = await self._unless_a_retry(tenant, intent, lambda: check_backlog(
-            model.version, model.worker_pool, context.backlog, pace))
-        prepared = await self._prepare(tenant, model, intent, text,
-                                       intent.deadline_ms or self._settings.default_deadline_ms)
-        retry = retry or await self._unless_a_retry(tenant, intent, lambda: check_deadline(
-            prepared.deadline_ms, context.backlog, len(prepared.prompt_token_ids), intent.max_output_tokens,
-            pace))
+        deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
+        route = RouteRecord(model.version, model.worker_pool, model.quality_tier, context.reason,
+                            intent.model, detail=context.canary)
+        fallback: _Prepared | None = None
+        try:
+            retry = await self._unless_a_retry(tenant, intent, lambda: check_backlog(
+                model.version, model.worker_pool, context.backlog, pace))
+        except Unavailable as refusal:
+            fallback = await self._fall_back(tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
+                                             f"backlog {context.backlog} >= {pace.max_backlog}", refusal)
+            retry = False
+        prepared = fallback or await self._prepare(tenant, model, route, intent, text, deadline_ms)
+        if fallback is None:
+            try:
+                retry = retry or await self._unless_a_retry(tenant, intent, lambda: check_deadline(
+                    prepared.deadline_ms, context.backlog, len(prepared.prompt_token_ids),
+                    intent.max_output_tokens, pace))
+            except DeadlineExceeded as refusal:
+                floor = deadline_floor(context.backlog, len(prepared.prompt_token_ids),
+                                       intent.max_output_tokens, pace)
+                if not queue_bound(deadline_ms, floor.queue_ms, floor.prefill_ms + floor.decode_ms):
+                    raise
+                prepared = await self._fall_back(
+                    tenant, intent, text, deadline_ms, model, Condition.DEADLINE,
+                    f"queue wait {floor.queue_ms} ms + run {floor.prefill_ms + floor.decode_ms} ms"
+                    f" > deadline {deadline_ms} ms", refusal)
         admitted = None
         if not retry and not tenant.has_rate_limits:
             admitted = await self._insert_reserving(prepared)
@@ -201,11 +244,52 @@ class AdmissionService:
             async with self._sessionmaker() as session, session.begin():
                 admitted = await self._insert_or_match(session, prepared)
         log.info(
-            "admitted run %s tenant=%s model=%s input_tokens=%d cap=%d deduplicated=%s",
-            admitted.run_id, tenant.name, admitted.model_version, admitted.input_tokens,
+            "admitted run %s tenant=%s model=%s route=%s input_tokens=%d cap=%d deduplicated=%s",
+            admitted.run_id, tenant.name, admitted.model_version,
+            admitted.route.reason.value if admitted.route else "-", admitted.input_tokens,
             admitted.max_output_tokens, admitted.deduplicated,
         )
         return admitted
+
+    async def _fall_back(self, tenant: TenantInfo, intent: SubmitIntent, text: str, deadline_ms: int,
+                         refused: ModelInfo, condition: Condition, why: str,
+                         refusal: SluiceError) -> _Prepared:
+        """The first permitted fallback that can take the run, prepared at its own tokenizer and
+        price; raises `refusal` (the requested model's answer) when there is none."""
+        pace = self._settings.pace
+        async with self._autocommit.connect() as connection:
+            rules = await read_rules(connection, tenant.id, (intent.model, refused.version))
+            names = permitted(rules, intent.model, refused.version, condition, intent.fallback)
+            if not names:
+                raise refusal
+            candidates = await read_candidates(connection, names, pace.max_backlog)
+        detail = describe(condition, refused.version, why)
+        for name in names:
+            found = candidates[name]
+            why_not = unusable(found.candidate, refused.version, tenant.allowed_tiers, pace.max_backlog)
+            if why_not is None and found.model is not None:
+                route = RouteRecord(found.model.version, found.model.worker_pool, found.model.quality_tier,
+                                    RouteReason.FALLBACK, intent.model, fallback_from=refused.version,
+                                    detail=detail)
+                taken = await self._counted_on(tenant, found.model, found.candidate.backlog, route, intent,
+                                               text, deadline_ms)
+                if isinstance(taken, _Prepared):
+                    return taken
+                why_not = taken
+            log.info("tenant %s: fallback %s -> %s not taken: %s", tenant.name, refused.version, name,
+                     why_not.value if why_not else Unusable.UNKNOWN.value)
+        raise refusal
+
+    async def _counted_on(self, tenant: TenantInfo, model: ModelInfo, backlog: int, route: RouteRecord,
+                          intent: SubmitIntent, text: str, deadline_ms: int) -> _Prepared | Unusable:
+        """The request counted with a fallback's tokenizer: prepared, or why it does not fit there."""
+        token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
+        cap = intent.max_output_tokens
+        if len(token_ids) + cap > model.context_limit:
+            return Unusable.CONTEXT
+        if deadline_ms < deadline_floor(backlog, len(token_ids), cap, self._settings.pace).total_ms:
+            return Unusable.DEADLINE
+        return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
 
     async def _unless_a_retry(self, tenant: TenantInfo, intent: SubmitIntent,
                               check: Callable[[], None]) -> bool:
@@ -238,24 +322,15 @@ class AdmissionService:
             return None
         return Admitted(run_id=run_id, status=RunStatus.ACCEPTED, model_version=prepared.model.version,
                         input_tokens=len(prepared.prompt_token_ids),
-                        max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False)
+                        max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False,
+                        route=prepared.route)
 
     @staticmethod
-    async def _prepare(tenant: TenantInfo, model: ModelInfo, intent: SubmitIntent, text: str,
-                       deadline_ms: int) -> _Prepared:
+    async def _prepare(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
+                       text: str, deadline_ms: int) -> _Prepared:
         token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
         check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
-        return _Prepared(
-            tenant=tenant,
-            model=model,
-            intent=intent,
-            prompt_token_ids=token_ids,
-            payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling,
-                                      intent.rendered),
-            deadline_ms=deadline_ms,
-            reserved_tokens=len(token_ids) + intent.max_output_tokens,
-            reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),
-        )
+        return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
 
     async def _insert_or_match(self, session: AsyncSession, prepared: _Prepared) -> Admitted:
         """Runs inside the caller's write transaction; raising rolls everything back."""
@@ -277,6 +352,7 @@ class AdmissionService:
                 input_tokens=existing.input_tokens,
                 max_output_tokens=existing.max_output_tokens,
                 deduplicated=True,
+                route=route_of(existing),
             )
         if tenant.has_rate_limits:
             await _check_rate_limits(session, prepared, run_id)
@@ -288,6 +364,7 @@ class AdmissionService:
             input_tokens=len(prepared.prompt_token_ids),
             max_output_tokens=intent.max_output_tokens,
             deduplicated=False,
+            route=prepared.route,
         )
 
     @staticmethod
@@ -312,6 +389,7 @@ class AdmissionService:
             "reserved_cost_micros": prepared.reserved_cost_micros,
             "api_key_id": prepared.tenant.api_key_id,
             "price_card_id": prepared.model.price_card_id,   # settled at the price it reserved at
+            **route_columns(prepared.route),
         }
 
     @staticmethod
@@ -334,7 +412,26 @@ class AdmissionService:
 # The runs columns the one-statement write binds (the rest are literals or database defaults).
 _WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_version", "prompt_token_ids",
                     "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
-                    "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id")
+                    "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id",
+                    "requested_model", "route_reason", "worker_pool", "quality_tier", "fallback_from",
+                    "route_detail")
+
+
+def _prepared(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
+              token_ids: list[int], deadline_ms: int) -> _Prepared:
+    """A request counted with `model`'s tokenizer (`token_ids`) and priced at its card."""
+    return _Prepared(
+        tenant=tenant,
+        model=model,
+        route=route,
+        intent=intent,
+        prompt_token_ids=token_ids,
+        payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling,
+                                  intent.rendered),
+        deadline_ms=deadline_ms,
+        reserved_tokens=len(token_ids) + intent.max_output_tokens,
+        reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),
+    )
 
 
 def _permitted_model(context: SubmitContext, tenant: TenantInfo, name: str) -> ModelInfo:
@@ -421,6 +518,17 @@ def intent_from_proto(request: admission_pb2.SubmitRequest) -> SubmitIntent:
             seed=request.sampling.seed,
         ),
         conversation_id=request.conversation_id or None,
+        fallback=narrowing_from_proto(request.fallback),
+    )
+
+
+def narrowing_from_proto(request: admission_pb2.FallbackRequest) -> Narrowing:
+    return Narrowing(
+        refuse=request.refuse,
+        models=frozenset(name for name in request.models if name),
+        conditions=frozenset(
+            Condition(admission_pb2.FallbackCondition.Name(value).removeprefix("FALLBACK_CONDITION_").lower())
+            for value in request.conditions if value != admission_pb2.FALLBACK_CONDITION_UNSPECIFIED),
     )
 
 
@@ -440,6 +548,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             input_tokens=admitted.input_tokens,
             max_output_tokens=admitted.max_output_tokens,
             deduplicated=admitted.deduplicated,
+            route=route_message(admitted.route),
         )
 
 

@@ -40,6 +40,8 @@ from sluice.services.errors import (
     Unavailable,
 )
 
+from sluice.traffic.fallback import NO_NARROWING, Narrowing
+
 PAYLOAD_HASH_VERSION = b"sluice.submit.v1"
 
 # Allowed sampling ranges; 0 means the engine default (greedy temperature, top_p off).
@@ -80,6 +82,8 @@ class SubmitIntent:
     # The input is already the model's whole prompt (the HTTP edge rendered chat messages with the
     # registry's template): admission must not wrap it in a chat turn again.
     rendered: bool = False
+    # What the request says about fallback: it can only narrow the tenant's permission.
+    fallback: Narrowing = NO_NARROWING
 
 
 def normalize_float(value: float) -> float:
