@@ -28,6 +28,9 @@ KEY_COLUMNS = {
     "tenant": "tenant",
     "api_key": "api_key",
     "model": "model_version",
+    "route": "route",
+    "pool": "pool",
+    "tier": "tier",
     "day": "bucket_start",
     "hour": "bucket_start",
 }
@@ -40,7 +43,8 @@ def add_usage_commands(usage: argparse.ArgumentParser, common: argparse.Argument
     )
     export.add_argument("--from", dest="start", required=True, help="ISO date or date-time (UTC)")
     export.add_argument("--to", dest="end", required=True, help="a date includes that whole day")
-    export.add_argument("--group-by", default="tenant,model", help="any of tenant,api_key,model,day,hour")
+    export.add_argument("--group-by", default="tenant,model",
+                        help="any of tenant,api_key,model,route,pool,tier,day,hour")
     export.add_argument("--bucket", default="", help="time bucket with day/hour, e.g. 15m, 6h, 7d")
     export.add_argument("--tenant", default="")
     export.add_argument("--format", choices=("csv", "json"), default="csv")
@@ -62,6 +66,9 @@ def group_row(group: usage_pb2.UsageGroup) -> dict[str, Any]:
         "tenant": group.tenant,
         "api_key": group.api_key,
         "model_version": group.model_version,
+        "route": group.route,
+        "pool": group.pool,
+        "tier": group.tier,
         "bucket_start": group.bucket_start,
         "runs": group.runs,
         "input_tokens": settled.input_tokens,

@@ -16,7 +16,10 @@ from sluice.ledger.models import ApiKey, Tenant, UsageEntry
 from sqlalchemy import func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-GROUP_KEYS = ("tenant", "api_key", "model", "day", "hour")
+GROUP_KEYS = ("tenant", "api_key", "model", "route", "pool", "tier", "day", "hour")
+# The routing decision's columns on usage entries ("" for entries settled before they existed).
+_ROUTE_COLUMNS = {"route": UsageEntry.route_reason, "pool": UsageEntry.worker_pool,
+                  "tier": UsageEntry.quality_tier}
 TIME_KEYS = frozenset({"day", "hour"})
 BUCKET_ORIGIN = dt.datetime(
     2000, 1, 3, tzinfo=dt.UTC
@@ -40,6 +43,9 @@ class UsageGroup:
     api_key: str | None  # the submitting key's prefix ("" for runs without one)
     model_version: str | None
     bucket_start: dt.datetime | None
+    route: str | None                # the routing reason (requested | alias | canary | fallback)
+    pool: str | None
+    tier: str | None
     runs: int
     input_tokens: int
     cached_input_tokens: int
@@ -56,6 +62,8 @@ def _group_columns(query: UsageQuery) -> dict[str, Any]:
             columns[key] = func.coalesce(ApiKey.key_prefix, literal(""))
         elif key == "model":
             columns[key] = UsageEntry.model_version
+        elif key in _ROUTE_COLUMNS:
+            columns[key] = func.coalesce(_ROUTE_COLUMNS[key], literal(""))
         else:
             assert query.bucket is not None, "a time grouping needs a bucket width"
             columns["bucket"] = func.date_bin(query.bucket, UsageEntry.settled_at, BUCKET_ORIGIN)
@@ -99,6 +107,9 @@ def _group(columns: dict[str, Any], row: Any) -> UsageGroup:
         api_key=keys.get("api_key"),
         model_version=keys.get("model"),
         bucket_start=keys.get("bucket"),
+        route=keys.get("route"),
+        pool=keys.get("pool"),
+        tier=keys.get("tier"),
         runs=int(runs),
         input_tokens=int(inputs or 0),
         cached_input_tokens=int(cached or 0),

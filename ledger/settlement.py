@@ -107,6 +107,9 @@ async def settle_run_usage(
             cost_micros=cost,
             api_key_id=run.api_key_id,
             price_card_id=run.price_card_id,
+            route_reason=run.route_reason,
+            worker_pool=run.worker_pool,
+            quality_tier=run.quality_tier,
         )
         .on_conflict_do_nothing(index_elements=[UsageEntry.run_id])
         .returning(UsageEntry.settled_at)

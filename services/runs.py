@@ -32,6 +32,7 @@ from sluice.ledger.db import autocommit_engine
 from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import RunRepository, hash_api_key
+from sluice.ledger.routes import route_of
 from sluice.ledger.runs_sql import EventStart, event_start, stream_lookup
 from sluice.ledger.settlement import settled_usage
 from sluice.services.auth import Metadata, api_key_from_metadata, authenticate
@@ -46,6 +47,7 @@ from sluice.services.errors import (
 )
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.notify import ChannelListener, notify
+from sluice.services.routes import route_message
 from sluice.services.telemetry import tracer
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, update
@@ -134,7 +136,7 @@ class RunsService:
             max_output_tokens=run.max_output_tokens, usage=usage, created_at_ms=_ms(run.created_at),
             started_at_ms=_ms(run.started_at), finished_at_ms=_ms(run.finished_at),
             deadline_at_ms=_ms(run.deadline_at), last_sequence=final_cursor(run), detail=run.detail or "",
-            cached_input_tokens=run.cached_input_tokens)
+            cached_input_tokens=run.cached_input_tokens, route=route_message(route_of(run)))
 
     @staticmethod
     async def _usage(session: AsyncSession, run: Run) -> common_pb2.TokenUsage:

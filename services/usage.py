@@ -181,6 +181,7 @@ def page_to_proto(page: UsagePage) -> usage_pb2.QueryUsageResponse:
             usage_pb2.UsageGroup(
                 tenant=group.tenant or "", api_key=group.api_key or "",
                 model_version=group.model_version or "",
+                route=group.route or "", pool=group.pool or "", tier=group.tier or "",
                 bucket_start=group.bucket_start.astimezone(dt.UTC).isoformat() if group.bucket_start else "",
                 runs=group.runs,
                 settled=_token_usage(Totals(group.runs, group.input_tokens, group.cached_input_tokens,

@@ -25,6 +25,7 @@ from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from sluice.eventlog.interface import LogPosition
+from sluice.traffic.route import RouteRecord
 
 ACTIVE_CLAIMED = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
 
@@ -50,6 +51,7 @@ class ClaimedRun:
     cache_salt: int = 0          # the run's trust scope as the replica's cache_salt_id (trust_scope.py)
     epoch: int = 0               # the lease epoch this claim was granted (fencing token)
     sampling: Sampling = ENGINE_DEFAULT   # the submit's, from runs.sampling; 0 = the replica's default
+    route: RouteRecord | None = None     # the routing decision admission recorded (None: before 0008)
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:

@@ -42,6 +42,7 @@ from sluice.services import replica_client
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaError, TokenChunk
+from sluice.services.routes import route_message
 from sluice.services.routing.claims import ClaimedRun
 from sluice.services.routing.leases import Lease
 from sluice.services.routing.monitor import Silence
@@ -392,7 +393,10 @@ class RunDriver:
             # The first token makes the run RUNNING: the STATUS event and the first DELTA go out
             # together; once the STATUS is durable the ledger records the transition and where the
             # run's events start (Streams wait for that).
-            status = await self.events.publish(sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms))
+            # It carries the routing decision, so a stream shows where the run went before any token.
+            first_status = sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms)
+            first_status.route.CopyFrom(route_message(self.claim.route))
+            status = await self.events.publish(first_status)
             self._track(status, sequencer.last_sequence, 0)
             delta = sequencer.delta(tokens, decoder.push(tokens), now_ms)
             await self._publish(delta, len(tokens))

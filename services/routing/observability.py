@@ -29,6 +29,7 @@ from sluice.config import Settings
 from sluice.router.load import LoadSnapshot
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policy import RouteDecision
+from sluice.traffic.route import RouteRecord
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5)
@@ -91,6 +92,9 @@ class RoutingMetrics:
         self._retries = Counter("sluice_run_retries",
                                 "Runs moved to another replica before their first token",
                                 ["pool"], registry=registry)
+        # Issue 14: where claimed runs went and why (requested, alias, canary, fallback), once per run.
+        self._routes = Counter("sluice_run_routes", "Runs claimed, by the routing decision made at admission",
+                               ["model_version", "pool", "tier", "reason"], registry=registry)
         self._decision = Histogram("sluice_router_decision_seconds", "Time of one policy.choose() call",
                                    buckets=DECISION_BUCKETS, registry=registry)
         self._healthy = Gauge("sluice_replica_healthy", "1 while the replica's circuit breaker is closed",
@@ -120,6 +124,11 @@ class RoutingMetrics:
     def decided(self, policy: str, decision: RouteDecision, seconds: float) -> None:
         self.router.record_decision(policy, decision)
         self._decision.observe(seconds)
+
+    def routed(self, route: RouteRecord | None) -> None:
+        if route is not None:
+            self._routes.labels(model_version=route.model_version, pool=route.pool, tier=route.tier,
+                                reason=route.reason.value).inc()
 
     def retried(self, pool: str) -> None:
         self._retries.labels(pool=pool).inc()

@@ -43,6 +43,7 @@ import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import Model, Run, RunStatus
+from sluice.ledger.routes import route_of
 from sluice.services import replica_client
 from sluice.services.admission_rules import Sampling
 from sluice.services.finish import (
@@ -313,7 +314,8 @@ class RoutingWorker:
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
             created_at=run.created_at, cache_salt=salt, epoch=epoch,
-            sampling=Sampling.from_json(run.sampling))
+            sampling=Sampling.from_json(run.sampling), route=route_of(run))
+        self.metrics.routed(claim.route)
         return _Routed(claim, request, decision, claim_started)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
