@@ -21,9 +21,9 @@ from sluice.ledger.models import Run, UsageEntry
 from sluice.ledger.pricing import TOKENS_PER_PRICE_UNIT
 from sluice.services.admission import add_admission_servicer
 from sluice.services.errors import RETRY_AFTER_MS_KEY
-from sluice.traffic.fallback import Condition, FallbackRule
 from sqlalchemy import select
 
+from sluice.traffic.fallback import Condition, FallbackRule
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
 from tests.support.ledger_factories import ModelSpec, add_model
 from tests.support.routing_stack import MODEL, TOKENIZER, Stack, collect

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from sluice.traffic.canary import (
     SHARE_SCALE,
     ArmStats,
