@@ -128,12 +128,7 @@ async def read_submit_context(connection: AsyncConnection, key: str, model_name:
     caller = caller_of(row)
     if row.version is None:
         return SubmitContext(caller, None, 0)
-    model = ModelInfo(
-        version=row.version, alias=row.alias, tokenizer=row.tokenizer, context_limit=row.context_limit,
-        worker_pool=row.worker_pool, quality_tier=row.quality_tier, end_id=row.end_id,
-        price_input_per_m_micros=row.price_input_per_m_micros,
-        price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
-        price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
+    model = model_info_of(row)
     if row.version == model_name:
         return SubmitContext(caller, model, int(row.backlog), RouteReason.REQUESTED)
     if row.canary_share_bp is None:
@@ -141,6 +136,16 @@ async def read_submit_context(connection: AsyncConnection, key: str, model_name:
     split = (f"canary of {model_name}: {row.canary_share_bp / 100:g}% of new runs to {row.version}"
              f" (baseline {row.canary_baseline})")
     return SubmitContext(caller, model, int(row.backlog), RouteReason.CANARY, split)
+
+
+def model_info_of(row: Any) -> ModelInfo:
+    """A models row read by a text statement (its columns by name) as the record admission uses."""
+    return ModelInfo(
+        version=row.version, alias=row.alias, tokenizer=row.tokenizer, context_limit=row.context_limit,
+        worker_pool=row.worker_pool, quality_tier=row.quality_tier, end_id=row.end_id,
+        price_input_per_m_micros=row.price_input_per_m_micros,
+        price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
+        price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
 
 
 async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,

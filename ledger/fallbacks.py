@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sluice.ledger.admission_sql import model_info_of
 from sluice.ledger.models import Model, RunStatus, TenantFallback
 from sluice.ledger.repositories import ModelInfo
 from sqlalchemy import delete, select, text
@@ -60,12 +61,7 @@ async def read_candidates(connection: AsyncConnection, names: Sequence[str],
         if row.version is None:
             found[row.name] = ReadCandidate(Candidate(row.name, None, "", 0, 0), None)
             continue
-        model = ModelInfo(
-            version=row.version, alias=row.alias, tokenizer=row.tokenizer, context_limit=row.context_limit,
-            worker_pool=row.worker_pool, quality_tier=row.quality_tier, end_id=row.end_id,
-            price_input_per_m_micros=row.price_input_per_m_micros,
-            price_cached_input_per_m_micros=row.price_cached_input_per_m_micros,
-            price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
+        model = model_info_of(row)
         found[row.name] = ReadCandidate(
             Candidate(row.name, row.version, row.quality_tier, row.context_limit, int(row.backlog)), model)
     return found
