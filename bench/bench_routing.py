@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", default=",".join(str(seed) for seed in DEFAULT_SEEDS),
                         help="workload seeds per row; every figure is the median over them")
     parser.add_argument("--quick", action="store_true",
-                        help="chat and slow only, 60 s runs, 80% load, one seed")
+                        help="chat and slow only, 60 s runs, 80%% load, one seed")
     parser.add_argument("--plots", default=".sluice/bench/routing", help="folder for the PNGs ('' for none)")
     args = parser.parse_args(argv)
     if args.quick:
