@@ -38,9 +38,11 @@ from sluice.ledger.admin import (
     TenantRecord,
 )
 from sluice.ledger.audit import Actor, AuditRecord
+from sluice.ledger.canaries import CanaryRecord, CanaryRepository
 from sluice.ledger.models import KeyScope
 from sluice.ledger.replicas import ReplicaRecord, ReplicaRepository
 from sluice.ledger.repositories import BudgetState, current_period_start
+from sluice.services import admin_traffic as traffic
 from sluice.services.auth import Metadata, identify, require_scope
 from sluice.services.errors import (
     AlreadyExists,
@@ -53,6 +55,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.models import load_tokenizer
 from sluice.router.registry import RegistryError, ReplicaSpec
+from sluice.traffic.canary import Guardrails
+from sluice.traffic.fallback import FallbackRule
 
 # --- messages (shared by code and tests) ------------------------------------------------------
 
@@ -371,6 +375,39 @@ class AdminService:
         return None if spec is None else ReplicaRecord.configured(spec)
 
     # --- audit ----------------------------------------------------------------------------------
+
+    # --- traffic policy (services/admin_traffic.py) ------------------------------------------
+
+    async def set_fallbacks(self, metadata: Metadata, tenant: str,
+                            rules: Sequence[FallbackRule]) -> list[FallbackRule]:
+        async with self._admin(metadata) as (session, actor):
+            return await traffic.set_fallbacks(session, actor, await _tenant(session, tenant), rules)
+
+    async def get_fallbacks(self, metadata: Metadata, tenant: str) -> list[FallbackRule]:
+        async with self._admin(metadata) as (session, _):
+            return await traffic.get_fallbacks(session, await _tenant(session, tenant))
+
+    async def start_canary(self, metadata: Metadata, alias: str, candidate: str, share_bp: int,
+                           limits: Guardrails) -> CanaryRecord:
+        async with self._admin(metadata) as (session, actor):
+            return await traffic.start_canary(session, actor, _named("alias", alias), candidate, share_bp,
+                                              limits)
+
+    async def list_canaries(self, metadata: Metadata) -> list[CanaryRecord]:
+        async with self._admin(metadata) as (session, _):
+            return await CanaryRepository(session).all()
+
+    async def set_canary_share(self, metadata: Metadata, alias: str, share_bp: int) -> CanaryRecord:
+        async with self._admin(metadata) as (session, actor):
+            return await traffic.set_canary_share(session, actor, alias, share_bp)
+
+    async def stop_canary(self, metadata: Metadata, alias: str, reason: str) -> CanaryRecord:
+        async with self._admin(metadata) as (session, actor):
+            return await traffic.stop_canary(session, actor, alias, reason)
+
+    async def promote_canary(self, metadata: Metadata, alias: str) -> CanaryRecord:
+        async with self._admin(metadata) as (session, actor):
+            return await traffic.promote_canary(session, actor, alias)
 
     async def audit_log(self, metadata: Metadata, limit: int, action: str) -> list[AuditRecord]:
         async with self._admin(metadata) as (session, _):

@@ -13,6 +13,7 @@ from sluice.ledger.audit import AuditRecord
 from sluice.ledger.replicas import ReplicaRecord
 from sluice.ledger.repositories import BudgetState
 from sluice.services.admin import AdminService, CreatedKey, TenantView
+from sluice.services.admin_traffic_servicer import TrafficAdminMethods
 from sluice.services.errors import grpc_errors
 from sluice.services.routing.app import registry_from_config
 from sluice.services.validation import FieldLimits, add_checked_service
@@ -131,7 +132,7 @@ def _optional(request: Any, field: str) -> int | None:
     return int(getattr(request, field)) if request.HasField(field) else None
 
 
-class AdminServicer(admin_pb2_grpc.AdminServicer):
+class AdminServicer(TrafficAdminMethods, admin_pb2_grpc.AdminServicer):
     def __init__(self, service: AdminService) -> None:
         self._service = service
 

@@ -36,6 +36,7 @@ import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.services import eventloop, replica_client
 from sluice.services.admin_servicer import add_admin_servicer
+from sluice.services.canary_guard import CanaryGuard
 from sluice.services.admission import add_admission_servicer
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
@@ -174,10 +175,17 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                      routing_listen or "off")
             print(f"routing worker {worker.settings.owner} ready (policy {worker.policy.name})", flush=True)
             serving = asyncio.create_task(worker.serve(drain_s=DRAIN_S))
+            guarding = None
+            if config.routing.canary_check_interval_s > 0:
+                # Judges active canaries and rolls a breaching one back (services/canary_guard.py).
+                guard = CanaryGuard(sessions, config.routing.canary_check_interval_s, worker.metrics.registry)
+                guarding = asyncio.create_task(guard.serve(stopping))
             await stopping.wait()
             await drain(monitor)
             worker.stop()
             await serving           # serve() drains runs in progress before returning
+            if guarding is not None:
+                await guarding
         else:
             await stopping.wait()
             await drain(monitor)

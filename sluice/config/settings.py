@@ -163,6 +163,7 @@ class RoutingSection(ListenSection):
     max_attempts: PositiveInt = 2
     scrape_interval_ms: NonNegative = 250.0
     metrics_port: Port = 50064
+    canary_check_interval_s: NonNegative = 5.0
 
 
 class TelemetrySection(Section):
