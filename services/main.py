@@ -36,8 +36,8 @@ import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.services import eventloop, replica_client
 from sluice.services.admin_servicer import add_admin_servicer
-from sluice.services.canary_guard import CanaryGuard
 from sluice.services.admission import add_admission_servicer
+from sluice.services.canary_guard import CanaryGuard
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.templates import ModelCards
