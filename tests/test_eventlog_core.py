@@ -48,6 +48,15 @@ def test_coalescer_holds_tokens_until_the_window_after_the_first_one_closes():
     assert not window.pending() and window.remaining_ms(now_ms=200) is None
 
 
+def test_coalescer_closes_a_window_at_its_token_limit_without_waiting_out_its_time():
+    window = DeltaCoalescer(window_ms=200, max_tokens=4)
+    window.add([1, 2], now_ms=0)
+    assert not window.full() and not window.due(now_ms=1) and window.remaining_ms(now_ms=1) == 199
+    window.add([3, 4], now_ms=2)
+    assert window.full() and window.due(now_ms=2) and window.remaining_ms(now_ms=2) == 0
+    assert window.take() == [1, 2, 3, 4] and not window.full()
+
+
 def test_coalescer_with_zero_window_emits_every_chunk():
     window = DeltaCoalescer(window_ms=0)
     window.add([9], now_ms=1)

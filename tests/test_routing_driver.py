@@ -151,7 +151,8 @@ def claim(max_output_tokens: int = 100) -> ClaimedRun:
 
 
 def driver_for(replicas: ScriptedReplicas, log: MemoryLog | None = None, *, max_attempts: int = 2,
-               targets: list[Target] | None = None) -> tuple[RunDriver, MemoryLedger, list[str]]:
+               targets: list[Target] | None = None, window_ms: float = 5.0,
+               window_tokens: int = 0) -> tuple[RunDriver, MemoryLedger, list[str]]:
     log = log or MemoryLog()
     ledger = MemoryLedger(log)
     lost: list[str] = []
@@ -161,7 +162,7 @@ def driver_for(replicas: ScriptedReplicas, log: MemoryLog | None = None, *, max_
         return waiting.pop(0) if waiting else None
 
     run = claim()
-    settings = DriverSettings("me", 5.0, 5.0, 30.0, 16, max_attempts)
+    settings = DriverSettings("me", 5.0, window_ms, 30.0, 16, max_attempts, coalesce_max_tokens=window_tokens)
     driver = RunDriver(claim=run, address="r0", settings=settings,
                        events=log, ledger=ledger, lease=Lease(run.run_id, EPOCH, time.monotonic() + 60),
                        replicas=replicas, on_replica_lost=lost.append, reroute=reroute)
@@ -202,6 +203,27 @@ async def test_tokens_arriving_within_one_window_share_one_delta():
     deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
     assert sum(deltas, []) == [1, 2, 3, 4] and len(deltas) < 4
     assert ledger.finished().output_tokens == 4
+
+
+async def test_the_first_token_is_published_at_once_and_the_rest_in_windows_closed_by_their_token_limit():
+    # A window far longer than the run: only the token limit (3) and the stream's end close one.
+    replicas = ScriptedReplicas({"r0": Script([(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,)], gap_s=0.0)})
+    driver, ledger, _ = driver_for(replicas, window_ms=60_000, window_tokens=3)
+    await driver.run()
+    deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
+    assert deltas == [[1], [2, 3, 4], [5, 6, 7], [8]]
+    assert ledger.finished() == Ending(RunStatus.COMPLETED, 5, 8, None, cached_input_tokens=0)
+
+
+async def test_the_first_token_does_not_wait_for_its_window():
+    replicas = ScriptedReplicas({"r0": Script([(1,), (2,)], gap_s=0.5)})
+    driver, _, _ = driver_for(replicas, window_ms=60_000)
+    running = asyncio.create_task(driver.run())
+    await until(lambda: driver.output_tokens >= 1)          # the first DELTA is durable ...
+    assert driver._pump is not None and driver._pump.received_tokens == 1   # ... before the second token
+    await running
+    deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
+    assert deltas == [[1], [2]]
 
 
 async def test_a_replica_lost_mid_stream_ends_the_run_interrupted_with_exactly_the_tokens_received():

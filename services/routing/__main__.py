@@ -9,8 +9,8 @@ configured address; only one process can bind it). The same process as
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from sluice.services import eventloop
 from sluice.services.main import serve
 
 from sluice.config.bootstrap import start_process
@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = start_process("routing")
     listen = args.listen or (config.routing.listen if args.serve_api else None)
-    asyncio.run(serve(config, {"routing"}, [], listen, args.name))
+    # The same loop as `main --role routing` ([gateway].event_loop, uvloop by default): the routing
+    # process's time goes to many small socket reads and writes too (replica streams, Kafka, PostgreSQL).
+    eventloop.run(serve(config, {"routing"}, [], listen, args.name), config.gateway.event_loop)
 
 
 if __name__ == "__main__":

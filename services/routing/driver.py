@@ -106,10 +106,11 @@ TRITON = _ModuleReplicaClient()
 class DriverSettings:
     owner: str                   # this process's lease owner id
     lease_seconds: float
-    coalesce_ms: float
+    coalesce_ms: float           # a DELTA window's length ([kafka].coalesce_ms; the first token is never held)
     first_token_timeout_s: float
     block_size: int              # replica KV block size: reused blocks → cached prompt tokens
     max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token
+    coalesce_max_tokens: int = 0   # a window holding this many tokens closes at once (0: no limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +143,6 @@ class _Pump:
     first_token_at: float | None = None     # monotonic
     first_token_wall: float | None = None   # time.time(), for TTFT from the submit
     last_token_at: float | None = None      # monotonic
-
-    def sparse(self) -> bool:
-        """Tokens arrive further apart than the coalescing window: waiting for the window to close
-        would gather nothing more, only add its latency (and a timer and a wake-up per token)."""
-        step = self.step_s()
-        return step is not None and step * 1000 > self.coalescer.window_ms
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
@@ -264,7 +259,8 @@ class RunDriver:
 
     async def _attempt(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder) -> Attempt:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
-        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms), self._wake, time.monotonic())
+        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens), self._wake,
+                     time.monotonic())
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
@@ -280,7 +276,10 @@ class RunDriver:
                     if stop is not None:
                         await self._stop_replica(task, abandon=stop.hung)
                 coalescer = pump.coalescer
-                if coalescer.pending() and (pump.done or stop or coalescer.due(now * 1000) or pump.sparse()):
+                # The run's first token goes out at once (TTFT never waits for a window); after it,
+                # a DELTA per window (events.DeltaCoalescer).
+                first = sequencer.last_sequence == 0
+                if coalescer.pending() and (pump.done or stop or first or coalescer.due(now * 1000)):
                     await self._publish_delta(sequencer, decoder, coalescer.take())
                     continue
                 if pump.done or stop is not None:
@@ -360,11 +359,11 @@ class RunDriver:
                     pump.first_token_at, pump.first_token_wall = arrived, time.time()
                 pump.last_token_at = arrived
                 pump.received_tokens += len(tokens)
-                # The driver sleeps until the window closes: only the token that opens a window
-                # (or one on a sparse stream, published at once) needs to wake it.
+                # The driver sleeps until the window closes: only the token that opens a window (the
+                # run's first is published at once) or fills it needs to wake it.
                 opens = not pump.coalescer.pending()
                 pump.coalescer.add(tokens, arrived * 1000)
-                if opens or pump.sparse():
+                if opens or pump.coalescer.full():
                     pump.wake.set()
         except Exception as exc:  # the outcome is decided by outcome.decide
             pump.error = exc

@@ -112,6 +112,7 @@ class WorkerSettings:
     block_size: int = 16
     scrape_interval_s: float = 0.25     # 0 = replicas are not scraped
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    coalesce_max_tokens: int = 0
 
     @classmethod
     def from_config(cls, config: Settings, owner: str) -> WorkerSettings:
@@ -125,6 +126,7 @@ class WorkerSettings:
             first_token_timeout_s=routing.first_token_timeout_s,
             scrape_interval_s=routing.scrape_interval_ms / 1000,
             max_attempts=routing.max_attempts,
+            coalesce_max_tokens=config.kafka.coalesce_max_tokens,
         )
 
     @property
@@ -135,7 +137,8 @@ class WorkerSettings:
     def driver(self) -> DriverSettings:
         return DriverSettings(owner=self.owner, lease_seconds=self.lease_seconds,
                               coalesce_ms=self.coalesce_ms, first_token_timeout_s=self.first_token_timeout_s,
-                              block_size=self.block_size, max_attempts=self.max_attempts)
+                              block_size=self.block_size, max_attempts=self.max_attempts,
+                              coalesce_max_tokens=self.coalesce_max_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 A run's events are numbered 1, 2, 3, ... by the one process driving the run.
 `RunEventSequencer` hands out those numbers; `DeltaCoalescer` batches tokens
-that arrive within a short window into one DELTA event; `EventDeduper` is the
+that arrive within one window into one DELTA event; `EventDeduper` is the
 reader's filter that turns "at least once, in order" (a terminal event may be
 republished by a reaper) into "exactly the events with sequence > after".
 
@@ -105,17 +105,24 @@ class RunEventSequencer:
 
 
 class DeltaCoalescer:
-    """Tokens produced within `window_ms` of the first buffered one share one DELTA event.
+    """A run's tokens batched into DELTA events by time: the tokens that arrive while a window is open
+    share one event. A window opens with the first token buffered and closes `window_ms` later, or
+    at once when it holds `max_tokens` (0: no count limit). No token waits longer than `window_ms`.
 
-    Coalescing trades a few milliseconds of latency for fewer, larger log
-    records when a replica emits tokens faster than one per window.
+    The trade-off (README "Cost per token"): each event costs the platform the same whatever it
+    carries (a log record, an acknowledgment, a fetch and a gRPC message per reader), so a wider
+    window divides that cost by the tokens it gathers, and a reader sees tokens in bursts at most
+    `window_ms` apart instead of one by one. The run's first token is never held (the driver
+    publishes it at once): TTFT does not pay the window.
     """
 
-    __slots__ = ("window_ms", "_tokens", "_opened_ms")
+    __slots__ = ("window_ms", "max_tokens", "_tokens", "_opened_ms")
 
-    def __init__(self, window_ms: float) -> None:
+    def __init__(self, window_ms: float, max_tokens: int = 0) -> None:
         assert window_ms >= 0, "coalescing window cannot be negative"
+        assert max_tokens >= 0, "a window's token limit cannot be negative"
         self.window_ms = window_ms
+        self.max_tokens = max_tokens
         self._tokens: list[int] = []
         self._opened_ms: float | None = None
 
@@ -129,14 +136,20 @@ class DeltaCoalescer:
     def pending(self) -> bool:
         return bool(self._tokens)
 
+    def full(self) -> bool:
+        """The window holds its token limit: it closes without waiting out its time."""
+        return 0 < self.max_tokens <= len(self._tokens)
+
     def due(self, now_ms: float) -> bool:
         """True when the buffered tokens should be emitted now."""
-        return self._opened_ms is not None and now_ms - self._opened_ms >= self.window_ms
+        return self._opened_ms is not None and (now_ms - self._opened_ms >= self.window_ms or self.full())
 
     def remaining_ms(self, now_ms: float) -> float | None:
         """How long until the window closes; None when nothing is buffered."""
         if self._opened_ms is None:
             return None
+        if self.full():
+            return 0.0
         return max(0.0, self.window_ms - (now_ms - self._opened_ms))
 
     def take(self) -> list[int]:

@@ -54,6 +54,7 @@ REPLICA_SETTINGS = {"engine": "simple", "token_delay_ms": TOKEN_DELAY_MS}
 TEST_LEASE_SECONDS = 3          # short, so a lost worker is noticed within a few seconds; not 2: on a
                                 # loaded 2-core box an event loop can stall past 2 s and lose a live lease
 WORKER_READY = "routing worker"
+TEST_COALESCE_MS = 0
 
 
 STREAM_TIMEOUT_S = 30.0
@@ -88,8 +89,11 @@ def replica_tables(replicas: list[ReplicaProcess]) -> list[dict[str, Any]]:
 def test_config(database_dsn: str, replicas: list[ReplicaProcess]) -> Settings:
     # The run-path tests predict which replica takes a run, so they pin round_robin whatever
     # the shipped default is; prefix_aware is tested live in test_routing_live.py.
+    # They reason in events too (drop after event 35, a cancel after the third): one event per replica
+    # response (coalesce_ms 0) instead of the default windows, which test_routing_driver.py pins.
     return load_settings().updated(database={"dsn": database_dsn},
                                    routing={"lease_seconds": TEST_LEASE_SECONDS, "policy": "round_robin"},
+                                   kafka={"coalesce_ms": TEST_COALESCE_MS},
                                    replicas=replica_tables(replicas))
 
 
@@ -98,6 +102,7 @@ def worker_env(config: Settings) -> dict[str, str]:
     env.update(env_overrides("database", {"dsn": config.database.dsn}))
     env.update(env_overrides("routing", {"lease_seconds": config.routing.lease_seconds,
                                          "policy": config.routing.policy}))
+    env.update(env_overrides("kafka", {"coalesce_ms": config.kafka.coalesce_ms}))
     env["SLUICE_REPLICAS"] = json.dumps(config.replica_tables())
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
