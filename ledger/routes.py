@@ -18,9 +18,16 @@ def route_columns(route: RouteRecord) -> dict[str, Any]:
 
 def route_of(run: Run) -> RouteRecord | None:
     """The decision a run recorded; None for a run admitted before decisions were recorded."""
-    if run.route_reason is None:
+    return route_from_columns(run.model_version, run.worker_pool, run.quality_tier, run.route_reason,
+                              run.requested_model, run.fallback_from, run.route_detail)
+
+
+def route_from_columns(model_version: str, pool: str | None, tier: str | None, reason: str | None,
+                       requested_model: str | None, fallback_from: str | None,
+                       detail: str | None) -> RouteRecord | None:
+    """route_of from the runs columns read without an ORM row (the claim loop's)."""
+    if reason is None:
         return None
-    return RouteRecord(model_version=run.model_version, pool=run.worker_pool or "",
-                       tier=run.quality_tier or "", reason=RouteReason(run.route_reason),
-                       requested_model=run.requested_model or "",
-                       fallback_from=run.fallback_from, detail=run.route_detail or "")
+    return RouteRecord(model_version=model_version, pool=pool or "", tier=tier or "",
+                       reason=RouteReason(reason), requested_model=requested_model or "",
+                       fallback_from=fallback_from, detail=detail or "")

@@ -5,8 +5,9 @@
     await session.commit()
 
 The guard is `usage_entries.run_id UNIQUE`: the usage entry is inserted first with
-ON CONFLICT (run_id) DO NOTHING, and only the transaction whose insert took effect goes on to
-finish the run and move its reservation to `used_*`. A concurrent second settler blocks on the
+ON CONFLICT (run_id) DO NOTHING, and only the statement whose insert took effect goes on to
+finish the run and move its reservation to `used_*` (one statement with the insert: the settler's
+hot path is one locked read and one write, issue 9). A concurrent second settler blocks on the
 unique index until the first commits, then inserts nothing and returns False, touching nothing.
 If the caller's transaction rolls back, the whole settlement (entry, status, budget) goes with it.
 
@@ -20,13 +21,12 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from sluice.ledger.models import TERMINAL_STATUSES, Model, PriceCard, Run, RunStatus, UsageEntry
-from sluice.ledger.pricing import PriceCard as PriceCardRates
+from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus, UsageEntry
 from sluice.ledger.pricing import cost_micros
-from sluice.ledger.repositories import BudgetRepository
-from sqlalchemy import func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import BigInteger, BindParameter, Float, Integer, bindparam, select, text
+from sqlalchemy.dialects.postgresql import UUID as PgUUID
 from sqlalchemy.ext.asyncio import AsyncSession
 
 
@@ -65,6 +65,96 @@ async def settle_run(
     return settled is not None
 
 
+@dataclass(frozen=True, slots=True)
+class TerminalFix:
+    """What whoever settles a run fixes on it in the same statement (services/finish.py): the terminal
+    event's sequence and a short lease for whoever publishes it next."""
+
+    sequence: int                    # the TERMINAL event's
+    last_sequence: int               # the last event before it
+    lease_owner: str
+    lease_seconds: float
+    first_partition: int | None = None   # where the run's events start, when the ledger may lack it
+    first_offset: int | None = None
+
+
+class NotOwned(Exception):
+    """settle_run_usage(owned_by_epoch=...) found the run no longer active under that lease epoch."""
+
+
+_RUN_STATUSES_OWNED = "('QUEUED', 'RUNNING')"   # the statuses a lease holds (routing/claims.ACTIVE_CLAIMED)
+
+# One read, row-locked: the run's counts and reservation, and the rates it settles at (its pinned
+# price card, else its model's). A FOR UPDATE the settler's Runs.Cancel or lease may already hold.
+_READ_RUN = """
+SELECT r.id, r.tenant_id, r.model_version, r.replica, r.input_tokens, r.max_output_tokens,
+       r.reserved_tokens, r.reserved_cost_micros, r.api_key_id, r.price_card_id,
+       r.route_reason, r.worker_pool, r.quality_tier,
+       COALESCE(c.price_input_per_m_micros, m.price_input_per_m_micros) AS price_input_per_m_micros,
+       COALESCE(c.price_cached_input_per_m_micros, m.price_cached_input_per_m_micros)
+           AS price_cached_input_per_m_micros,
+       COALESCE(c.price_output_per_m_micros, m.price_output_per_m_micros) AS price_output_per_m_micros
+FROM runs r
+JOIN models m ON m.version = r.model_version
+LEFT JOIN price_cards c ON c.id = r.price_card_id
+WHERE r.id = :run_id {owned}
+FOR UPDATE OF r
+"""
+_READ_ANY = text(_READ_RUN.format(owned="")).bindparams(bindparam("run_id", type_=PgUUID(as_uuid=True)))
+_READ_OWNED = text(_READ_RUN.format(
+    owned=f"AND r.lease_epoch = :epoch AND r.status IN {_RUN_STATUSES_OWNED}")).bindparams(
+    bindparam("run_id", type_=PgUUID(as_uuid=True)), bindparam("epoch", type_=BigInteger))
+
+# The settlement in one statement. The usage entry goes first (ON CONFLICT (run_id) DO NOTHING: the
+# exactly-once guard); the run and the budget change only when it was inserted. The budget row is the
+# period the run was admitted in (its created_at), as admission chose it.
+_WRITE = """
+WITH entry AS (
+    INSERT INTO usage_entries (id, run_id, tenant_id, model_version, day, input_tokens, cached_input_tokens,
+                               output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
+                               worker_pool, quality_tier)
+    VALUES (:entry_id, :run_id, :tenant_id, :model_version, date(timezone('UTC', now())), :input_tokens,
+            :cached_input_tokens, :output_tokens, :cost_micros, :api_key_id, :price_card_id, :route_reason,
+            :worker_pool, :quality_tier)
+    ON CONFLICT (run_id) DO NOTHING
+    RETURNING settled_at
+), finished AS (
+    UPDATE runs
+       SET status = :status, finished_at = now(), output_tokens = :output_tokens,
+           cached_input_tokens = :cached_input_tokens, detail = :detail{terminal}
+     WHERE id = :run_id AND EXISTS (SELECT 1 FROM entry)
+    RETURNING id
+), budget AS (
+    UPDATE budgets b
+       SET reserved_tokens = b.reserved_tokens - r.reserved_tokens,
+           reserved_cost_micros = b.reserved_cost_micros - r.reserved_cost_micros,
+           used_tokens = b.used_tokens + :used_tokens,
+           used_cost_micros = b.used_cost_micros + :cost_micros
+      FROM runs r
+     WHERE r.id = :run_id AND b.tenant_id = r.tenant_id
+       AND b.period_start = CAST(date_trunc('month', timezone('UTC', r.created_at)) AS date)
+       AND EXISTS (SELECT 1 FROM entry)
+    RETURNING 1
+)
+SELECT (SELECT settled_at FROM entry) AS settled_at, (SELECT count(*) FROM finished) AS runs,
+       (SELECT count(*) FROM budget) AS budgets
+"""
+_TERMINAL_SET = """,
+           terminal_sequence = :terminal_sequence, last_sequence = :last_sequence,
+           lease_owner = :lease_owner, lease_expires_at = now() + make_interval(secs => :lease_seconds),
+           event_partition = COALESCE(event_partition, :first_partition),
+           event_first_offset = COALESCE(event_first_offset, :first_offset)"""
+_UUIDS = ("entry_id", "run_id", "tenant_id", "api_key_id")
+_BIGINTS = ("price_card_id", "cost_micros", "used_tokens")
+_WRITE_BINDS: tuple[BindParameter[Any], ...] = (
+    *(bindparam(name, type_=PgUUID(as_uuid=True)) for name in _UUIDS),
+    *(bindparam(name, type_=BigInteger) for name in _BIGINTS))
+_SETTLE = text(_WRITE.format(terminal="")).bindparams(*_WRITE_BINDS)
+_SETTLE_TERMINAL = text(_WRITE.format(terminal=_TERMINAL_SET)).bindparams(
+    *_WRITE_BINDS, bindparam("lease_seconds", type_=Float), bindparam("first_partition", type_=Integer),
+    bindparam("first_offset", type_=BigInteger))
+
+
 async def settle_run_usage(
     session: AsyncSession,
     run_id: uuid.UUID | str,
@@ -74,98 +164,73 @@ async def settle_run_usage(
     detail: str | None,
     *,
     input_tokens: int | None = None,
+    owned_by_epoch: int | None = None,
+    terminal: TerminalFix | None = None,
 ) -> SettledUsage | None:
     """settle_run, returning the settlement it made (what `settled_usage` would read back), or
-    None if the run was already settled."""
+    None if the run was already settled. Two statements, whoever settles: the run read (row-locked),
+    then the entry, the run and the budget written at once.
+
+    `owned_by_epoch`: settle only while the run is active under that lease epoch (NotOwned otherwise,
+    nothing written). `terminal`: fix the terminal event's sequence and the publisher's lease with it."""
     run_uuid = uuid.UUID(str(run_id))
     final = RunStatus(status)
     if final not in TERMINAL_STATUSES:
         raise SettlementError(f"settle_run needs a terminal status, got {final.value}")
 
-    run = await session.scalar(select(Run).where(Run.id == run_uuid))
-    if run is None:
-        raise SettlementError(f"no run {run_uuid}")
-    card = await price_card_of(session, run)
+    if owned_by_epoch is None:
+        run = (await session.execute(_READ_ANY, {"run_id": run_uuid})).first()
+        if run is None:
+            raise SettlementError(f"no run {run_uuid}")
+    else:
+        run = (await session.execute(_READ_OWNED, {"run_id": run_uuid, "epoch": owned_by_epoch})).first()
+        if run is None:
+            raise NotOwned(f"run {run_uuid} is not active under lease epoch {owned_by_epoch}")
 
     if input_tokens is None:
         input_tokens = run.input_tokens if run.replica is not None else 0
     charged_input = input_tokens
-    _check_counts(run, charged_input, cached_input_tokens, output_tokens)
-    cost = cost_micros(card, charged_input, cached_input_tokens, output_tokens)
+    _check_counts(run_uuid, run.input_tokens, run.max_output_tokens, charged_input, cached_input_tokens,
+                  output_tokens)
+    cost = cost_micros(run, charged_input, cached_input_tokens, output_tokens)
 
-    inserted = await session.execute(
-        pg_insert(UsageEntry)
-        .values(
-            id=uuid.uuid4(),
-            run_id=run.id,
-            tenant_id=run.tenant_id,
-            model_version=run.model_version,
-            day=func.date(func.timezone("UTC", func.now())),
-            input_tokens=charged_input,
-            cached_input_tokens=cached_input_tokens,
-            output_tokens=output_tokens,
-            cost_micros=cost,
-            api_key_id=run.api_key_id,
-            price_card_id=run.price_card_id,
-            route_reason=run.route_reason,
-            worker_pool=run.worker_pool,
-            quality_tier=run.quality_tier,
-        )
-        .on_conflict_do_nothing(index_elements=[UsageEntry.run_id])
-        .returning(UsageEntry.settled_at)
-    )
-    settled_at = inserted.scalar_one_or_none()
-    if settled_at is None:
+    values: dict[str, object] = {
+        "entry_id": uuid.uuid4(), "run_id": run_uuid, "tenant_id": run.tenant_id,
+        "model_version": run.model_version, "input_tokens": charged_input,
+        "cached_input_tokens": cached_input_tokens, "output_tokens": output_tokens, "cost_micros": cost,
+        "api_key_id": run.api_key_id, "price_card_id": run.price_card_id, "route_reason": run.route_reason,
+        "worker_pool": run.worker_pool, "quality_tier": run.quality_tier, "status": final.value,
+        "detail": detail, "used_tokens": charged_input + output_tokens,
+    }
+    statement = _SETTLE
+    if terminal is not None:
+        statement = _SETTLE_TERMINAL
+        values.update(terminal_sequence=terminal.sequence, last_sequence=terminal.last_sequence,
+                      lease_owner=terminal.lease_owner, lease_seconds=float(terminal.lease_seconds),
+                      first_partition=terminal.first_partition, first_offset=terminal.first_offset)
+    written = (await session.execute(statement, values)).one()
+    if written.settled_at is None:
         return None
-
-    await session.execute(
-        update(Run)
-        .where(Run.id == run.id)
-        .values(
-            status=final.value,
-            finished_at=func.now(),
-            output_tokens=output_tokens,
-            cached_input_tokens=cached_input_tokens,
-            detail=detail,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    await BudgetRepository(session).settle(
-        run.tenant_id,
-        run.created_at,
-        released_tokens=run.reserved_tokens,
-        released_cost_micros=run.reserved_cost_micros,
-        used_tokens=charged_input + output_tokens,
-        used_cost_micros=cost,
-    )
-    return SettledUsage(run_id=run.id, status=final, input_tokens=charged_input,
+    assert written.budgets == 1, (
+        f"no budget row for tenant {run.tenant_id} in the period run {run_uuid} was admitted in:"
+        " a reservation was lost")
+    return SettledUsage(run_id=run_uuid, status=final, input_tokens=charged_input,
                         cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
-                        cost_micros=cost, settled_at=settled_at)
+                        cost_micros=cost, settled_at=written.settled_at)
 
 
-async def price_card_of(session: AsyncSession, run: Run) -> PriceCardRates:
-    """The prices a run settles at: the card admission reserved it at (price changes made since
-    apply only to runs admitted after them), or, for a run without one, its model's prices."""
-    if run.price_card_id is not None:
-        card = await session.get(PriceCard, run.price_card_id)
-        assert card is not None, f"run {run.id} names price card {run.price_card_id} that does not exist"
-        return card
-    model = await session.get(Model, run.model_version)
-    assert model is not None, f"run {run.id} names model {run.model_version} that does not exist"
-    return model
-
-
-def _check_counts(run: Run, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> None:
-    if not 0 <= input_tokens <= run.input_tokens:
-        raise SettlementError(f"input_tokens {input_tokens} outside 0..{run.input_tokens} for run {run.id}")
+def _check_counts(run_id: uuid.UUID, run_input_tokens: int, max_output_tokens: int, input_tokens: int,
+                  cached_input_tokens: int, output_tokens: int) -> None:
+    if not 0 <= input_tokens <= run_input_tokens:
+        raise SettlementError(f"input_tokens {input_tokens} outside 0..{run_input_tokens} for run {run_id}")
     if not 0 <= cached_input_tokens <= input_tokens:
         raise SettlementError(
-            f"cached_input_tokens {cached_input_tokens} outside 0..{input_tokens} for run {run.id}"
+            f"cached_input_tokens {cached_input_tokens} outside 0..{input_tokens} for run {run_id}"
         )
-    if not 0 <= output_tokens <= run.max_output_tokens:
+    if not 0 <= output_tokens <= max_output_tokens:
         raise SettlementError(
-            f"output_tokens {output_tokens} outside 0..{run.max_output_tokens} (the run's cap)"
-            f" for run {run.id}"
+            f"output_tokens {output_tokens} outside 0..{max_output_tokens} (the run's cap)"
+            f" for run {run_id}"
         )
 
 

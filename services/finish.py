@@ -18,11 +18,11 @@ import uuid
 from dataclasses import dataclass
 
 from sluice.ledger.channels import EVENTS_CHANNEL
-from sluice.ledger.leases import lease_until
+from sluice.ledger.db import autocommit_engine
 from sluice.ledger.models import Run, RunStatus
-from sluice.ledger.settlement import SettledUsage, settle_run_usage, settled_usage
-from sluice.services.notify import notify
-from sqlalchemy import func, select, update
+from sluice.ledger.runs_sql import mark_published
+from sluice.ledger.settlement import SettledUsage, TerminalFix, settle_run_usage, settled_usage
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import status_value, terminal_event
@@ -58,25 +58,22 @@ class TerminalRecord:
 
 
 async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: Ending, owner: str,
-                                  lease_seconds: float, epoch: int = 0) -> TerminalRecord | None:
-    """Step 1, inside the caller's transaction. None when the run was already settled."""
+                                  lease_seconds: float, epoch: int = 0,
+                                  owned: bool = False) -> TerminalRecord | None:
+    """Step 1, inside the caller's transaction. None when the run was already settled. `owned`: only
+    while the run is active under `epoch` (NotOwned otherwise, nothing written)."""
     untaken = ending.prompt_taken is False
+    first = ending.first
+    fix = TerminalFix(sequence=ending.last_sequence + 1, last_sequence=ending.last_sequence,
+                      lease_owner=owner, lease_seconds=lease_seconds,
+                      first_partition=None if first is None else first.partition,
+                      first_offset=None if first is None else first.offset)
     settled = await settle_run_usage(session, run_id, ending.status, output_tokens=ending.output_tokens,
                                      cached_input_tokens=0 if untaken else ending.cached_input_tokens,
-                                     detail=ending.detail, input_tokens=0 if untaken else None)
+                                     detail=ending.detail, input_tokens=0 if untaken else None,
+                                     owned_by_epoch=epoch if owned else None, terminal=fix)
     if settled is None:
         return None
-    values: dict[str, object] = {
-        "terminal_sequence": ending.last_sequence + 1,
-        "last_sequence": ending.last_sequence,
-        "lease_owner": owner,
-        "lease_expires_at": lease_until(lease_seconds),
-    }
-    if ending.first is not None:
-        values["event_partition"] = func.coalesce(Run.event_partition, ending.first.partition)
-        values["event_first_offset"] = func.coalesce(Run.event_first_offset, ending.first.offset)
-    await session.execute(update(Run).where(Run.id == uuid.UUID(run_id)).values(**values)
-                          .execution_options(synchronize_session=False))
     # What was just settled is the record: no need to read it back.
     return _record(run_id, ending.last_sequence + 1, settled, ending.detail, epoch)
 
@@ -103,20 +100,10 @@ def _record(run_id: str, sequence: int, usage: SettledUsage, detail: str | None,
 
 async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSession],
                            record: TerminalRecord) -> LogPosition:
-    """Steps 2 and 3."""
+    """Steps 2 and 3 (step 3 is one autocommit statement that also notifies the run's Streams)."""
     event = terminal_event(record.run_id, record.sequence, status_value(record.status.value),
                            record.usage, record.detail, int(time.time() * 1000), record.epoch)
     position = await log.append(event)
-    async with sessions() as session, session.begin():
-        await session.execute(
-            update(Run)
-            .where(Run.id == uuid.UUID(record.run_id))
-            .values(terminal_published=True, lease_expires_at=None,
-                    last_sequence=func.greatest(Run.last_sequence, record.sequence),
-                    # A run whose only event is its terminal one starts where that event sits.
-                    event_partition=func.coalesce(Run.event_partition, position.partition),
-                    event_first_offset=func.coalesce(Run.event_first_offset, position.offset))
-            .execution_options(synchronize_session=False)
-        )
-        await notify(session, EVENTS_CHANNEL, record.run_id)
+    async with autocommit_engine(sessions).connect() as connection:
+        await mark_published(connection, record.run_id, record.sequence, position, EVENTS_CHANNEL)
     return position

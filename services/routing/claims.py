@@ -15,12 +15,12 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.leases import lease_until
 from sluice.ledger.models import Model, Run, RunStatus
+from sluice.ledger.routes import route_from_columns
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
-from sluice.services.notify import notify
 from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -54,21 +54,54 @@ class ClaimedRun:
     route: RouteRecord | None = None     # the routing decision admission recorded (None: before 0008)
 
 
-async def lock_accepted(session: AsyncSession, limit: int) -> list[tuple[Run, Model]]:
+@dataclass(frozen=True, slots=True)
+class AcceptedRun:
+    """An ACCEPTED run locked for claiming: the columns routing and the driver need, no ORM row."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    model_version: str
+    prompt_token_ids: list[int]
+    input_tokens: int
+    max_output_tokens: int
+    conversation_id: str | None
+    deadline_at: dt.datetime
+    created_at: dt.datetime
+    cache_scope: str | None
+    sampling: dict[str, Any]     # runs.sampling (JSONB, '{}' by default)
+    lease_epoch: int
+    worker_pool: str             # its model's
+    tokenizer: str
+    end_id: int
+    route: RouteRecord | None    # the routing decision admission recorded (None: before 0008)
+
+
+_ACCEPTED_COLUMNS = (Run.id, Run.tenant_id, Run.model_version, Run.prompt_token_ids, Run.input_tokens,
+                     Run.max_output_tokens, Run.conversation_id, Run.deadline_at, Run.created_at,
+                     Run.cache_scope, Run.sampling, Run.lease_epoch, Model.worker_pool, Model.tokenizer,
+                     Model.end_id)
+_ROUTE_COLUMNS = (Run.worker_pool, Run.quality_tier, Run.route_reason, Run.requested_model, Run.fallback_from,
+                  Run.route_detail)
+
+
+async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
     """Oldest ACCEPTED runs nobody else is claiming right now, row-locked for this transaction.
 
     SKIP LOCKED lets several routing processes claim concurrently without
-    waiting on each other or taking the same run twice.
+    waiting on each other or taking the same run twice. Columns, not ORM rows: the claim loop
+    builds no identity map.
     """
     rows = await session.execute(
-        select(Run, Model)
+        select(*_ACCEPTED_COLUMNS, *_ROUTE_COLUMNS)
         .join(Model, Model.version == Run.model_version)
         .where(Run.status == RunStatus.ACCEPTED.value)
         .order_by(Run.created_at)
         .limit(limit)
         .with_for_update(skip_locked=True, of=Run)
     )
-    return [(row[0], row[1]) for row in rows]
+    width = len(_ACCEPTED_COLUMNS)
+    return [AcceptedRun(*row[:width], route=route_from_columns(row.model_version, *row[width:]))
+            for row in rows]
 
 
 async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, owner: str,
@@ -98,34 +131,6 @@ async def reassign_replica(session: AsyncSession, run_id: str, epoch: int, repli
         .values(replica=replica)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]
-
-
-async def mark_running(session: AsyncSession, run_id: str, epoch: int, first: LogPosition,
-                       last_sequence: int) -> bool:
-    """QUEUED → RUNNING with where the run's events start; False if the lease is gone. Idempotent
-    (a retry after a lost commit acknowledgment finds it RUNNING under the same epoch).
-    Streams waiting for the run's first event are woken when this commits."""
-    result = await session.execute(
-        update(Run)
-        .where(Run.id == uuid.UUID(run_id), Run.lease_epoch == epoch, Run.status.in_(ACTIVE_CLAIMED))
-        .values(status=RunStatus.RUNNING.value, started_at=func.coalesce(Run.started_at, func.now()),
-                event_partition=func.coalesce(Run.event_partition, first.partition),
-                event_first_offset=func.coalesce(Run.event_first_offset, first.offset),
-                last_sequence=func.greatest(Run.last_sequence, last_sequence))
-    )
-    if not result.rowcount:  # type: ignore[attr-defined]
-        return False
-    await notify(session, EVENTS_CHANNEL, run_id)
-    return True
-
-
-async def lock_own_active(session: AsyncSession, run_id: str, epoch: int) -> Run | None:
-    """The run, row-locked, if the lease of `epoch` still holds it and it is not terminal yet."""
-    return await session.scalar(
-        select(Run)
-        .where(Run.id == uuid.UUID(run_id), Run.lease_epoch == epoch, Run.status.in_(ACTIVE_CLAIMED))
-        .with_for_update()
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,7 +106,7 @@ TRITON = _ModuleReplicaClient()
 class DriverSettings:
     owner: str                   # this process's lease owner id
     lease_seconds: float
-    coalesce_ms: float           # a DELTA window's length ([kafka].coalesce_ms; the first token is never held)
+    coalesce_ms: float           # a DELTA window ([kafka].coalesce_ms); the first token is never held
     first_token_timeout_s: float
     block_size: int              # replica KV block size: reused blocks → cached prompt tokens
     max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token

@@ -16,11 +16,15 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import asyncpg
+from sluice.ledger.channels import EVENTS_CHANNEL
+from sluice.ledger.db import autocommit_engine
+from sluice.ledger.runs_sql import mark_running
+from sluice.ledger.settlement import NotOwned
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from sluice.services.routing.claims import lock_own_active, mark_running, reassign_replica
+from sluice.services.routing.claims import reassign_replica
 from sluice.services.routing.leases import Lease
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
 from sluice.eventlog.interface import EventLog, LogPosition
 
@@ -83,11 +87,10 @@ class SqlRunLedger:
     owner: str
     lease_seconds: float
 
-    async def _retrying(self, lease: Lease, write: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    async def _retrying(self, lease: Lease, write: Callable[[], Awaitable[T]]) -> T:
         while True:
             try:
-                async with self.sessions() as session, session.begin():
-                    return await write(session)
+                return await write()
             except Exception as error:
                 if not transient(error) or not lease.valid(time.monotonic()):
                     raise
@@ -95,26 +98,41 @@ class SqlRunLedger:
                             lease.run_id, error)
                 await asyncio.sleep(RETRY_S)
 
+    async def _in_transaction(self, lease: Lease, write: Callable[[AsyncSession], Awaitable[T]]) -> T:
+        async def attempt() -> T:
+            async with self.sessions() as session, session.begin():
+                return await write(session)
+        return await self._retrying(lease, attempt)
+
+    async def _autocommit(self, lease: Lease, write: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """A single-statement write: one round trip, no BEGIN/COMMIT."""
+        async def attempt() -> T:
+            async with autocommit_engine(self.sessions).connect() as connection:
+                return await write(connection)
+        return await self._retrying(lease, attempt)
+
     async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
-        async def write(session: AsyncSession) -> bool:
-            return await mark_running(session, lease.run_id, lease.epoch, first, last_sequence)
-        if not await self._retrying(lease, write):
+        async def write(connection: AsyncConnection) -> bool:
+            return await mark_running(connection, lease.run_id, lease.epoch, first, last_sequence,
+                                      EVENTS_CHANNEL)
+        if not await self._autocommit(lease, write):
             raise LeaseLost("the ledger refused RUNNING under this epoch")
 
     async def reassign(self, lease: Lease, replica: str) -> None:
         async def write(session: AsyncSession) -> bool:
             return await reassign_replica(session, lease.run_id, lease.epoch, replica)
-        if not await self._retrying(lease, write):
+        if not await self._in_transaction(lease, write):
             raise LeaseLost("the ledger refused the new replica under this epoch")
 
     async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
         async def write(session: AsyncSession) -> TerminalRecord | None:
-            if await lock_own_active(session, lease.run_id, lease.epoch) is None:
-                raise LeaseLost("the run is no longer active under this epoch")
+            # Two statements: the run read row-locked under this epoch, then the settlement.
             return await settle_and_fix_terminal(session, lease.run_id, ending, self.owner,
-                                                 self.lease_seconds,
-                                                 lease.epoch)
-        return await self._retrying(lease, write)
+                                                 self.lease_seconds, lease.epoch, owned=True)
+        try:
+            return await self._in_transaction(lease, write)
+        except NotOwned as gone:
+            raise LeaseLost("the run is no longer active under this epoch") from gone
 
     async def publish_terminal(self, record: TerminalRecord) -> None:
         await publish_terminal(self.events, self.sessions, record)

@@ -42,8 +42,8 @@ from typing import Any
 import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
-from sluice.ledger.models import Model, Run, RunStatus
-from sluice.ledger.routes import route_of
+from sluice.ledger.models import RunStatus
+from sluice.ledger.settlement import NotOwned
 from sluice.services import replica_client
 from sluice.services.admission_rules import Sampling
 from sluice.services.finish import (
@@ -55,10 +55,10 @@ from sluice.services.finish import (
 )
 from sluice.services.notify import ChannelListener
 from sluice.services.routing.claims import (
+    AcceptedRun,
     ClaimedRun,
     TakenRun,
     lock_accepted,
-    lock_own_active,
     mark_queued,
     take_expired_leases,
     take_unpublished_terminals,
@@ -267,7 +267,7 @@ class RoutingWorker:
                 # Started only once there is something to claim: an idle poll every 50 ms is no span.
                 span = tracer().start_span("run.claim", start_time=started_ns, attributes={
                     "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
-                for run, model in rows:
+                for run in rows:
                     if run.deadline_at.timestamp() <= now:
                         record = await settle_and_fix_terminal(
                             session, str(run.id),
@@ -276,7 +276,7 @@ class RoutingWorker:
                         if record is not None:
                             expired.append(record)
                         continue
-                    item = await self._route(session, run, model, now, claim_started)
+                    item = await self._route(session, run, now, claim_started)
                     if item is not None:
                         routed.append(item)
                         # Counted at once, so the batch's next decisions see this run's load.
@@ -298,13 +298,13 @@ class RoutingWorker:
         # of a healthy replica must not spin this loop.
         return len(routed) + len(expired) == free
 
-    async def _route(self, session: AsyncSession, run: Run, model: Model, now: float,
+    async def _route(self, session: AsyncSession, run: AcceptedRun, now: float,
                      claim_started: float) -> _Routed | None:
         salt = cache_salt(run.cache_scope or scope_of(run.tenant_id, None))
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
                                token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
                                conversation_id=run.conversation_id, cache_salt=salt)
-        views = self.registry.views(model.worker_pool, now, self.health, self.loads)
+        views = self.registry.views(run.worker_pool, now, self.health, self.loads)
         decision = self._choose(request, views, now)
         if decision is None:
             return None  # no healthy replica in the pool: the run stays ACCEPTED for a later pass
@@ -312,12 +312,12 @@ class RoutingWorker:
                                              self.settings.lease_seconds)
         claim = ClaimedRun(
             run_id=str(run.id), tenant_id=run.tenant_id, model_version=run.model_version,
-            worker_pool=model.worker_pool, tokenizer=model.tokenizer, end_id=model.end_id,
+            worker_pool=run.worker_pool, tokenizer=run.tokenizer, end_id=run.end_id,
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
             created_at=run.created_at, cache_salt=salt, epoch=epoch,
-            sampling=Sampling.from_json(run.sampling), route=route_of(run))
+            sampling=Sampling.from_json(run.sampling), route=run.route)
         self.metrics.routed(claim.route)
         return _Routed(claim, request, decision, claim_started)
 
@@ -546,11 +546,12 @@ class RoutingWorker:
         ending = Ending(RunStatus.INTERRUPTED, last, tokens_in(durable),
                         DETAIL_DRIVER_LOST.format(owner=run.previous_owner),
                         first=(start or fence) if run.first is None else None)
-        async with self.sessions() as session, session.begin():
-            if await lock_own_active(session, run.run_id, run.epoch) is None:
-                return
-            record = await settle_and_fix_terminal(session, run.run_id, ending, self.settings.owner,
-                                                   self.settings.lease_seconds, run.epoch)
+        try:
+            async with self.sessions() as session, session.begin():
+                record = await settle_and_fix_terminal(session, run.run_id, ending, self.settings.owner,
+                                                       self.settings.lease_seconds, run.epoch, owned=True)
+        except NotOwned:
+            return
         if record is not None:
             await publish_terminal(self.events, self.sessions, record)
 
