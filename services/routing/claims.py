@@ -100,7 +100,7 @@ async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
         .with_for_update(skip_locked=True, of=Run)
     )
     width = len(_ACCEPTED_COLUMNS)
-    return [AcceptedRun(*row[:width], route=route_from_columns(row.model_version, *row[width:]))
+    return [AcceptedRun(*row[:width], route_from_columns(row.model_version, *row[width:]))
             for row in rows]
 
 
