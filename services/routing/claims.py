@@ -80,8 +80,8 @@ _ACCEPTED_COLUMNS = (Run.id, Run.tenant_id, Run.model_version, Run.prompt_token_
                      Run.max_output_tokens, Run.conversation_id, Run.deadline_at, Run.created_at,
                      Run.cache_scope, Run.sampling, Run.lease_epoch, Model.worker_pool, Model.tokenizer,
                      Model.end_id)
-_ROUTE_COLUMNS = (Run.worker_pool, Run.quality_tier, Run.route_reason, Run.requested_model, Run.fallback_from,
-                  Run.route_detail)
+_ROUTE_COLUMNS = (Run.worker_pool.label("route_pool"), Run.quality_tier.label("route_tier"), Run.route_reason,
+                  Run.requested_model, Run.fallback_from, Run.route_detail)
 
 
 async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
@@ -99,9 +99,16 @@ async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
         .limit(limit)
         .with_for_update(skip_locked=True, of=Run)
     )
-    width = len(_ACCEPTED_COLUMNS)
-    return [AcceptedRun(*row[:width], route_from_columns(row.model_version, *row[width:]))
-            for row in rows]
+    return [AcceptedRun(
+        id=row.id, tenant_id=row.tenant_id, model_version=row.model_version,
+        prompt_token_ids=row.prompt_token_ids, input_tokens=row.input_tokens,
+        max_output_tokens=row.max_output_tokens, conversation_id=row.conversation_id,
+        deadline_at=row.deadline_at, created_at=row.created_at, cache_scope=row.cache_scope,
+        sampling=row.sampling, lease_epoch=row.lease_epoch, worker_pool=row.worker_pool,
+        tokenizer=row.tokenizer, end_id=row.end_id,
+        route=route_from_columns(row.model_version, row.route_pool, row.route_tier, row.route_reason,
+                                 row.requested_model, row.fallback_from, row.route_detail))
+        for row in rows]
 
 
 async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, owner: str,
