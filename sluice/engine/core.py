@@ -57,6 +57,8 @@ from sluice.engine.types import (
 NO_KV_ROOM = "{model} on {tp} × {gpu} leaves no memory for the KV cache"
 NO_KV_BLOCKS = "the executor leaves no room for KV blocks; set num_blocks"
 ONE_EXECUTOR = "give EngineCore a cost model (timing executor) or an executor, not both"
+HOST_TIER_MODELLED = ("the host KV tier is modelled by the timing executor; the model executor keeps no "
+                      "host copies of its blocks, so set host_num_blocks to 0")
 
 
 class EngineCore:
@@ -79,7 +81,12 @@ class EngineCore:
         self.config = config
         self.cost_model = cost_model
         self.executor = executor
-        self.pool = BlockPool(num_blocks, config.block_size)
+        host_blocks = config.host_num_blocks
+        if host_blocks is None:
+            host_blocks = 0 if cost_model is None else cost_model.host_kv_capacity_blocks(config.block_size)
+        if host_blocks and cost_model is None:
+            raise ValueError(HOST_TIER_MODELLED)
+        self.pool = BlockPool(num_blocks, config.block_size, host_blocks)
         executor.allocate_kv(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.pool)
         self._live: dict[str, SequenceState] = {}
@@ -279,13 +286,15 @@ class EngineCore:
 
     def cached_prefix_tokens(self, token_ids: Seq[int], cache_salt: int = 0) -> int:
         """Prompt tokens a request with `token_ids` (in scope `cache_salt`) would find cached here
-        right now (the same cap as admission: at least one token is computed). The simulator's
-        oracle router reads this."""
+        right now, in either tier (the same cap as admission: at least one token is computed). The
+        simulator's oracle router reads this."""
         if not self.config.enable_prefix_reuse:
             return 0
         block_size = self.pool.block_size
-        hits = self.pool.lookup(block_hashes(token_ids, block_size, salted_root(cache_salt)))
-        return max(0, min(len(hits), (len(token_ids) - 1) // block_size)) * block_size
+        usable = max(0, (len(token_ids) - 1) // block_size)
+        hashes = block_hashes(token_ids, block_size, salted_root(cache_salt))[:usable]
+        gpu, host = self.pool.lookup_tiers(hashes)
+        return (len(gpu) + len(host)) * block_size
 
     @property
     def num_running(self) -> int:

@@ -67,6 +67,7 @@ class TimingExecutor:
         self.cost_model = cost_model
         self.tokens = tokens
         self.materialise = materialise      # False: counting mode, no ids (the simulator's fast path)
+        self.block_size = 0                 # the pool's, from allocate_kv (prices host-tier copies)
 
     @property
     def real_time(self) -> bool:
@@ -77,6 +78,7 @@ class TimingExecutor:
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         """Nothing to hold: the timing executor computes no KV."""
+        self.block_size = block_size
 
     def execute(self, batch: ScheduledBatch) -> StepExecution:
         context_tokens = sum(chunk for _, chunk in batch.chunks)
@@ -84,6 +86,8 @@ class TimingExecutor:
         prefill_kv = sum(seq.num_computed + chunk for seq, chunk in batch.chunks)
         duration = self.cost_model.step_time_totals_s(context_tokens, len(batch.decodes), decode_context,
                                                       prefill_kv)
+        # Host-tier blocks are copied back before the step's attention reads them: the step waits.
+        duration += self.cost_model.onboard_time_s(batch.onboarded_blocks, self.block_size)
         if not self.materialise:
             return StepExecution(duration, ())
         space = self.tokens

@@ -29,8 +29,27 @@ hash (that is the eviction). A cache hit on a block in the queue pulls it out.
 Sequences release their blocks tail-first, so a sequence's last blocks (the
 least shared part of its prefix) are evicted before its first ones.
 
+Host tier. With a host pool (`host_blocks` > 0) an eviction is an offload: the
+evicted block's hash moves to the host pool, which keeps its own LRU order and
+forgets its oldest entry when full. Only cached blocks with no owner are ever
+evicted, so what reaches the host is the prefix of a session between turns
+(or of a request paused to make room). A later prompt whose chain continues
+into the host tier takes fresh blocks for those hashes and registers them
+(`onboard`), and the executor prices the copy back (CostModel.onboard_time_s)
+instead of a prefill:
+
+    GPU pool:   h0 h1 ─┐                         lookup_tiers(h0..h4) = ([b0, b1], [h2, h3])
+    host pool:         └ h2 h3                   h4 is computed, h2 h3 copied back
+
+The host side holds hashes only: the timing executor computes no KV, so the
+tier is modelled, not stored (the model executor runs without one). A host run
+is looked for only after the GPU prefix ends; a GPU block behind it is missed.
+
 Counters follow TensorRT-LLM's KvCacheStats: max, free (ref count 0, cached or
-not), used (= max − free), and cumulative reused / missed / allocated blocks.
+not), used (= max − free), and cumulative reused / missed / allocated blocks
+(reused counts blocks from either tier: neither is recomputed). TensorRT-LLM's
+Triton metrics have no host-tier kinds, so those are Sluice's: host max/used
+blocks, blocks offloaded / onboarded / evicted from the host, host tier hits.
 """
 
 from __future__ import annotations
@@ -72,6 +91,12 @@ class KVCacheStats:
     alloc_total_blocks: int  # cumulative: blocks handed to sequences (new + reused)
     alloc_new_blocks: int    # cumulative: blocks taken from the free queue
     cached_blocks: int       # blocks currently registered under a hash
+    host_max_blocks: int = 0         # host tier size (0: no tier)
+    host_used_blocks: int = 0        # block hashes held in host memory
+    blocks_offloaded: int = 0        # cumulative: evicted GPU blocks copied to the host tier
+    blocks_onboarded: int = 0        # cumulative: host blocks copied back on a prefix hit
+    host_evicted_blocks: int = 0     # cumulative: host entries dropped, least recently used first
+    host_tier_hits: int = 0          # cumulative: admissions that found part of their prefix on the host
 
     @property
     def fraction(self) -> float:
@@ -84,13 +109,64 @@ class KVCacheStats:
         return self.reused_blocks / looked_up if looked_up else 0.0
 
 
-class BlockPool:
-    """Block ids, ref counts, the LRU free queue and the hash → block map."""
+class HostPool:
+    """The host-memory tier: hashes of offloaded blocks in LRU order (oldest first)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 0, "the host tier cannot have a negative size"
+        self.num_blocks = num_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.offloaded = 0
+        self.onboarded = 0
+        self.evicted = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def offload(self, block_hash: int) -> None:
+        """Keep an evicted block's hash, dropping the least recently used one past capacity."""
+        if not self.num_blocks:
+            return
+        lru = self._lru
+        if block_hash in lru:
+            lru.move_to_end(block_hash)
+        else:
+            lru[block_hash] = None
+            if len(lru) > self.num_blocks:
+                lru.popitem(last=False)
+                self.evicted += 1
+        self.offloaded += 1
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The leading run of `hashes` held here."""
+        found: list[int] = []
+        lru = self._lru
+        for block_hash in hashes:
+            if block_hash not in lru:
+                break
+            found.append(block_hash)
+        return found
+
+    def take(self, hashes: Sequence[int]) -> None:
+        """Hand `hashes` (from lookup) back to the GPU: they leave the host tier."""
+        for block_hash in hashes:
+            del self._lru[block_hash]
+        self.onboarded += len(hashes)
+        self.hits += 1 if hashes else 0
+
+
+class BlockPool:
+    """Block ids, ref counts, the LRU free queue and the hash → block map, and the host tier."""
+
+    def __init__(self, num_blocks: int, block_size: int, host_blocks: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0, "the pool needs at least one block of at least one token"
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.host = HostPool(host_blocks)
         self._ref_count = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._block_of: dict[int, int] = {}
@@ -126,19 +202,29 @@ class BlockPool:
             found.append(block_id)
         return found
 
+    def lookup_tiers(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The longest cached prefix of `hashes` across both tiers: the GPU blocks of its start and
+        the hashes of the host-tier run that follows (no ref taken, nothing moved)."""
+        gpu = self.lookup(hashes)
+        if not self.host.num_blocks or len(gpu) == len(hashes):
+            return gpu, []
+        return gpu, self.host.lookup(hashes[len(gpu):])
+
     def allocate(self, count: int) -> list[int] | None:
-        """`count` fresh blocks from the head of the free queue, evicting their hashes;
-        None (and nothing changed) when fewer are free."""
+        """`count` fresh blocks from the head of the free queue, evicting their hashes (to the host
+        tier, when there is one); None (and nothing changed) when fewer are free."""
         if count > len(self._free):
             return None
         blocks: list[int] = []
         free = self._free
+        host = self.host
         for _ in range(count):
             block_id, _ = free.popitem(last=False)
             block_hash = self._hash_of[block_id]
             if block_hash is not None:
                 self._hash_of[block_id] = None
                 del self._block_of[block_hash]
+                host.offload(block_hash)
             self._ref_count[block_id] = 1
             blocks.append(block_id)
         self.alloc_new_blocks += count
@@ -171,6 +257,16 @@ class BlockPool:
             self._hash_of[block_id] = block_hash
             self._block_of[block_hash] = block_id
 
+    def onboard(self, host_hashes: Sequence[int], count: int) -> list[int]:
+        """`count` fresh blocks whose first len(host_hashes) take those hashes back from the host
+        tier, registered under them. The hashes leave the host before allocating, so the offloads
+        this allocation causes cannot push them out. The caller checked that `count` are free."""
+        self.host.take(host_hashes)
+        blocks = self.allocate(count)
+        assert blocks is not None, "onboard() needs its blocks checked free"
+        self.register(blocks, host_hashes)
+        return blocks
+
     def count_hits(self, reused: int, missed: int) -> None:
         self.reused_blocks += reused
         self.missed_blocks += missed
@@ -182,4 +278,7 @@ class BlockPool:
             tokens_per_block=self.block_size, reused_blocks=self.reused_blocks,
             missed_blocks=self.missed_blocks, alloc_total_blocks=self.alloc_total_blocks,
             alloc_new_blocks=self.alloc_new_blocks, cached_blocks=len(self._block_of),
+            host_max_blocks=self.host.num_blocks, host_used_blocks=len(self.host),
+            blocks_offloaded=self.host.offloaded, blocks_onboarded=self.host.onboarded,
+            host_evicted_blocks=self.host.evicted, host_tier_hits=self.host.hits,
         )

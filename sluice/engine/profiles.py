@@ -87,6 +87,11 @@ class HardwareProfile:
     # Share of a tensor-parallel step spent in all-reduce over NVLink/NVSwitch; the
     # cost model's default (CostFactors.allreduce_fraction) is taken from here.
     nvlink_allreduce_overhead_fraction: float = 0.2
+    # The host-memory KV tier (engine.kv_cache.HostPool). Host memory per GPU (a node's system
+    # memory over its GPUs) and the GPU's link to it, per direction: PCIe Gen5 x16 on HGX parts
+    # (64 GB/s), NVLink-C2C on Grace Hopper (900 GB/s both ways, 450 each). 0 bytes: no host tier.
+    host_memory_bytes: float = 0.0
+    host_link_bytes_per_s: float = 64e9
 
     def supports_precision(self, precision: str) -> bool:
         """Whether the GPU can store and run a precision: FP8 needs FP8 tensor cores (Hopper and
@@ -117,18 +122,29 @@ MODEL_PRESETS: Mapping[str, ModelProfile] = MappingProxyType({
 })
 
 # Datasheet figures (SXM parts), dense. A100 has no FP8 tensor cores; int8 is its fast path.
+# Host memory: a DGX H100/H200 node has 2 TB for 8 GPUs (256 GB each) over PCIe Gen5 x16; a DGX
+# A100 1 TB (128 GB each) over PCIe Gen4 x16 (32 GB/s); a GH200 superchip 480 GB of LPDDR5X behind
+# NVLink-C2C (450 GB/s each way), 7x PCIe Gen5, which is what makes its host tier cheap to hit.
 HARDWARE_PRESETS: Mapping[str, HardwareProfile] = MappingProxyType({
     "h100-sxm": HardwareProfile(
         name="h100-sxm", hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=3.35e12,
         dense_flops_per_s=MappingProxyType({"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}),
+        host_memory_bytes=256e9, host_link_bytes_per_s=64e9,
     ),
     "h200": HardwareProfile(
         name="h200", hbm_bytes=141e9, hbm_bandwidth_bytes_per_s=4.8e12,
         dense_flops_per_s=MappingProxyType({"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}),
+        host_memory_bytes=256e9, host_link_bytes_per_s=64e9,
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g", hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=2.039e12,
         dense_flops_per_s=MappingProxyType({"bf16": 312e12, "int8": 624e12}),
+        host_memory_bytes=128e9, host_link_bytes_per_s=32e9,
+    ),
+    "gh200": HardwareProfile(
+        name="gh200", hbm_bytes=96e9, hbm_bandwidth_bytes_per_s=4.0e12,
+        dense_flops_per_s=MappingProxyType({"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}),
+        host_memory_bytes=480e9, host_link_bytes_per_s=450e9,
     ),
 })
 

@@ -17,6 +17,10 @@ Two stages, as in TensorRT-LLM's batch manager:
      registered for reuse and released, and it waits at the head of the queue
      to recompute its context (prompt + tokens streamed so far) later.
    The queue head blocks those behind it: no skipping ahead (FCFS).
+   A prefix found in the host tier (kv_cache.HostPool) counts as cached: its
+   blocks are fresh blocks (they need room like any other) filled by a copy
+   from host memory, which the executor prices in the admitting step, and
+   their tokens are never prefilled again.
 
 2. Micro-batch (what runs this step under `max_num_tokens`). Every request in
    generation decodes one token first, so a long prompt never starves decodes;
@@ -40,11 +44,24 @@ def _blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached start of a context, by tier."""
+
+    blocks: list[int]                         # GPU blocks, taken by reference
+    host_hashes: list[int]                    # the host-tier run after them, copied into fresh blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.host_hashes)
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     decodes: list[SequenceState]
     chunks: list[tuple[SequenceState, int]]   # (context request, tokens to compute this step)
     num_paused: int
+    onboarded_blocks: int = 0                 # host-tier blocks copied back before this step runs
 
     def samplers(self) -> list[SequenceState]:
         """Sequences that sample an id this step: every decode, then each chunk that ends its context."""
@@ -67,14 +84,16 @@ class Scheduler:
         """Blocks `seq` may hold by the end: its whole prompt plus request_output_len."""
         return _blocks_for(seq.prompt_len + seq.cap, self.block_size)
 
-    def prefix_hits(self, seq: SequenceState) -> list[int]:
-        """Cached blocks covering the start of `seq`'s context. At least one context token is always
-        computed (it produces the next sample), so a fully cached context gives back its last block."""
+    def prefix_hits(self, seq: SequenceState) -> PrefixHit:
+        """Cached blocks covering the start of `seq`'s context, in either tier. At least one context
+        token is always computed (it produces the next sample), so a fully cached context gives
+        back its last block."""
         if not self.config.enable_prefix_reuse:
-            return []
-        hashes = seq.hashes_upto(seq.context_len, self.block_size, self.config.tokens)
-        hits = self.pool.lookup(hashes)
-        return hits[:(seq.context_len - 1) // self.block_size]
+            return PrefixHit([], [])
+        usable = (seq.context_len - 1) // self.block_size
+        hashes = seq.hashes_upto(seq.context_len, self.block_size, self.config.tokens)[:usable]
+        gpu, host = self.pool.lookup_tiers(hashes)
+        return PrefixHit(gpu, host)
 
     def _free_blocks_taken(self, hits: list[int]) -> int:
         return sum(1 for block_id in hits if self.pool.is_free(block_id))
@@ -82,34 +101,37 @@ class Scheduler:
     def _outstanding_reservation(self) -> int:
         return sum(self.reserve_blocks(seq) - len(seq.block_ids) for seq in self.running)
 
-    def can_admit(self, seq: SequenceState, decode_need: int) -> list[int] | None:
-        """The prefix hits to take when `seq` fits now, else None. Pure: changes nothing."""
+    def can_admit(self, seq: SequenceState, decode_need: int) -> PrefixHit | None:
+        """The prefix hits to take when `seq` fits now, else None. Pure: changes nothing. Host-tier
+        hits need fresh blocks, so only GPU hits lower the need."""
         if len(self.running) >= self.config.max_num_seqs:
             return None
         hits = self.prefix_hits(seq)
-        taken = self._free_blocks_taken(hits)
+        gpu = len(hits.blocks)
+        taken = self._free_blocks_taken(hits.blocks)
         if self.config.policy == "guaranteed_no_evict":
-            need = self.reserve_blocks(seq) - len(hits) + taken
+            need = self.reserve_blocks(seq) - gpu + taken
             available = self.pool.num_free - self._outstanding_reservation()
         else:
-            need = _blocks_for(seq.context_len, self.block_size) - len(hits) + taken
+            need = _blocks_for(seq.context_len, self.block_size) - gpu + taken
             available = self.pool.num_free - decode_need
         return hits if need <= available else None
 
-    def admit(self, seq: SequenceState, hits: list[int]) -> None:
+    def admit(self, seq: SequenceState, hits: PrefixHit) -> None:
         pool = self.pool
-        pool.touch(hits)
-        fresh = pool.allocate(_blocks_for(seq.context_len, self.block_size) - len(hits))
-        assert fresh is not None, "admission checked the pool before allocating"
-        seq.block_ids = hits + fresh
-        seq.num_computed = len(hits) * self.block_size
-        seq.num_registered = len(hits)
+        pool.touch(hits.blocks)
+        fresh = pool.onboard(hits.host_hashes,
+                             _blocks_for(seq.context_len, self.block_size) - len(hits.blocks))
+        cached = hits.num_blocks
+        seq.block_ids = hits.blocks + fresh
+        seq.num_computed = cached * self.block_size
+        seq.num_registered = cached
         seq.in_context = True
         full_blocks = (seq.context_len - 1) // self.block_size if self.config.enable_prefix_reuse else 0
-        pool.count_hits(len(hits), max(0, full_blocks - len(hits)))
+        pool.count_hits(cached, max(0, full_blocks - cached))
         if not seq.admitted:
             seq.admitted = True
-            seq.reused_blocks = len(hits)
+            seq.reused_blocks = cached
             seq.num_cached_tokens = seq.num_computed
         self.running.append(seq)
 
@@ -166,6 +188,7 @@ class Scheduler:
                                else (0, 0))
         # A step that had to pause admits nobody: the pool is short, and the request just paused
         # would otherwise bounce straight back in.
+        onboarded = 0
         while self.waiting and not paused:
             head = self.waiting[0]
             hits = self.can_admit(head, decode_need)
@@ -175,7 +198,10 @@ class Scheduler:
             if head.admitted:              # only a paused request comes back to the queue
                 self.num_paused_waiting -= 1
             self.admit(head, hits)
-        return self._micro_batch(paused)
+            onboarded += len(hits.host_hashes)
+        batch = self._micro_batch(paused)
+        batch.onboarded_blocks = onboarded
+        return batch
 
     def _micro_batch(self, paused: int) -> ScheduledBatch:
         budget = self.config.max_num_tokens

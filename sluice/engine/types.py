@@ -37,6 +37,9 @@ class EngineConfig:
     policy: SchedulerPolicy = "guaranteed_no_evict"
     enable_chunked_context: bool = True
     enable_prefix_reuse: bool = True           # enable_block_reuse
+    # Host-memory KV tier in blocks (TensorRT-LLM's host_cache_size, in blocks): 0 = none (evicted
+    # blocks are dropped), None = the GPU profile's (CostModel.host_kv_capacity_blocks).
+    host_num_blocks: int | None = 0
     output_length: LengthDistribution | None = None   # None: every request runs to request_output_len
     tokens: TokenSpace = field(default_factory=TokenSpace)
     # True: an output per streamed token with its id (the Triton host). False: outputs only for
