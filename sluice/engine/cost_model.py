@@ -33,7 +33,7 @@ own link, in parallel, so bringing back `n` blocks takes
 
 and the host pool holds host memory per GPU × host_memory_fraction / KV bytes per token per GPU
 tokens. 70B FP8 on H100 TP8: a 32-token block is 32 × 20 KiB = 640 KiB per GPU, 12.8 us at
-51.2 GB/s; prefilling the same block costs ~1.1 ms of the node's compute (86x more).
+51.2 GB/s; prefilling the same block takes ~0.71 ms of the node's compute (56x more).
 
 Calibration (tests/test_engine_calibration.py prints each ratio). With these defaults,
 and nothing else tuned, the engine core run as trtllm-bench's max-throughput scenario
@@ -166,6 +166,12 @@ class CostModel:
             return 0.0
         link = self.hardware.host_link_bytes_per_s * self.efficiency.achieved_host_link_fraction
         return num_blocks * block_size * self._kv_bytes_per_token_per_gpu / link
+
+    def host_block_cost(self) -> float:
+        """Copying a block back from the host tier as a share of prefilling it (the router's price
+        of a host-tier hit): KV bytes per token per GPU / host link ÷ (1 / prefill tokens per s)."""
+        link = self.hardware.host_link_bytes_per_s * self.efficiency.achieved_host_link_fraction
+        return self._kv_bytes_per_token_per_gpu * self.prefill_tokens_per_s() / link if link > 0 else 1.0
 
     def sequences_that_fit(self, context_tokens: int) -> int:
         """Sequences of `context_tokens` each whose KV fits the replica's pool at once."""

@@ -27,6 +27,17 @@ weight 1 kept 69% of prompt tokens cached, with 16 91%, with 64 93%. At 64 the
 decode term is in effect the tie-break among replicas holding the same prefix
 (new conversations), and balance is left to the explicit bound below.
 
+Host tier. A replica with a host-memory KV tier holds evicted prefixes there and
+copies them back instead of prefilling them (engine.kv_cache). The index keeps
+both tiers (router.prefix_index), and a block found only in host memory costs
+``host_block_cost`` of a prefill block (the replica reports the ratio of copy
+to prefill time: 0.018 for 70B FP8 on H100 over PCIe Gen5, 0.0026 on GH200's NVLink-C2C), so::
+
+    cost = prefill_weight * (blocks in neither tier + host_block_cost * blocks only in host memory)
+           + blocks of KV the replica is already decoding
+
+A GPU-tier holder beats a host-tier holder, which beats a replica holding none.
+
 Imbalance bound. Cost alone lets a hot prefix pile every request onto one
 replica. So before costing, a replica whose load exceeds
 
@@ -284,8 +295,11 @@ class PrefixAware:
         index = self._index
         for view in candidates:
             known = views.get(view.name)
-            if known is None or known.kv_capacity_blocks != view.kv_capacity_blocks:
-                index.set_capacity(view.name, view.kv_capacity_blocks // self._stride(view.block_size), now)
+            if known is None or known.kv_capacity_blocks != view.kv_capacity_blocks or \
+                    known.host_kv_capacity_blocks != view.host_kv_capacity_blocks:
+                stride = self._stride(view.block_size)
+                index.set_capacity(view.name, view.kv_capacity_blocks // stride, now,
+                                   view.host_kv_capacity_blocks // stride)
             views[view.name] = view
         # TTL expiry is checked at most once a second: it walks every replica's oldest entry.
         if now - self._last_expiry >= 1.0 or now < self._last_expiry:
@@ -297,7 +311,7 @@ class PrefixAware:
         """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
         lowest load and the highest and lowest overlap among them. One pass, no builtin calls
         per candidate: this loop is most of the decision's cost after hashing."""
-        overlaps, stride = self._overlaps(request, candidates)
+        overlaps, on_gpu, stride = self._overlaps(request, candidates)
         weight = self.options.prefill_weight
         own_count = self._in_flight.count
         own_blocks = self._in_flight.blocks
@@ -324,7 +338,10 @@ class PrefixAware:
             slowness = slowest_ratio(view, fastest) if fastest > 0.0 else 1.0
             weighted = load * slowness
             capacity = view.kv_capacity_blocks
-            cost = (weight * (-(-prompt_tokens // view.block_size) - overlap) + decode) * slowness
+            uncached: float = -(-prompt_tokens // view.block_size) - overlap
+            if on_gpu is not None:              # blocks found only in host memory cost a copy
+                uncached += view.host_block_cost * (overlap - on_gpu[name] * stride)
+            cost = (weight * uncached + decode) * slowness
             append((cost, weighted, used / capacity if capacity > 0 else 0.0, name, overlap, view))
             if weighted < min_load or min_load < 0:
                 min_load = weighted
@@ -334,34 +351,55 @@ class PrefixAware:
                 least = overlap
         return scored, min_load, most, least
 
-    def _overlaps(self, request: RouteRequest,
-                  candidates: Sequence[ReplicaView]) -> tuple[dict[str, int], int]:
-        """Cached prompt length per candidate, in index entries, and the KV blocks per entry."""
+    def _overlaps(self, request: RouteRequest, candidates: Sequence[ReplicaView]
+                  ) -> tuple[dict[str, int], dict[str, int] | None, int]:
+        """Cached prompt length per candidate in either tier, the same on the GPU alone (None when no
+        replica holds anything in a host tier: then it is the first), in index entries, and the KV
+        blocks per entry. The oracle's probe sees both tiers as one."""
         if self._probe is not None:
             probe = self._probe
             return {view.name: probe(view.name, request.token_ids) // view.block_size
-                    for view in candidates}, 1
+                    for view in candidates}, None, 1
         sizes = {view.block_size for view in candidates}
         if len(sizes) == 1:                                         # the usual pool: one block size
             block_size = sizes.pop()
             names = [view.name for view in candidates]
-            return self._overlap_units(request, block_size, names), self._stride(block_size)
+            either, on_gpu = self._overlap_units(request, block_size, names)
+            return either, on_gpu, self._stride(block_size)
         overlaps: dict[str, int] = {}                               # mixed sizes: in blocks
+        gpu_overlaps: dict[str, int] | None = None
         for block_size in sizes:
             stride = self._stride(block_size)
             names = [view.name for view in candidates if view.block_size == block_size]
-            for name, units in self._overlap_units(request, block_size, names).items():
+            either, on_gpu = self._overlap_units(request, block_size, names)
+            for name, units in either.items():
                 overlaps[name] = units * stride
-        return overlaps, 1
+            if on_gpu is not None:
+                gpu_overlaps = gpu_overlaps if gpu_overlaps is not None else {}
+                gpu_overlaps.update((name, units * stride) for name, units in on_gpu.items())
+        if gpu_overlaps is not None:
+            for name, blocks in overlaps.items():
+                gpu_overlaps.setdefault(name, blocks)
+        return overlaps, gpu_overlaps, 1
 
-    def _overlap_units(self, request: RouteRequest, block_size: int, names: list[str]) -> dict[str, int]:
+    def _overlap_units(self, request: RouteRequest, block_size: int,
+                       names: list[str]) -> tuple[dict[str, int], dict[str, int] | None]:
         unit = self._stride(block_size) * block_size
+        index = self._index
         cached = self._cached_hashes(request, unit)
-        if cached is not None and len(cached) * unit > len(request.token_ids) - unit:
-            return self._index.overlap_blocks(cached, names)
-        units, hashes = self._index.match(request.token_ids, unit, names, request.cache_salt)
+        reuse = cached is not None and len(cached) * unit > len(request.token_ids) - unit
+        if index.has_host_entries():
+            if cached is not None and reuse:
+                tiers = index.overlap_tiers(cached, names)
+            else:
+                tiers, hashes = index.match_tiers(request.token_ids, unit, names, request.cache_salt)
+                self._remember_hashes(request, unit, hashes)
+            return tiers.either, tiers.gpu
+        if cached is not None and reuse:
+            return index.overlap_blocks(cached, names), None
+        units, hashes = index.match(request.token_ids, unit, names, request.cache_salt)
         self._remember_hashes(request, unit, hashes)
-        return units
+        return units, None
 
     def _stride(self, block_size: int) -> int:
         """KV blocks per index entry. One entry per 64 tokens rather than per block cuts the

@@ -51,6 +51,9 @@ class ReplicaView:
     start_time: float = 0.0             # replica's reported start time; a change means a restart
     step_time_s: float = 0.0            # its recent decode step time, as reported (0 = unknown): a
                                         # throttled or degraded replica steps slower at the same load
+    host_kv_capacity_blocks: int = 0    # blocks its host-memory KV tier holds (0 = no tier)
+    host_block_cost: float = 0.0        # copying a block back from the host tier, as a share of
+                                        # prefilling it (CostModel.host_block_cost)
 
 
 @dataclass(frozen=True, slots=True)
