@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from sluice.router.policies import PolicyOptions, PrefixAware
 from sluice.router.policy import ReplicaView, RouteRequest
 from sluice.router.prefix_index import PrefixIndex, block_hashes
@@ -107,3 +109,34 @@ def test_a_host_hit_is_worth_its_copy_cost_against_load_and_no_more() -> None:
     policy = fleet_with_p_on_each_tier()
     assert choose(policy, [view("a_none"), view("b_host", kv_used=100, capacity=4)])[0] == "b_host"
     assert choose(policy, [view("a_none"), view("b_host", kv_used=200, capacity=4)])[0] == "a_none"
+
+
+# -- what a replica reports, as the router reads it ---------------------------------------------
+
+
+def test_the_router_reads_a_replicas_host_tier_from_its_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from sluice.replica.engine_core_adapter import CoreEngine, CoreSettings
+    from sluice.replica.metrics import ReplicaMetrics
+    from sluice.router.load import LoadTracker, parse_metrics
+    from sluice.router.registry import ReplicaRegistry, ReplicaSpec
+
+    settings = CoreSettings(model="llama-3-8b", hardware="h100-sxm", block_size=32, host_kv_blocks=-1)
+    engine = CoreEngine(settings)
+    metrics = ReplicaMetrics(start_time=1.0)
+    metrics.update(engine.stats())
+    snapshot = parse_metrics(generate_latest(metrics.registry).decode())
+    # Llama-3-8B bf16: 131,072 bytes of KV a token. Host: 256 GB per H100, half pinned for KV.
+    assert snapshot.host_max_blocks == int(256e9 * 0.5 // 131_072) // 32
+    # A block back over PCIe Gen5 (51.2 GB/s achieved) against its prefill on one H100 in bf16
+    # (989 TFLOP/s × 0.5 over 2 × 8.03e9 FLOPs a token, no all-reduce at TP 1).
+    prefill_tokens_per_s = 989e12 * 0.5 / (2 * 8.03e9)
+    assert snapshot.host_block_cost == pytest.approx(131_072 / 51.2e9 * prefill_tokens_per_s, rel=1e-6)
+
+    tracker = LoadTracker()
+    tracker.on_scrape("r0", snapshot)
+    registry = ReplicaRegistry([ReplicaSpec(name="r0", pool="m", grpc_address="127.0.0.1:1")])
+    (seen,) = registry.views("m", now=0.0, loads=tracker)
+    assert (seen.host_kv_capacity_blocks, seen.host_block_cost) == (snapshot.host_max_blocks,
+                                                                   snapshot.host_block_cost)

@@ -197,6 +197,7 @@ class ReplicaSection(Section):
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     chunked_context: bool = True
     prefix_reuse: bool = True
+    host_kv_blocks: Annotated[int, Field(ge=-1)] = 0
     output_mean: Positive = 350.0
     output_p95: Positive = 1200.0
     output_tokens: PositiveInt = 64

@@ -78,6 +78,16 @@ class EngineStats:
     paused: int = 0                      # of `waiting`, requests paused to free KV (max_utilization)
     total_context_tokens: int = 0        # prompt tokens computed in the last step
     iterations: int = 0                  # steps executed since start (general_type="iteration_counter")
+    kv_alloc_total_blocks: int = 0       # cumulative blocks handed to requests, new + reused (alloc_total)
+    kv_alloc_new_blocks: int = 0         # cumulative blocks taken from the free pool (alloc_new)
+    # The host-memory KV tier (sluice_kv_host_tier_metrics; TensorRT-LLM's Triton metrics have none).
+    kv_host_max_blocks: int = 0          # host tier size in blocks (0: no tier)
+    kv_host_used_blocks: int = 0
+    kv_blocks_offloaded: int = 0         # cumulative: evicted blocks copied to host memory
+    kv_blocks_onboarded: int = 0         # cumulative: host blocks copied back on a prefix hit
+    kv_host_evicted_blocks: int = 0      # cumulative: host entries dropped (LRU)
+    kv_host_tier_hits: int = 0           # cumulative: admissions that found part of their prefix there
+    kv_host_block_cost: float = 0.0      # modelled copy-back time of a block over its prefill time
 
     @property
     def kv_fraction(self) -> float:

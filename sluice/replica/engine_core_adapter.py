@@ -23,6 +23,7 @@ deterministic generator) or "core" (this adapter). The core's executor is
     max_num_seqs = 256      max_num_tokens = 8192
     scheduler_policy = "guaranteed_no_evict" | "max_utilization"
     chunked_context = true  prefix_reuse = true
+    host_kv_blocks = 0 (host-memory KV tier: 0 none, -1 the GPU profile's size; timing executor only)
     output_length = "cap" | "lognormal" (output_mean, output_p95) | "fixed" (output_tokens)
     vocab_size = 4096       first_normal_id = 5
 
@@ -80,6 +81,7 @@ class CoreSettings:
     scheduler_policy: str = "guaranteed_no_evict"
     chunked_context: bool = True
     prefix_reuse: bool = True
+    host_kv_blocks: int = 0               # host-memory KV tier: 0 none, -1 the GPU profile's size
     output_length: str = "cap"
     output_mean: float = 350.0
     output_p95: float = 1200.0
@@ -130,6 +132,7 @@ class CoreSettings:
             max_num_tokens=self.max_num_tokens, policy=policy, enable_chunked_context=self.chunked_context,
             enable_prefix_reuse=self.prefix_reuse, output_length=self.length_distribution(),
             tokens=TokenSpace(self.vocab_size, self.first_normal_id), stream_tokens=True,
+            host_num_blocks=None if self.host_kv_blocks < 0 else self.host_kv_blocks,
         )
 
 
@@ -153,6 +156,8 @@ class CoreEngine:
         # Modelled time is scaled and slept; a real executor's measured time has passed already.
         self._time_scale = 1.0 if self.core.executor.real_time else settings.time_scale
         self.last_modelled_s = 0.0            # the executor's duration of the last step (unscaled)
+        # What the router prices a host-tier hit at (ReplicaView.host_block_cost); 0 without a tier.
+        self._host_block_cost = self.cost_model.host_block_cost() if self.core.pool.host.num_blocks else 0.0
 
     def add_request(self, request: GenerationRequest) -> None:
         try:
@@ -187,6 +192,11 @@ class CoreEngine:
             kv_used_blocks=kv.used_blocks, kv_tokens_per_block=kv.tokens_per_block,
             kv_reused_blocks=kv.reused_blocks, generation=stats.generation, paused=stats.paused,
             total_context_tokens=stats.total_context_tokens, iterations=stats.num_steps,
+            kv_alloc_total_blocks=kv.alloc_total_blocks, kv_alloc_new_blocks=kv.alloc_new_blocks,
+            kv_host_max_blocks=kv.host_max_blocks, kv_host_used_blocks=kv.host_used_blocks,
+            kv_blocks_offloaded=kv.blocks_offloaded, kv_blocks_onboarded=kv.blocks_onboarded,
+            kv_host_evicted_blocks=kv.host_evicted_blocks, kv_host_tier_hits=kv.host_tier_hits,
+            kv_host_block_cost=self._host_block_cost,
         )
 
 

@@ -5,13 +5,21 @@ batcher), so a router that scrapes a real TensorRT-LLM Triton server reads
 these the same way (router/load.py):
 
     nv_trt_llm_request_metrics{request_type=active|waiting|scheduled|context|max}
-    nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|reused|fraction}
+    nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=
+        max|free|used|tokens_per|reused|fraction|alloc_total|alloc_new}
     nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=
         total_context_tokens|generation_requests|micro_batch_id|paused_requests}
     nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}
 
-plus sluice_replica_start_time_seconds, which TensorRT-LLM lacks: a change
-tells the router the replica restarted with an empty prefix cache. Every value
+plus what TensorRT-LLM's Triton metrics lack: sluice_replica_start_time_seconds
+(a change tells the router the replica restarted with an empty prefix cache)
+and the host-memory KV tier (engine.kv_cache.HostPool), which TensorRT-LLM
+has (host_cache_size) but does not count in Triton metrics:
+
+    sluice_kv_host_tier_metrics{kv_host_tier_type=max|used|offloaded|onboarded|evicted|hits|block_cost}
+
+in blocks (offloaded, onboarded, evicted and hits cumulative); block_cost is a
+block's copy-back time over its prefill time, the router's price of a host hit. Every value
 comes from the engine's EngineStats, set by the host after each step and on
 every submit/abort, so a scrape shows the state as of the last step.
 """
@@ -31,6 +39,7 @@ KV_METRIC = "nv_trt_llm_kv_cache_block_metrics"
 BATCHER_METRIC = "nv_trt_llm_inflight_batcher_metrics"
 GENERAL_METRIC = "nv_trt_llm_general_metrics"
 START_TIME_METRIC = "sluice_replica_start_time_seconds"
+HOST_TIER_METRIC = "sluice_kv_host_tier_metrics"
 
 Reading = Callable[[EngineStats], float]
 Rows = tuple[tuple[str, Reading], ...]          # (label value, how to read it from the stats)
@@ -43,6 +52,13 @@ _KV_BLOCKS: Rows = (
     ("max", lambda s: s.kv_max_blocks), ("free", lambda s: s.kv_free_blocks),
     ("used", lambda s: s.kv_used_blocks), ("tokens_per", lambda s: s.kv_tokens_per_block),
     ("reused", lambda s: s.kv_reused_blocks), ("fraction", lambda s: s.kv_fraction),
+    ("alloc_total", lambda s: s.kv_alloc_total_blocks), ("alloc_new", lambda s: s.kv_alloc_new_blocks),
+)
+_HOST_TIER: Rows = (
+    ("max", lambda s: s.kv_host_max_blocks), ("used", lambda s: s.kv_host_used_blocks),
+    ("offloaded", lambda s: s.kv_blocks_offloaded), ("onboarded", lambda s: s.kv_blocks_onboarded),
+    ("evicted", lambda s: s.kv_host_evicted_blocks), ("hits", lambda s: s.kv_host_tier_hits),
+    ("block_cost", lambda s: s.kv_host_block_cost),
 )
 _BATCHER: Rows = (
     ("total_context_tokens", lambda s: s.total_context_tokens),
@@ -67,6 +83,7 @@ class ReplicaMetrics:
             + family(KV_METRIC, "TRT LLM KV cache block metrics", "kv_cache_block_type", _KV_BLOCKS)
             + family(BATCHER_METRIC, "TRT LLM inflight_batcher-specific metrics",
                      "inflight_batcher_specific_metric", _BATCHER)
+            + family(HOST_TIER_METRIC, "Sluice host-memory KV tier metrics", "kv_host_tier_type", _HOST_TIER)
         )
         general = Gauge(GENERAL_METRIC, "General TRT LLM metrics", ["model", "version", "general_type"],
                         registry=self.registry)

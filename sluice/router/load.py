@@ -23,6 +23,7 @@ from sluice.router.policy import RoutingPolicy
 REQUEST_METRIC = "nv_trt_llm_request_metrics"
 KV_METRIC = "nv_trt_llm_kv_cache_block_metrics"
 START_TIME_METRIC = "sluice_replica_start_time_seconds"
+HOST_TIER_METRIC = "sluice_kv_host_tier_metrics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ class LoadSnapshot:
     kv_reused_blocks: int = 0             # kv_cache_block_type=reused: cumulative
     kv_fraction: float = 0.0              # kv_cache_block_type=fraction (derived when absent)
     start_time: float | None = None       # sluice_replica_start_time_seconds
+    host_max_blocks: int = 0              # sluice_kv_host_tier_metrics{kv_host_tier_type=max}: 0 = no tier
+    host_block_cost: float = 0.0          # kv_host_tier_type=block_cost: copy-back over prefill time
 
 
 _REQUEST_FIELDS = {"active": "active", "waiting": "waiting", "scheduled": "scheduled",
@@ -49,9 +52,13 @@ _KV_FIELDS = {"max": "kv_max_blocks", "free": "kv_free_blocks", "used": "kv_used
               "tokens_per": "kv_tokens_per_block", "reused": "kv_reused_blocks"}
 
 
+_HOST_FIELDS = {"max": "host_max_blocks"}
+
 _LABEL = {REQUEST_METRIC: re.compile(r'[{,]\s*request_type="([^"]*)"'),
           KV_METRIC: re.compile(r'[{,]\s*kv_cache_block_type="([^"]*)"'),
+          HOST_TIER_METRIC: re.compile(r'[{,]\s*kv_host_tier_type="([^"]*)"'),
           START_TIME_METRIC: None}
+_FIELDS = {REQUEST_METRIC: _REQUEST_FIELDS, KV_METRIC: _KV_FIELDS, HOST_TIER_METRIC: _HOST_FIELDS}
 
 
 def parse_metrics(text: str) -> LoadSnapshot:
@@ -64,8 +71,9 @@ def parse_metrics(text: str) -> LoadSnapshot:
     values: dict[str, float] = {}
     fraction: float | None = None
     start_time: float | None = None
+    host_block_cost = 0.0
     for line in text.splitlines():
-        if not line.startswith(("nv_trt_llm_", "sluice_replica_")):
+        if not line.startswith(("nv_trt_llm_", "sluice_replica_", "sluice_kv_")):
             continue
         name, value = _sample(line)
         if name not in _LABEL:
@@ -80,14 +88,18 @@ def parse_metrics(text: str) -> LoadSnapshot:
         if name == KV_METRIC and kind == "fraction":
             fraction = value
             continue
-        field = (_REQUEST_FIELDS if name == REQUEST_METRIC else _KV_FIELDS).get(kind)
+        if name == HOST_TIER_METRIC and kind == "block_cost":
+            host_block_cost = max(host_block_cost, value)
+            continue
+        field = _FIELDS[name].get(kind)
         if field is not None:
             values[field] = values.get(field, 0.0) + value
     counts = {field: int(value) for field, value in values.items()}
     if fraction is None:
         max_blocks = counts.get("kv_max_blocks", 0)
         fraction = counts.get("kv_used_blocks", 0) / max_blocks if max_blocks else 0.0
-    return LoadSnapshot(**counts, kv_fraction=fraction, start_time=start_time)
+    return LoadSnapshot(**counts, kv_fraction=fraction, start_time=start_time,
+                        host_block_cost=host_block_cost)
 
 
 def _sample(line: str) -> tuple[str, float]:
@@ -123,6 +135,8 @@ class ReplicaLoad:
     kv_capacity_blocks: int | None        # scraped max blocks (None before the first scrape)
     block_size: int | None                # scraped tokens per block (None before the first scrape)
     start_time: float = 0.0               # scraped start time (0.0 when unknown)
+    host_kv_capacity_blocks: int = 0      # scraped host tier size (0: none, or not scraped yet)
+    host_block_cost: float = 0.0          # scraped copy-back over prefill time of a block
 
 
 class LoadTracker:
@@ -184,6 +198,7 @@ class LoadTracker:
             kv_capacity_blocks=scraped.kv_max_blocks or None,
             block_size=scraped.kv_tokens_per_block or None,
             start_time=scraped.start_time or 0.0,
+            host_kv_capacity_blocks=scraped.host_max_blocks, host_block_cost=scraped.host_block_cost,
         )
 
     def loads(self) -> Mapping[str, ReplicaLoad]:

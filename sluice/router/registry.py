@@ -156,5 +156,6 @@ def _view(spec: ReplicaSpec, pool: str, loads: LoadTracker | None) -> ReplicaVie
         kv_capacity_blocks=load.kv_capacity_blocks or spec.kv_capacity_blocks,
         long_context=spec.long_context, waiting=load.waiting, running=load.running,
         kv_used_blocks=load.kv_used_blocks, in_flight=load.in_flight,
-        start_time=load.start_time,
+        start_time=load.start_time, host_kv_capacity_blocks=load.host_kv_capacity_blocks,
+        host_block_cost=load.host_block_cost,
     )

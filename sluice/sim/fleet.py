@@ -129,7 +129,7 @@ class SimReplica:
 
     __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
                  "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
-                 "paused", "down", "start_time", "retired", "state", "step_time_s")
+                 "paused", "down", "start_time", "retired", "state", "step_time_s", "host_block_cost")
 
     def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
         self.name = name
@@ -155,6 +155,8 @@ class SimReplica:
         # (a live replica's measured one moves with load too; the simulator keeps the intrinsic part)
         cost = engine.cost_model
         self.step_time_s = cost.decode_step_s(8, 2048) if cost is not None else 0.0
+        has_tier = cost is not None and engine.pool.host.num_blocks > 0
+        self.host_block_cost = cost.host_block_cost() if cost is not None and has_tier else 0.0
 
     def view(self, pool: str) -> ReplicaView:
         engine = self.engine
@@ -162,7 +164,9 @@ class SimReplica:
                            kv_capacity_blocks=engine.pool.num_blocks, long_context=self.long_context,
                            waiting=engine.num_waiting, running=engine.num_running,
                            kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight,
-                           start_time=self.start_time, step_time_s=self.step_time_s)
+                           start_time=self.start_time, step_time_s=self.step_time_s,
+                           host_kv_capacity_blocks=engine.pool.host.num_blocks,
+                           host_block_cost=self.host_block_cost)
 
 
 class Fleet:
