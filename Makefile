@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler bench-host-tier sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -60,8 +60,11 @@ bench-routing: setup         ## every routing policy (Sluice's and its peers') o
 bench-autoscaler: setup      ## seed 000's traffic step on the simulator, with and without a warm pool; table + PNG
 	$(PY) -m bench.bench_autoscaler
 
-sim: setup                   ## seed 003's fleet on the simulator
-	$(PY) -m sluice.sim --preset seed003
+bench-host-tier: setup       ## seed 003's chat (3-minute thinks) with and without the host KV tier; hit rate, TTFT
+	$(PY) -m bench.bench_host_tier
+
+sim: setup                   ## seed 003's fleet on the simulator (HOST_TIER=1: with the host KV tier)
+	$(PY) -m sluice.sim --preset seed003 $(if $(HOST_TIER),--host-tier)
 
 plan: setup                  ## size seed 003's brief
 	$(PY) -m sluice.planner examples/briefs/seed003.yaml

@@ -179,7 +179,8 @@ def test_unknown_presets_name_the_known_ones() -> None:
         name="gpt-5", known="llama-3-8b, llama-3-70b, llama-3.1-405b")
     with pytest.raises(ValueError) as hardware_error:
         get_hardware("b200")
-    assert str(hardware_error.value) == UNKNOWN_HARDWARE.format(name="b200", known="h100-sxm, h200, a100-80g, gh200")
+    assert str(hardware_error.value) == UNKNOWN_HARDWARE.format(name="b200",
+                                                                known="h100-sxm, h200, a100-80g, gh200")
 
 
 def test_tensor_parallel_degree_must_be_positive() -> None:

@@ -26,6 +26,7 @@ from sluice.planner.fleet import (
     split,
     utilization_section,
 )
+from sluice.planner.kv_tier import kv_tier_section
 from sluice.planner.latency import Ttft, latency_section, ttft
 from sluice.planner.result import REFERENCE_TOLERANCE, Figure, Plan, ReferenceCheck, Scenario
 from sluice.planner.solve import MAX_REPLICAS, evaluate, load_curve, solve, traffic_headroom
@@ -137,6 +138,7 @@ def plan(brief: Brief) -> Plan:
     sections = (
         demand_figures,
         memory,
+        kv_tier_section(brief, rep, load, n),
         decode_section(brief, rep, load, n),
         prefill_section(brief, rep, load, n),
         utilization,

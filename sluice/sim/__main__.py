@@ -1,5 +1,5 @@
 """python -m sluice.sim --preset seed003 [--policy NAME] [--duration S] [--users N] [--replicas N]
-[--seed N]"""
+[--seed N] [--host-tier]"""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--users", type=int, help="concurrent users (closed loop)")
     parser.add_argument("--replicas", type=int)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--host-tier", action="store_true",
+                        help="give every replica the host-memory KV tier of its GPU profile")
     args = parser.parse_args(argv)
     preset = get_preset(args.preset)
     workload, fleet = preset.workload, preset.fleet
@@ -32,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         workload = replace(workload, seed=args.seed)
     if args.replicas is not None:
         fleet = replace(fleet, replicas=args.replicas)
+    if args.host_tier:
+        fleet = replace(fleet, engine=replace(fleet.engine, host_num_blocks=None))
     report = run_fleet(fleet, workload, args.policy or preset.policy, slo=preset.slo)
     print(report.format())
 
