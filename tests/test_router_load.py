@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from sluice.router.load import LoadSnapshot, LoadTracker, parse_metrics, record_scrape, restarted
+from sluice.router.load import (
+    STEP_TIME_SMOOTHING,
+    LoadSnapshot,
+    LoadTracker,
+    parse_metrics,
+    record_scrape,
+    restarted,
+)
 from sluice.router.policies import PrefixAware
 from sluice.router.policy import ReplicaView, RouteRequest
 
@@ -24,6 +31,10 @@ nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="tensorrt_llm
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="tensorrt_llm",version="1"} 1024
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="reused",model="tensorrt_llm",version="1"} 77
 nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="tensorrt_llm",version="1"} 0.1171875
+# HELP nv_trt_llm_general_metrics General TRT LLM metrics
+# TYPE nv_trt_llm_general_metrics gauge
+nv_trt_llm_general_metrics{general_type="iteration_counter",model="tensorrt_llm",version="1"} 5120
+nv_trt_llm_general_metrics{general_type="timestamp",model="tensorrt_llm",version="1"} 1700074049
 # HELP nv_inference_count Number of inferences performed
 # TYPE nv_inference_count counter
 nv_inference_count{model="tensorrt_llm",version="1"} 12
@@ -37,7 +48,7 @@ def test_parses_tensorrt_llm_request_and_kv_metrics_and_the_start_time():
     assert parse_metrics(TRT_LLM_TEXT) == LoadSnapshot(
         active=3, waiting=2, scheduled=3, context=1, max_requests=64, kv_max_blocks=1024, kv_free_blocks=904,
         kv_used_blocks=120, kv_tokens_per_block=32, kv_reused_blocks=77, kv_fraction=0.1171875,
-        start_time=1.7e9,
+        start_time=1.7e9, iterations=5120,
     )
 
 
@@ -141,3 +152,44 @@ def test_the_line_scan_reads_timestamps_label_order_and_other_models_like_a_full
     from prometheus_client.parser import text_string_to_metric_families
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     assert sum(s.value for s in samples if s.name == "nv_trt_llm_request_metrics") == 5
+
+
+def test_step_time_is_the_time_between_busy_scrapes_over_the_steps_run_and_is_smoothed():
+    tracker = LoadTracker()
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=100), now=10.0)
+    assert tracker.load("r0").step_time_s == 0.0                       # one scrape: no interval yet
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=125), now=10.5)
+    assert tracker.load("r0").step_time_s == 0.5 / 25                  # 20 ms per step
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=135), now=11.0)
+    expected = 0.02 + STEP_TIME_SMOOTHING * (0.5 / 10 - 0.02)          # a 50 ms interval, smoothed in
+    assert abs(tracker.load("r0").step_time_s - expected) < 1e-12
+    # Idle at a scrape, or no step run: the interval says nothing about step time; it is kept.
+    tracker.on_scrape("r0", LoadSnapshot(active=0, iterations=136), now=20.0)
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=140), now=30.0)
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=140), now=31.0)
+    assert abs(tracker.load("r0").step_time_s - expected) < 1e-12
+    # A restart forgets it: the new process may sit on other GPUs.
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=140, start_time=1.0), now=32.0)
+    tracker.on_scrape("r0", LoadSnapshot(active=8, iterations=10, start_time=2.0), now=33.0)
+    assert tracker.load("r0").step_time_s == 0.0
+
+
+def test_the_slower_replica_by_scraped_step_time_gets_the_next_new_request():
+    """Two replicas at the same load, one stepping twice as long (a throttled GPU): the registry's
+    views carry the scraped step times, and least-loaded weights load by them."""
+    from sluice.router.factory import make_policy
+    from sluice.router.registry import ReplicaRegistry, ReplicaSpec
+
+    registry = ReplicaRegistry([ReplicaSpec(name=name, grpc_address=f"localhost:{port}", pool="m",
+                                            block_size=16, kv_capacity_blocks=1000)
+                                for name, port in (("a", 1), ("b", 2))])
+    tracker = LoadTracker()
+    for name, steps in (("a", 50), ("b", 25)):                         # in 1 s: a at 20 ms, b at 40 ms
+        tracker.on_scrape(name, LoadSnapshot(active=4, iterations=1000), now=100.0)
+        tracker.on_scrape(name, LoadSnapshot(active=4, iterations=1000 + steps), now=101.0)
+    views = registry.views("m", now=101.0, loads=tracker)
+    assert {view.name: view.step_time_s for view in views} == {"a": 0.02, "b": 0.04}
+    request = RouteRequest(request_id="x", model_version="m", token_ids=list(range(64)), max_output_tokens=8)
+    for policy in ("least_loaded", "prefix_aware"):
+        decision = make_policy(policy).choose(request, views, 101.0)
+        assert decision is not None and decision.replica == "a", policy

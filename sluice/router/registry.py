@@ -157,5 +157,5 @@ def _view(spec: ReplicaSpec, pool: str, loads: LoadTracker | None) -> ReplicaVie
         long_context=spec.long_context, waiting=load.waiting, running=load.running,
         kv_used_blocks=load.kv_used_blocks, in_flight=load.in_flight,
         start_time=load.start_time, host_kv_capacity_blocks=load.host_kv_capacity_blocks,
-        host_block_cost=load.host_block_cost,
+        host_block_cost=load.host_block_cost, step_time_s=load.step_time_s,
     )
