@@ -54,6 +54,7 @@ from sluice.engine.types import (
 )
 from sluice.router.factory import make_policy
 from sluice.router.policy import ReplicaView, RouteRequest, RoutingPolicy
+from sluice.sim.canary import CanaryHost, CanaryReplay
 from sluice.sim.metrics import (
     SLO,
     Distribution,
@@ -105,6 +106,8 @@ class FleetConfig:
     slow_replicas: tuple[tuple[int, float], ...] = ()
     # An autoscaler over `replicas` slots (sim/scaling.py); None: every replica serves throughout.
     autoscaling: Autoscaling | None = None
+    # A canary split between two groups of replicas, under guardrails (sim/canary.py); None: no split.
+    canary: CanaryReplay | None = None
 
     def cost_model(self, replica: int | None = None) -> CostModel:
         speed = dict(self.slow_replicas).get(replica, 1.0) if replica is not None else 1.0
@@ -233,6 +236,8 @@ class _Run:
         self.events = 0
         settings = fleet.config.autoscaling
         self.scaling = ScalingHost(self, settings) if settings is not None else None
+        replay = fleet.config.canary
+        self.canary = CanaryHost(replay, [r.name for r in fleet.replicas]) if replay is not None else None
 
     # --- event plumbing ---------------------------------------------------------------------
 
@@ -310,6 +315,8 @@ class _Run:
             return
         views = [replica.view(self.pool) for replica in self.fleet.replicas
                  if not replica.down and replica.state == SERVING]
+        if self.canary is not None:
+            views = self.canary.views(turn.request_id, turn.conversation.conversation_id, views, at)
         decision = self.policy.choose(request, views, at)
         if decision is None:
             self.reject(turn, at)
@@ -466,6 +473,8 @@ class _Run:
         record.finish_s = at
         record.output_tokens = output.num_output_tokens
         record.finish_reason = output.finish_reason or ""
+        if self.canary is not None:
+            self.canary.finished(record, at)
         turn, request, _ = self.turns.pop(output.request_id)
         replica.in_flight -= 1
         self.policy.on_finished(request, replica.name, at)
@@ -513,6 +522,7 @@ class _Run:
             offered_rate=self.arrived_measured / window,
             requests_shed=self.scaling.shed_total if self.scaling is not None else 0,
             scaling=tuple(self.scaling.samples) if self.scaling is not None else (),
+            canary=self.canary.outcome() if self.canary is not None else None,
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

@@ -22,10 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sluice.sim.scaling import ScalingSample
+
+if TYPE_CHECKING:
+    from sluice.sim.canary import CanaryOutcome  # sim/canary.py reads this module's RequestRecord
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 HIT_WINDOW_S = 5.0
@@ -162,6 +166,7 @@ class FleetReport:
     offered_rate: float = 0.0        # requests arriving in the measured window / s (resends included)
     requests_shed: int = 0           # refused by the gateway with a retry-after (autoscaling runs)
     scaling: tuple[ScalingSample, ...] = ()   # the autoscaler's view at each control tick
+    canary: CanaryOutcome | None = None       # the canary's guard passes (FleetConfig.canary)
 
     def format(self) -> str:
         slo = self.slo
