@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc.aio
 import pytest
-from sluice.ledger.models import CanaryState
+from sluice.ledger.models import TERMINAL_STATUSES, CanaryState
 from sluice.services.admin_servicer import add_admin_servicer
 from sluice.services.admission import add_admission_servicer
 from sluice.services.canary_guard import ROLLBACK_REASON, CanaryGuard
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.integration
 CANDIDATE = ModelSpec(version="tiny-chat-v2", alias=None, context_limit=4096)
 SLOW_TOKEN_DELAY_MS = 80
 PROMPT = "Tell me about sluice gates."
+TERMINAL = {status.value for status in TERMINAL_STATUSES}
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +143,8 @@ async def test_a_slowed_candidate_trips_the_guardrail_and_the_split_goes_to_0_wi
     await canaried.stack.start_worker()
     runs = [await canaried.submit(c) for c in candidate_side + baseline_side]
     assert sum(r.model_version == CANDIDATE.version for r in runs) == 6
-    for run in runs:
-        await canaried.stack.wait_for_status(run.run_id, {"COMPLETED"}, timeout_s=30)
+    ended = [await canaried.stack.wait_for_status(run.run_id, TERMINAL, timeout_s=60) for run in runs]
+    assert [(row.status, row.detail) for row in ended] == [("COMPLETED", None)] * len(runs)
 
     guard = CanaryGuard(canaried.stack.sessionmaker, interval_s=1.0)
     judgment = (await guard.check_once())["chat"]
