@@ -80,19 +80,24 @@ WITH reserved AS (
        AND period_start = CAST(date_trunc('month', timezone('UTC', now())) AS date)
        AND reserved_tokens + used_tokens + :reserved_tokens <= token_budget
        AND reserved_cost_micros + used_cost_micros + :reserved_cost_micros <= cost_budget_micros
-    RETURNING tenant_id
+    RETURNING tenant_id, token_budget - reserved_tokens - used_tokens AS tokens_left,
+              cost_budget_micros - reserved_cost_micros - used_cost_micros AS cost_left_micros
+), inserted AS (
+    INSERT INTO runs (id, tenant_id, request_key, payload_hash, model_version, status, prompt_token_ids,
+                      input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
+                      reserved_tokens, reserved_cost_micros, api_key_id, price_card_id,
+                      requested_model, route_reason, worker_pool, quality_tier, fallback_from, route_detail,
+                      traceparent)
+    SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
+           :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
+           now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros,
+           :api_key_id, :price_card_id,
+           :requested_model, :route_reason, :worker_pool, :quality_tier, :fallback_from, :route_detail,
+           :traceparent
+    FROM reserved
+    RETURNING id, pg_notify(:channel, :pool)
 )
-INSERT INTO runs (id, tenant_id, request_key, payload_hash, model_version, status, prompt_token_ids,
-                  input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
-                  reserved_tokens, reserved_cost_micros, api_key_id, price_card_id,
-                  requested_model, route_reason, worker_pool, quality_tier, fallback_from, route_detail)
-SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
-       :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
-       now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros,
-       :api_key_id, :price_card_id,
-       :requested_model, :route_reason, :worker_pool, :quality_tier, :fallback_from, :route_detail
-FROM reserved
-RETURNING id, pg_notify(:channel, :pool)
+SELECT inserted.id, reserved.tokens_left, reserved.cost_left_micros FROM inserted CROSS JOIN reserved
 """).bindparams(
     bindparam("id", type_=UUID(as_uuid=True)),
     bindparam("tenant_id", type_=UUID(as_uuid=True)),
@@ -148,14 +153,24 @@ def model_info_of(row: Any) -> ModelInfo:
         price_output_per_m_micros=row.price_output_per_m_micros, price_card_id=row.price_card_id)
 
 
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A run inserted with its reservation, and what the tenant's period has left after it."""
+
+    run_id: uuid.UUID
+    tokens_left: int
+    cost_left_micros: int
+
+
 async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,
-                           notify: tuple[str, str]) -> uuid.UUID | None:
+                           notify: tuple[str, str]) -> Reserved | None:
     """Reserve run["reserved_tokens"/"reserved_cost_micros"] and insert the run, atomically, on an
-    autocommit connection. The run's id, or None when the reservation does not fit the current
-    period (nothing written). Raises IntegrityError when the request key is taken (nothing written).
+    autocommit connection. The run and the budget left, or None when the reservation does not fit
+    the current period (nothing written). Raises IntegrityError when the request key is taken
+    (nothing written).
 
     `run` holds the runs columns the statement names (id, tenant_id, request_key, ...)."""
     channel, pool = notify
     row = (await connection.execute(_WRITE, {**run, "deadline_ms": deadline_ms, "channel": channel,
                                              "pool": pool})).first()
-    return None if row is None else row[0]
+    return None if row is None else Reserved(row[0], int(row[1]), int(row[2]))

@@ -279,6 +279,9 @@ class Run(Base):
     # Fencing token: +1 whenever a process takes the run (claim, reaper); writes and events of an
     # older epoch are refused (services/routing/leases.py).
     lease_epoch: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # The W3C traceparent of the Submit span (NULL: not traced): the routing worker continues
+    # that trace, so one run is one trace across the gateway and worker processes.
+    traceparent: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     # The worst case held against the tenant's budget until settlement (prompt + output cap).
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)

@@ -62,12 +62,14 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc.aio
+from opentelemetry import trace
 from sluice.ledger.admission_sql import SubmitContext, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.db import autocommit_engine
@@ -123,7 +125,9 @@ from sluice.services.errors import (
     Unavailable,
     grpc_errors,
 )
+from sluice.services.gateway_metrics import GatewayMetrics, submit_span_attributes
 from sluice.services.routes import route_message
+from sluice.services.telemetry import traceparent, tracer
 from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
@@ -191,12 +195,35 @@ class _Prepared:
 
 
 class AdmissionService:
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings) -> None:
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
         self._autocommit = autocommit_engine(sessionmaker)
+        self.metrics = metrics or GatewayMetrics()
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
+        """Admit or refuse, timed and counted (GatewayMetrics) under the Submit span, whose
+        traceparent the run row keeps for the routing worker's spans (one trace per run)."""
+        started = time.perf_counter()
+        attributes = submit_span_attributes(intent.model, intent.max_output_tokens, intent.sampling.as_json())
+        with tracer().start_as_current_span("admission.submit", kind=trace.SpanKind.SERVER,
+                                            attributes=attributes, record_exception=False,
+                                            set_status_on_exception=False) as span:
+            try:
+                admitted = await self._admit(metadata, intent, span)
+            except SluiceError as error:
+                self.metrics.refused(error.code.name, error.reason, time.perf_counter() - started)
+                span.set_attributes({"error.type": error.code.name, "sluice.refusal.reason": error.reason})
+                span.set_status(trace.StatusCode.ERROR, error.reason)
+                raise
+            span.set_attributes({"sluice.run_id": str(admitted.run_id),
+                                 "gen_ai.usage.input_tokens": admitted.input_tokens,
+                                 "sluice.deduplicated": admitted.deduplicated})
+        self.metrics.submitted(time.perf_counter() - started)
+        return admitted
+
+    async def _admit(self, metadata: Metadata, intent: SubmitIntent, span: trace.Span) -> Admitted:
         key = api_key_from_metadata(metadata)
         # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
         # the config sets is refused before the first query reads a field.
@@ -209,6 +236,7 @@ class AdmissionService:
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
+        span.set_attribute("sluice.tenant", tenant.name)
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
         deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
@@ -314,13 +342,15 @@ class AdmissionService:
         run = {name: values[name] for name in _WRITTEN_COLUMNS}
         try:
             async with self._autocommit.connect() as connection:
-                run_id = await insert_reserving(connection, run, prepared.deadline_ms,
-                                                (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
+                reserved = await insert_reserving(connection, run, prepared.deadline_ms,
+                                                  (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
         except IntegrityError:
             return None          # the request key is taken: the idempotent answer comes from the other path
-        if run_id is None:
+        if reserved is None:
             return None
-        return Admitted(run_id=run_id, status=RunStatus.ACCEPTED, model_version=prepared.model.version,
+        self.metrics.budget_left(prepared.tenant.name, reserved.tokens_left, reserved.cost_left_micros)
+        return Admitted(run_id=reserved.run_id, status=RunStatus.ACCEPTED,
+                        model_version=prepared.model.version,
                         input_tokens=len(prepared.prompt_token_ids),
                         max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False,
                         route=prepared.route)
@@ -357,6 +387,9 @@ class AdmissionService:
         if tenant.has_rate_limits:
             await _check_rate_limits(session, prepared, run_id)
         await self._reserve(session, prepared)
+        state = await BudgetRepository(session).current(tenant.id)
+        if state is not None:
+            self.metrics.budget_left(tenant.name, state.tokens_left, state.cost_left_micros)
         return Admitted(
             run_id=run_id,
             status=RunStatus.ACCEPTED,
@@ -390,6 +423,7 @@ class AdmissionService:
             "api_key_id": prepared.tenant.api_key_id,
             "price_card_id": prepared.model.price_card_id,   # settled at the price it reserved at
             **route_columns(prepared.route),
+            "traceparent": traceparent(),                   # the Submit span's; None when not traced
         }
 
     @staticmethod
@@ -414,7 +448,7 @@ _WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_ver
                     "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
                     "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id",
                     "requested_model", "route_reason", "worker_pool", "quality_tier", "fallback_from",
-                    "route_detail")
+                    "route_detail", "traceparent")
 
 
 def _prepared(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
@@ -553,9 +587,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 
 def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                           config: Settings) -> AdmissionService:
+                           config: Settings, metrics: GatewayMetrics | None = None) -> AdmissionService:
     """Register Admission on `server`; returns the service (handy for in-process callers)."""
-    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config))
+    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics)
     add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],
                         AdmissionServicer(service), FieldLimits.from_config(config))
     return service

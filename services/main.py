@@ -42,13 +42,14 @@ from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.templates import ModelCards
 from sluice.services.edge.web import EdgeServices
+from sluice.services.gateway_metrics import GatewayMetrics
 from sluice.services.operability import DependencyMonitor, add_operability, kafka_probe, postgres_probe
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from sluice.services.routing.registry_sync import follow_durable_registry
 from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import new_owner_id
 from sluice.services.runs import add_runs_servicer
-from sluice.services.telemetry import shutdown_tracing
+from sluice.services.telemetry import TelemetrySettings, serve_metrics, setup_telemetry, shutdown_tracing
 from sluice.services.usage import add_usage_servicer
 
 from sluice.config import Settings
@@ -128,6 +129,10 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     runs_service = None
     edge: EdgeServer | None = None
     worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
+    gateway_metrics = GatewayMetrics() if "gateway" in roles else None
+    registries = [metrics.registry for metrics in (gateway_metrics, worker and worker.metrics) if metrics]
+    # Before any server: a Submit's span (and the traceparent its run row keeps) needs the tracer.
+    setup_telemetry(TelemetrySettings.from_config(config), "sluice-" + "+".join(sorted(roles)), registries)
     registry_sync = None
     # grpc.health.v1 of every server here follows PostgreSQL and Kafka, and turns NOT_SERVING on drain.
     monitor = DependencyMonitor({"postgresql": postgres_probe(engine),
@@ -138,7 +143,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                                                           worker.replicas_changed)
         if "gateway" in roles:
             gateway = grpc_server(config.gateway.reuse_port)
-            admission = add_admission_servicer(gateway, sessions, config)
+            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics)
             runs_service = add_runs_servicer(gateway, sessions, config, events)
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)
@@ -146,6 +151,9 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             _bind(gateway, listen, config.tls)
             await gateway.start()
             servers.append(gateway)
+            if config.gateway.metrics_port and gateway_metrics is not None:
+                serve_metrics(gateway_metrics.registry, config.gateway.metrics_port,
+                              config.admission.listen.rpartition(":")[0])
             http = HttpSettings.from_config(config)
             if http.enabled:
                 edge = EdgeServer(EdgeServices(admission, runs_service, usage, sessions,
@@ -169,7 +177,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stopping.set)
         if worker is not None:
-            observe_routing_process(config, worker)   # tracing, /metrics, gc.freeze()
+            observe_routing_process(config, worker)   # /metrics, gc.freeze()
             log.info("routing worker %s up (policy %s, replicas %s, api %s)", worker.settings.owner,
                      worker.policy.name, [spec.name for spec in worker.registry.specs()],
                      routing_listen or "off")

@@ -8,7 +8,7 @@ from typing import Any
 
 from sluice.services.routing.observability import RoutingMetrics, ServiceObjectives
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
-from sluice.services.telemetry import TelemetrySettings, serve_metrics, setup_tracing
+from sluice.services.telemetry import serve_metrics
 
 from sluice.config import Settings
 from sluice.eventlog.kafka import KafkaEventLog
@@ -42,12 +42,12 @@ def build_worker(config: Settings, events: KafkaEventLog, sessions: Any,
 
 
 def observe_routing_process(config: Settings, worker: RoutingWorker) -> None:
-    """Once per routing process, after start-up: tracing, the /metrics endpoint, and gc.freeze().
+    """Once per routing process, after start-up: the /metrics endpoint and gc.freeze() (tracing is
+    set up for every role by services/main.py).
 
     gc.freeze() moves everything start-up allocated (modules, tokenizers, the prefix index's
     first tables) out of the collector's sight: the router bench measured the cyclic GC adding
     ~40 us to the p99 of a routing decision, most of it re-scanning those long-lived objects."""
-    setup_tracing(TelemetrySettings.from_config(config), "sluice-routing")
     port = config.routing.metrics_port
     if port:
         host = config.routing.listen.rsplit(":", 1)[0]

@@ -52,6 +52,7 @@ class ClaimedRun:
     epoch: int = 0               # the lease epoch this claim was granted (fencing token)
     sampling: Sampling = ENGINE_DEFAULT   # the submit's, from runs.sampling; 0 = the replica's default
     route: RouteRecord | None = None     # the routing decision admission recorded (None: before 0008)
+    traceparent: str | None = None        # the Submit span's (runs.traceparent): this run's trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +75,13 @@ class AcceptedRun:
     tokenizer: str
     end_id: int
     route: RouteRecord | None    # the routing decision admission recorded (None: before 0008)
+    traceparent: str | None      # the Submit span's W3C traceparent (None: not traced)
 
 
 _ACCEPTED_COLUMNS = (Run.id, Run.tenant_id, Run.model_version, Run.prompt_token_ids, Run.input_tokens,
                      Run.max_output_tokens, Run.conversation_id, Run.deadline_at, Run.created_at,
                      Run.cache_scope, Run.sampling, Run.lease_epoch, Model.worker_pool, Model.tokenizer,
-                     Model.end_id)
+                     Model.end_id, Run.traceparent)
 _ROUTE_COLUMNS = (Run.worker_pool.label("route_pool"), Run.quality_tier.label("route_tier"), Run.route_reason,
                   Run.requested_model, Run.fallback_from, Run.route_detail)
 
@@ -107,7 +109,8 @@ async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
         sampling=row.sampling, lease_epoch=row.lease_epoch, worker_pool=row.worker_pool,
         tokenizer=row.tokenizer, end_id=row.end_id,
         route=route_from_columns(row.model_version, row.route_pool, row.route_tier, row.route_reason,
-                                 row.requested_model, row.fallback_from, row.route_detail))
+                                 row.requested_model, row.fallback_from, row.route_detail),
+        traceparent=row.traceparent)
         for row in rows]
 
 

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from opentelemetry import trace
 from sluice.ledger.models import RunStatus
 from sluice.services import replica_client
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
@@ -46,7 +47,12 @@ from sluice.services.routes import route_message
 from sluice.services.routing.claims import ClaimedRun
 from sluice.services.routing.leases import Lease
 from sluice.services.routing.monitor import Silence
-from sluice.services.routing.observability import RunOutcome
+from sluice.services.routing.observability import (
+    RunOutcome,
+    stream_attributes,
+    stream_end_attributes,
+    stream_span_name,
+)
 from sluice.services.routing.outcome import (
     DETAIL_CANCELLED,
     DETAIL_EXPIRED,
@@ -60,6 +66,7 @@ from sluice.services.routing.outcome import (
 )
 from sluice.services.routing.run_ledger import LeaseLost, RunLedger
 from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.services.telemetry import tracer
 
 from sluice.eventlog.events import DeltaCoalescer, RunEventSequencer
 from sluice.eventlog.interface import EventLog, LogPosition
@@ -221,13 +228,21 @@ class RunDriver:
     async def run(self) -> TerminalRecord | None:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
         try:
-            ending = await self._drive()
-            await self._flush()
-            self._check_lease()
-            record = await self.ledger.finish(self.lease, ending)
-            if record is None:
-                return None
-            await self.ledger.publish_terminal(record)
+            # One span for the replica stream (tokens as attributes, never a span per token), then
+            # one for the settlement; both in the run's trace (the worker's run.drive is current).
+            claim = self.claim
+            with tracer().start_as_current_span(stream_span_name(claim), kind=trace.SpanKind.CLIENT,
+                                                attributes=stream_attributes(claim, self.address)) as span:
+                ending = await self._drive()
+                span.set_attributes(stream_end_attributes(claim, ending, len(self.tried), self._ttft_s()))
+            with tracer().start_as_current_span("run.settle", attributes={
+                    "sluice.run_id": self.run_id, "sluice.status": ending.status.value}):
+                await self._flush()
+                self._check_lease()
+                record = await self.ledger.finish(self.lease, ending)
+                if record is None:
+                    return None
+                await self.ledger.publish_terminal(record)
             self.outcome = self._outcome(record)
             return record
         except LeaseLost as lost:
@@ -444,16 +459,19 @@ class RunDriver:
         self._first_token_wall = pump.first_token_wall
         self._tpot_s = pump.step_s()
 
-    def _outcome(self, record: TerminalRecord) -> RunOutcome:
+    def _ttft_s(self) -> float | None:
         created = self.claim.created_at
-        ttft = None
-        if self._first_token_wall is not None and created is not None:
-            ttft = self._first_token_wall - created.timestamp()
+        if self._first_token_wall is None or created is None:
+            return None
+        return self._first_token_wall - created.timestamp()
+
+    def _outcome(self, record: TerminalRecord) -> RunOutcome:
         usage = record.usage
         return RunOutcome(status=record.status, replica=self.claim.replica, attempts=len(self.tried),
                           input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
                           cached_input_tokens=usage.cached_input_tokens,
-                          reported_cached_tokens=self._reported_cached, ttft_s=ttft, tpot_s=self._tpot_s)
+                          reported_cached_tokens=self._reported_cached, ttft_s=self._ttft_s(),
+                          tpot_s=self._tpot_s)
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

@@ -19,11 +19,14 @@ driver records RUNNING right after the first token is durable.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sluice.ledger.models import RunStatus
+from sluice.services.finish import Ending
+from sluice.services.routing.claims import ClaimedRun
+from sluice.services.telemetry import GEN_AI_OPERATION, gen_ai_request
 
 from sluice.config import Settings
 from sluice.router.load import LoadSnapshot
@@ -97,10 +100,12 @@ class RoutingMetrics:
                                ["model_version", "pool", "tier", "reason"], registry=registry)
         self._decision = Histogram("sluice_router_decision_seconds", "Time of one policy.choose() call",
                                    buckets=DECISION_BUCKETS, registry=registry)
+        # Several routing processes on a host see the same replicas: under multiprocess mode the
+        # served value is the most recent any live process wrote (telemetry.py).
         self._healthy = Gauge("sluice_replica_healthy", "1 while the replica's circuit breaker is closed",
-                              ["replica"], registry=registry)
+                              ["replica"], registry=registry, multiprocess_mode="livemostrecent")
         self._load = Gauge("sluice_replica_load", "What the replica reported at its last scrape",
-                           ["replica", "kind"], registry=registry)
+                           ["replica", "kind"], registry=registry, multiprocess_mode="livemostrecent")
         self._scrape = Histogram("sluice_replica_scrape_seconds",
                                  "One scrape of a replica's metrics endpoint",
                                  buckets=SCRAPE_BUCKETS, registry=registry)
@@ -177,7 +182,50 @@ def span_attributes(run_id: str, model: str, pool: str, decision: RouteDecision,
     return {"sluice.run_id": run_id, "sluice.model": model, "sluice.pool": pool,
             "sluice.replica": decision.replica, "sluice.route.outcome": decision.outcome,
             "sluice.route.predicted_cached_tokens": decision.predicted_cached_tokens,
-            "sluice.prompt_tokens": input_tokens}
+            "sluice.prompt_tokens": input_tokens, **gen_ai_request(model)}
+
+
+def finish_reason(status: RunStatus, output_tokens: int, max_output_tokens: int) -> str:
+    """gen_ai.response.finish_reasons' value: "length" when the cap ended it, "stop" for the model's
+    own end, else the terminal status (cancelled, expired, failed, interrupted)."""
+    if status is RunStatus.COMPLETED:
+        return "length" if output_tokens >= max_output_tokens else "stop"
+    return status.value.lower()
+
+
+def claim_attributes(claim: ClaimedRun, decision: RouteDecision) -> dict[str, str | int]:
+    """The per-run run.claim span: which replica the policy chose, in the run's own trace."""
+    return {"sluice.run_id": claim.run_id, "sluice.tenant": str(claim.tenant_id),
+            "sluice.pool": claim.worker_pool, "sluice.replica": decision.replica,
+            "sluice.route.outcome": decision.outcome, "sluice.lease_epoch": claim.epoch}
+
+
+def stream_span_name(claim: ClaimedRun) -> str:
+    return f"{GEN_AI_OPERATION} {claim.model_version}"   # the convention: "{operation} {model}"
+
+
+def stream_attributes(claim: ClaimedRun, address: str) -> dict[str, str | int]:
+    """The replica stream's span (one per run, not per token): the GenAI request and the replica."""
+    host, _, port = address.rpartition(":")
+    return {**gen_ai_request(claim.model_version), "gen_ai.request.max_tokens": claim.max_output_tokens,
+            "sluice.run_id": claim.run_id, "sluice.tenant": str(claim.tenant_id),
+            "server.address": host, "server.port": int(port) if port.isdigit() else 0}
+
+
+def stream_end_attributes(claim: ClaimedRun, ending: Ending, attempts: int,
+                          first_token_s: float | None) -> dict[str, str | int | float | Sequence[str]]:
+    """What the stream span learns at its end: tokens, why it stopped, attempts, time to first token."""
+    attributes: dict[str, str | int | float | Sequence[str]] = {
+        "gen_ai.response.model": claim.model_version,
+        "gen_ai.usage.input_tokens": claim.input_tokens,
+        "gen_ai.usage.output_tokens": ending.output_tokens,
+        "gen_ai.response.finish_reasons": [finish_reason(ending.status, ending.output_tokens,
+                                                         claim.max_output_tokens)],
+        "sluice.status": ending.status.value, "sluice.attempts": attempts,
+        "sluice.cached_input_tokens": ending.cached_input_tokens}
+    if first_token_s is not None:
+        attributes["sluice.ttft_ms"] = round(first_token_s * 1000, 3)
+    return attributes
 
 
 def outcome_attributes(outcome: RunOutcome) -> dict[str, str | int | float]:
@@ -186,6 +234,9 @@ def outcome_attributes(outcome: RunOutcome) -> dict[str, str | int | float]:
         "sluice.attempts": outcome.attempts, "sluice.input_tokens": outcome.input_tokens,
         "sluice.output_tokens": outcome.output_tokens,
         "sluice.cached_input_tokens": outcome.cached_input_tokens,
+        # What the run was charged, as the GenAI conventions name it.
+        "gen_ai.usage.input_tokens": outcome.input_tokens,
+        "gen_ai.usage.output_tokens": outcome.output_tokens,
     }
     if outcome.ttft_s is not None:
         attributes["sluice.ttft_ms"] = round(outcome.ttft_s * 1000, 3)

@@ -66,9 +66,14 @@ from sluice.services.routing.claims import (
 from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
 from sluice.services.routing.leases import Lease, LeaseKeeper
 from sluice.services.routing.monitor import MONITOR_TICK_S, hung
-from sluice.services.routing.observability import RoutingMetrics, outcome_attributes, span_attributes
+from sluice.services.routing.observability import (
+    RoutingMetrics,
+    claim_attributes,
+    outcome_attributes,
+    span_attributes,
+)
 from sluice.services.routing.run_ledger import SqlRunLedger
-from sluice.services.telemetry import tracer
+from sluice.services.telemetry import context_of, tracer
 from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -265,7 +270,7 @@ class RoutingWorker:
                 if not rows:
                     return False
                 # Started only once there is something to claim: an idle poll every 50 ms is no span.
-                span = tracer().start_span("run.claim", start_time=started_ns, attributes={
+                span = tracer().start_span("routing.claim", start_time=started_ns, attributes={
                     "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
                 for run in rows:
                     if run.deadline_at.timestamp() <= now:
@@ -289,8 +294,14 @@ class RoutingWorker:
         span.set_attributes({"sluice.routed": len(routed), "sluice.expired": len(expired)})
         link = trace.Link(span.get_span_context())
         span.end()
+        claimed_ns = time.time_ns()
         for item in routed:
             self.policy.on_routed(item.request, item.decision, now)
+            # The claim seen from each run's own trace (the batch span above is the worker's).
+            claim_span = tracer().start_span("run.claim", context=context_of(item.claim.traceparent),
+                                             start_time=started_ns, links=[link],
+                                             attributes=claim_attributes(item.claim, item.decision))
+            claim_span.end(end_time=claimed_ns)
             self._start_driver(item, link)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
@@ -317,7 +328,7 @@ class RoutingWorker:
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
             created_at=run.created_at, cache_salt=salt, epoch=epoch,
-            sampling=Sampling.from_json(run.sampling), route=run.route)
+            sampling=Sampling.from_json(run.sampling), route=run.route, traceparent=run.traceparent)
         self.metrics.routed(claim.route)
         return _Routed(claim, request, decision, claim_started)
 
@@ -356,7 +367,8 @@ class RoutingWorker:
         claim = item.claim
         attributes = span_attributes(claim.run_id, claim.model_version, claim.worker_pool, item.decision,
                                      claim.input_tokens)
-        with tracer().start_as_current_span("run.drive", attributes=attributes,
+        with tracer().start_as_current_span("run.drive", context=context_of(claim.traceparent),
+                                            attributes=attributes,
                                             links=[claim_span] if claim_span is not None else None) as span:
             record = await driver.run()
             if driver.outcome is not None:

@@ -114,6 +114,7 @@ class GatewaySection(Section):
 
     reuse_port: bool = False                         # several gateway processes share each address
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
+    metrics_port: Port = 50065                       # Prometheus /metrics of the gateway; 0 = not served
 
 
 class RunsSection(ListenSection):
@@ -168,7 +169,11 @@ class RoutingSection(ListenSection):
 
 
 class TelemetrySection(Section):
-    exporter: Literal["none", "console", "memory"] = "none"
+    exporter: Literal["none", "console", "memory", "otlp"] = "none"
+    endpoint: str = "http://127.0.0.1:4317"          # otlp: the collector (http/protobuf: http://host:4318)
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    sampling: Annotated[float, Field(ge=0, le=1)] = 1.0   # fraction of runs traced
+    metrics_interval_ms: NonNegative = 10_000.0      # otlp: metrics pushed this often; 0 = not pushed
     ttft_slo_ms: Positive = 500.0
     tpot_slo_ms: Positive = 50.0
 
