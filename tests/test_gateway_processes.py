@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import grpc.aio
 import pytest
+from sluice.ledger.models import Run
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.v1 import admission_pb2, admission_pb2_grpc
@@ -25,14 +28,16 @@ pytestmark = pytest.mark.integration
 
 READY = "gateway (admission, runs, usage) listening on"
 ADMITTED = "admitted run"
+BUDGET = 3_000   # tokens: 24 small submits fit (prompt + cap 4 each), a cap of the whole budget never does
 
 
 class Gateway:
-    def __init__(self, dsn: str, address: str, reuse_port: bool, log_path: Path) -> None:
+    def __init__(self, dsn: str, address: str, reuse_port: bool, log_path: Path,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         # The HTTP edge off: its own port is not what these tests share (and one box has one 8080).
         env = {**os.environ, "SLUICE_DATABASE__DSN": dsn, "PYTHONPATH": str(REPO_ROOT),
                "SLUICE_GATEWAY__REUSE_PORT": "true" if reuse_port else "false",
-               "SLUICE_HTTP__ENABLED": "false"}
+               "SLUICE_HTTP__ENABLED": "false", "SLUICE_GATEWAY__METRICS_PORT": "0", **(extra_env or {})}
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -70,6 +75,17 @@ def gateways(tmp_path: Path) -> Iterator[list[Gateway]]:
         gateway.stop()
 
 
+async def submit_many(address: str, api_key: str, count: int, max_output_tokens: int = 4) -> None:
+    # A new channel is a new connection; the kernel hashes each to one of the listeners.
+    for index in range(count):
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = admission_pb2.SubmitRequest(model=MODEL.alias, input=b"hello there",
+                                                  max_output_tokens=max_output_tokens,
+                                                  request_key=f"k{index}")
+            await admission_pb2_grpc.AdmissionStub(channel).Submit(
+                request, metadata=(("x-api-key", api_key),))
+
+
 async def test_two_gateway_processes_share_one_port_and_both_serve(
         database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], gateways: list[Gateway],
         tmp_path: Path):
@@ -80,15 +96,69 @@ async def test_two_gateway_processes_share_one_port_and_both_serve(
     for index in range(2):
         gateways.append(Gateway(database_dsn, address, True, tmp_path / f"gateway-{index}.log"))
     assert all(gateway.wait() for gateway in gateways)
-    # A new channel is a new connection; the kernel hashes each to one of the listeners.
-    for index in range(24):
-        async with grpc.aio.insecure_channel(address) as channel:
-            request = admission_pb2.SubmitRequest(model=MODEL.alias, input=b"hello there",
-                                                  max_output_tokens=4, request_key=f"k{index}")
-            await admission_pb2_grpc.AdmissionStub(channel).Submit(
-                request, metadata=(("x-api-key", tenant.api_key),))
+    await submit_many(address, tenant.api_key, 24)
     served = [gateway.log().count(ADMITTED) for gateway in gateways]
     assert sum(served) == 24 and min(served) > 0, served
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples of http://127.0.0.1:port/metrics, by name and labels as written."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+async def test_two_gateway_processes_in_multiprocess_mode_serve_the_sum_of_their_metrics(
+        database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], gateways: list[Gateway],
+        tmp_path: Path):
+    """Both processes count; whichever serves the metrics port serves both processes' numbers."""
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, TOKENIZER, MODEL)
+        tenant = await add_tenant(session, "acme", token_budget=BUDGET)
+    multiproc_dir = tmp_path / "metrics"
+    multiproc_dir.mkdir()
+    address, metrics_port = (f"127.0.0.1:{port}" if index == 0 else port
+                             for index, port in enumerate(free_ports(2)))
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir), "SLUICE_GATEWAY__METRICS_PORT": str(metrics_port)}
+    for index in range(2):
+        gateways.append(Gateway(database_dsn, str(address), True, tmp_path / f"gateway-{index}.log", env))
+    assert all(gateway.wait() for gateway in gateways)
+    await submit_many(str(address), tenant.api_key, 24)
+    # And two refusals: a cap larger than the budget left can never fit.
+    await submit_refused(str(address), tenant.api_key, 2)
+    served = [gateway.log().count(ADMITTED) for gateway in gateways]
+    assert sum(served) == 24 and min(served) > 0, served       # both processes admitted some
+    samples = scrape(int(metrics_port))
+    assert samples['sluice_submit_seconds_count{code="OK"}'] == 24
+    assert samples['sluice_submit_refusals_total{code="RESOURCE_EXHAUSTED",reason="BUDGET_EXCEEDED"}'] == 2
+    # Budget left after the 24 reservations of prompt + cap (the last one any process made).
+    prompt = await prompt_tokens(sessionmaker)
+    assert samples['sluice_budget_remaining{kind="tokens",tenant="acme"}'] == BUDGET - 24 * (prompt + 4)
+
+
+async def submit_refused(address: str, api_key: str, count: int) -> None:
+    for index in range(count):
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = admission_pb2.SubmitRequest(model=MODEL.alias, input=b"hello there",
+                                                  max_output_tokens=BUDGET,
+                                                  request_key=f"big{index}")
+            try:
+                await admission_pb2_grpc.AdmissionStub(channel).Submit(
+                    request, metadata=(("x-api-key", api_key),))
+            except grpc.aio.AioRpcError as refused:
+                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+            else:
+                raise AssertionError("a submit over the budget was admitted")
+
+
+async def prompt_tokens(sessionmaker: async_sessionmaker[AsyncSession]) -> int:
+    async with sessionmaker() as session:
+        return int(await session.scalar(select(Run.input_tokens).limit(1)))
 
 
 async def test_without_reuse_port_a_second_gateway_on_a_taken_port_fails_to_start(
