@@ -14,8 +14,10 @@ still before the servicer (so before anything is read or written):
     repeated fields        at most N items
 
 Each refusal names the field (dotted path from the request, e.g. `sampling.seed`) and says what
-to change. Rules that need the database or the model (authentication, context length, budgets)
-stay in the services; this module holds only what any request of a given type must satisfy.
+to change, in the message and as the standard google.rpc `BadRequest` field violation beside it
+(`grpc-status-details-bin`, services/errors.py), which any language's gRPC library decodes.
+Rules that need the database or the model (authentication, context length, budgets) stay in the
+services; this module holds only what any request of a given type must satisfy.
 
 A client's mistake is logged at INFO, one line, never with a traceback.
 """
@@ -32,7 +34,7 @@ import grpc.aio
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
-from sluice.services.errors import FIELD_ABOVE_RANGE, FIELD_HAS_NUL
+from sluice.services.errors import FIELD_ABOVE_RANGE, FIELD_HAS_NUL, InvalidArgument, abort_with
 
 from sluice.config import Settings
 from sluice.config.settings import AdmissionSection
@@ -42,6 +44,9 @@ log = logging.getLogger(__name__)
 # Message templates (shared by code and tests).
 UNDECODABLE = "request body is not a valid {message} ({reason}): send a protobuf-encoded {message}"
 FIELD_TOO_LONG = "{field} has {length:,} {unit}: send at most {limit:,}"
+# ErrorInfo.reason of the refusals made here.
+UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
+FIELD_REASON = "FIELD_OUT_OF_BOUNDS"
 
 # Defaults for the [admission] keys this module reads (config/sluice.toml documents each).
 # [admission].max_input_bytes and max_deadline_ms when a config leaves them out (sluice.toml says why).
@@ -84,6 +89,14 @@ class Undecodable:
 
 
 @dataclass(frozen=True, slots=True)
+class Violation:
+    """Why a request is refused: the field at fault (its path in the request) and what to change."""
+
+    field: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class FieldLimits:
     """The bounds every request is held to, by full field name (`sluice.v1.SubmitRequest.input`)."""
 
@@ -101,15 +114,20 @@ class FieldLimits:
 
     def problem(self, request: Message) -> str | None:
         """Why `request` is refused, naming the field; None if every field is within bounds."""
+        violation = self.violation(request)
+        return None if violation is None else violation.message
+
+    def violation(self, request: Message) -> Violation | None:
+        """The first field out of bounds and why; None if every field is within bounds."""
         return self._message_problem(request, "")
 
-    def _message_problem(self, message: Message, prefix: str) -> str | None:
+    def _message_problem(self, message: Message, prefix: str) -> Violation | None:
         for descriptor, value in message.ListFields():
             path = prefix + descriptor.name
             if descriptor.is_repeated:
                 if len(value) > self.max_items:
-                    return FIELD_TOO_LONG.format(field=path, length=len(value), unit="items",
-                                                 limit=self.max_items)
+                    return Violation(path, FIELD_TOO_LONG.format(field=path, length=len(value), unit="items",
+                                                                 limit=self.max_items))
                 items = value
             else:
                 items = (value,)
@@ -119,21 +137,21 @@ class FieldLimits:
                     return problem
         return None
 
-    def _value_problem(self, descriptor: FieldDescriptor, value: Any, path: str) -> str | None:
+    def _value_problem(self, descriptor: FieldDescriptor, value: Any, path: str) -> Violation | None:
         kind = descriptor.type
         if kind == FieldDescriptor.TYPE_MESSAGE:
             return self._message_problem(value, path + ".")
         if kind == FieldDescriptor.TYPE_STRING:
-            return self._text_problem(descriptor.full_name, value, path)
-        if kind == FieldDescriptor.TYPE_BYTES:
+            problem = self._text_problem(descriptor.full_name, value, path)
+        elif kind == FieldDescriptor.TYPE_BYTES:
             limit = self.max_bytes.get(descriptor.full_name, self.default_max_bytes)
-            if len(value) > limit:
-                return FIELD_TOO_LONG.format(field=path, length=len(value), unit="bytes", limit=limit)
-            return None
-        high = self.max_values.get(descriptor.full_name)
-        if high is not None and value > high:
-            return FIELD_ABOVE_RANGE.format(field=path, high=high, value=value)
-        return None
+            problem = None if len(value) <= limit else FIELD_TOO_LONG.format(
+                field=path, length=len(value), unit="bytes", limit=limit)
+        else:
+            high = self.max_values.get(descriptor.full_name)
+            problem = None if high is None or value <= high else FIELD_ABOVE_RANGE.format(
+                field=path, high=high, value=value)
+        return None if problem is None else Violation(path, problem)
 
     def _text_problem(self, full_name: str, value: str, path: str) -> str | None:
         limit = self.max_chars.get(full_name, self.default_max_chars)
@@ -158,15 +176,19 @@ def decoder(message_class: type[Message]) -> Callable[[bytes], Message | Undecod
     return decode
 
 
-async def _refuse(context: grpc.aio.ServicerContext, method: str, problem: str) -> None:
-    log.info("%s refused as malformed: %s", method, problem)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+async def _refuse(context: grpc.aio.ServicerContext, method: str, problem: InvalidArgument) -> None:
+    log.info("%s refused as malformed: %s", method, problem.message)
+    await abort_with(context, problem)
 
 
-def _problem(request: Message | Undecodable, limits: FieldLimits) -> str | None:
+def _problem(request: Message | Undecodable, limits: FieldLimits) -> InvalidArgument | None:
+    """The refusal of a request: an undecodable body names no field, a field out of bounds does."""
     if isinstance(request, Undecodable):
-        return request.problem()
-    return limits.problem(request)
+        return InvalidArgument(request.problem(), reason=UNDECODABLE_REASON)
+    violation = limits.violation(request)
+    if violation is None:
+        return None
+    return InvalidArgument(violation.message, field=violation.field, reason=FIELD_REASON)
 
 
 def _checked_unary(method: str, inner: Callable[..., Any], limits: FieldLimits) -> Callable[..., Any]:

@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 import pytest
 from sluice.ledger.models import Run, RunStatus
-from sluice.services import errors
+from sluice.services import errors, validation
 from sluice.services.admission import add_admission_servicer
 from sluice_client import cli, sdk
 from sluice_client.sdk import SluiceClient, SluiceError
@@ -297,3 +297,30 @@ async def test_a_bad_field_decodes_as_bad_request_naming_it(sessionmaker, word_t
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     [violation] = details_of(error)["BadRequest"].field_violations
     assert (violation.field, violation.description) == ("max_output_tokens", error.details())
+
+
+@pytest.mark.integration
+async def test_a_field_the_rpc_edge_refuses_decodes_as_bad_request_naming_it(sessionmaker, word_tokenizer):
+    """services/validation.py's refusals, before admission runs: the field's dotted path."""
+    key = await tenant_key(sessionmaker)
+    async with admission(sessionmaker, word_tokenizer) as address, SluiceClient(address, key) as client:
+        error = await refused(client.submit(prompt_of(10), model="m" * 300, max_output_tokens=4))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == validation.FIELD_TOO_LONG.format(field="model", length=300, unit="characters",
+                                                               limit=256)
+    details = details_of(error)
+    [violation] = details["BadRequest"].field_violations
+    assert (violation.field, violation.description) == ("model", error.details())
+    assert details["ErrorInfo"].reason == validation.FIELD_REASON
+
+
+@pytest.mark.integration
+async def test_an_undecodable_body_decodes_as_error_info_without_a_field(sessionmaker, word_tokenizer):
+    async with admission(sessionmaker, word_tokenizer) as address, \
+            grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await channel.unary_unary("/sluice.v1.Admission/Submit")(b"\xff\xff\xff")
+    details = details_of(raised.value)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details["ErrorInfo"].reason == validation.UNDECODABLE_REASON
+    assert "BadRequest" not in details
