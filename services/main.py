@@ -54,7 +54,7 @@ from sluice.services.usage import add_usage_servicer
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
-from sluice.config.settings import TlsSection
+from sluice.config.settings import LOOPBACK_HOSTS, ReplicaTlsSection, TlsSection
 from sluice.eventlog.kafka import KafkaEventLog, configured_bootstrap
 from sluice.v1 import admin_pb2, admission_pb2, routing_pb2, runs_pb2, usage_pb2
 
@@ -87,7 +87,6 @@ def grpc_server(reuse_port: bool) -> grpc.aio.Server:
     return grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 PLAINTEXT_OFF_LOOPBACK = ("refusing plaintext gRPC on {address}: configure [tls] cert_file/key_file"
                           " (or set [tls].plaintext_off_loopback = true to accept the risk)")
 
@@ -100,6 +99,16 @@ def server_credentials(tls: TlsSection) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(
         [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
         root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def replica_credentials(section: ReplicaTlsSection) -> grpc.ChannelCredentials | None:
+    """How this process connects to Triton replicas ([replica_tls]): TLS verifying ca_file, with a
+    client certificate for mutual TLS; None for plaintext."""
+    if not section.ca_file:
+        return None
+    client_key = Path(section.client_key_file).read_bytes() if section.client_key_file else None
+    client_chain = Path(section.client_cert_file).read_bytes() if section.client_cert_file else None
+    return grpc.ssl_channel_credentials(Path(section.ca_file).read_bytes(), client_key, client_chain)
 
 
 def _bind(server: grpc.aio.Server, addresses: Sequence[str], tls: TlsSection) -> None:
@@ -121,6 +130,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                 routing_listen: str | None = None, label: str | None = None) -> None:
     """Serve `roles` until SIGTERM/SIGINT: the gateway on `listen`; a routing worker (owner id
     labelled `label`) with the Routing API on `routing_listen` when one is given."""
+    replica_client.use_tls(replica_credentials(config.replica_tls))
     engine = make_engine(config.database.url)
     sessions = make_sessionmaker(engine)
     events = KafkaEventLog.from_config(config)

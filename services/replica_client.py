@@ -101,6 +101,20 @@ def _state() -> _LoopState:
     return state
 
 
+@dataclass(slots=True)
+class _Tls:
+    credentials: grpc.ChannelCredentials | None = None   # None: plaintext
+
+
+_tls = _Tls()
+
+
+def use_tls(credentials: grpc.ChannelCredentials | None) -> None:
+    """Connect to replicas with these credentials from now on ([replica_tls]; None: plaintext).
+    Set once at process start, before the first channel: channels already open keep theirs."""
+    _tls.credentials = credentials
+
+
 def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
     """The address's stub, made once: a stub builds a callable per RPC of the service."""
     state = _state()
@@ -110,13 +124,16 @@ def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
     channels = state.channels
     channel = channels.get(address)
     if channel is None:
-        channel = grpc.aio.insecure_channel(address, options=[
+        options = [
             ("grpc.keepalive_time_ms", DEFAULT_KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", DEFAULT_KEEPALIVE_MS),
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ])
+        ]
+        credentials = _tls.credentials
+        channel = (grpc.aio.insecure_channel(address, options=options) if credentials is None
+                   else grpc.aio.secure_channel(address, credentials, options=options))
         channels[address] = channel
     stub = state.stubs[address] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     return stub

@@ -1,12 +1,11 @@
 """TLS and mutual TLS on the gateway's gRPC listener ([tls]), and the SDK over it.
 
-Certificates are made in the test with the openssl CLI: a CA, a server certificate for 127.0.0.1
-and a client certificate, all signed by that CA.
+Certificates are made in the test with the openssl CLI (tests/support/pki.py): a CA, a server
+certificate for 127.0.0.1 and a client certificate, all signed by that CA.
 """
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -22,25 +21,9 @@ from sluice.config.settings import TlsSection
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, prompt_of
 from tests.support.replica_proc import free_ports
 
+pytest_plugins = ["tests.support.pki"]
+
 MODEL = DEFAULT_MODEL.alias or DEFAULT_MODEL.version
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-            "-days", "2", "-subj", "/CN=sluice test CA", cwd=home)
-    (home / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, extension in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN=sluice {name}", cwd=home)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.pem", "-days", "2", *extension, cwd=home)
-    return home
 
 
 def tls_settings(pki: Path, mutual: bool) -> Settings:

@@ -43,6 +43,10 @@ NonNegative = Annotated[float, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
+# Hosts a plaintext listener may use without [tls].plaintext_off_loopback (gateway, Routing API, replicas).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
 class ConfigError(ValueError):
     """The configuration is malformed; the message names each offending key and its source."""
 
@@ -154,6 +158,29 @@ class TlsSection(Section):
             raise ValueError("tls.client_ca_file needs tls.cert_file and tls.key_file")
 
 
+class ReplicaTlsSection(Section):
+    """TLS on the gateway/worker -> Triton hop. One section for both ends of it: a replica host
+    serves with cert_file/key_file, a routing worker verifies replicas with ca_file; client_ca_file
+    (replica) and client_cert_file/client_key_file (worker) make it mutual."""
+
+    ca_file: str = ""                 # clients: connect to replicas with TLS, verifying this CA
+    cert_file: str = ""               # replica hosts: serve gRPC with this certificate chain
+    key_file: str = ""
+    client_ca_file: str = ""          # replica hosts: require client certificates this CA signed
+    client_cert_file: str = ""        # clients: the certificate presented to a mutual-TLS replica
+    client_key_file: str = ""
+
+    def model_post_init(self, context: Any) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("replica_tls.cert_file and replica_tls.key_file go together")
+        if bool(self.client_cert_file) != bool(self.client_key_file):
+            raise ValueError("replica_tls.client_cert_file and replica_tls.client_key_file go together")
+        if self.client_ca_file and not self.cert_file:
+            raise ValueError("replica_tls.client_ca_file needs replica_tls.cert_file and key_file")
+        if self.client_cert_file and not self.ca_file:
+            raise ValueError("replica_tls.client_cert_file needs replica_tls.ca_file")
+
+
 class RoutingSection(ListenSection):
     listen: str = "127.0.0.1:50054"
     policy: Literal["prefix_aware", "least_loaded", "round_robin"] = "prefix_aware"
@@ -252,6 +279,7 @@ class Settings(BaseSettings):
     usage: UsageSection = UsageSection()
     http: HttpSection = HttpSection()
     tls: TlsSection = TlsSection()
+    replica_tls: ReplicaTlsSection = ReplicaTlsSection()
     routing: RoutingSection = RoutingSection()
     telemetry: TelemetrySection = TelemetrySection()
     replica: ReplicaSection = ReplicaSection()

@@ -36,6 +36,7 @@ from numpy.typing import NDArray
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
+from sluice.config.settings import LOOPBACK_HOSTS, ReplicaTlsSection
 from sluice.replica import lifecycle
 from sluice.replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from sluice.replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
@@ -60,6 +61,9 @@ ERR_UNKNOWN_ENGINE = "[replica].engine must be \"simple\" or \"core\", got {!r}"
 ERR_ENGINE_CONFIG = "[replica] settings for engine {engine!r} are invalid: {error}"
 DEFAULT_ENGINE = "core"                  # as config/sluice.toml; used when [replica].engine is absent
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
+ERR_PLAINTEXT_OFF_LOOPBACK = (
+    "refusing plaintext gRPC on {address}: configure [replica_tls] cert_file/key_file"
+    " (or set [tls].plaintext_off_loopback = true to accept the risk)")
 ERR_NO_PORTS = "[[replicas]] entry {name!r} needs http_port and metrics_port to be served here"
 ERR_TRITON_START = "replica {name}: tritonserver could not start: {error}"
 EXIT_STARTUP_FAILED = 2
@@ -83,6 +87,7 @@ class ReplicaSettings:
     workspace: Path | None = None        # pytriton workspace (model store, sockets); None: a temp dir
     section: Mapping[str, Any] = field(default_factory=dict)   # raw [replica] table (engine choice)
     model_cache: Path | None = None      # where a model executor caches dequantized weights
+    tls: Mapping[str, Any] = field(default_factory=dict)   # TritonConfig's grpc_* TLS keywords ({}: none)
 
 
 def settings_from_config(config: Settings, name: str) -> ReplicaSettings:
@@ -94,12 +99,27 @@ def settings_from_config(config: Settings, name: str) -> ReplicaSettings:
     if entry.http_port is None or entry.metrics_port is None:
         raise StartupError(ERR_NO_PORTS.format(name=name))
     host, _, grpc_port = entry.grpc_address.rpartition(":")
+    host = host or "127.0.0.1"
     section = config.replica_section_for(entry).model_dump()
-    return ReplicaSettings(name=name, host=host or "127.0.0.1", http_port=entry.http_port,
+    if not (config.replica_tls.cert_file or host in LOOPBACK_HOSTS or config.tls.plaintext_off_loopback):
+        raise StartupError(ERR_PLAINTEXT_OFF_LOOPBACK.format(address=entry.grpc_address))
+    return ReplicaSettings(name=name, host=host, http_port=entry.http_port,
                            grpc_port=int(grpc_port), metrics_port=entry.metrics_port,
                            generator=generator_config(section),
                            workspace=config.data_dir() / "replicas" / f"{name}-{grpc_port}",
-                           section=section, model_cache=config.data_dir() / "models")
+                           section=section, model_cache=config.data_dir() / "models",
+                           tls=triton_tls(config.replica_tls))
+
+
+def triton_tls(section: ReplicaTlsSection) -> dict[str, Any]:
+    """[replica_tls] as TritonConfig keywords: TLS on Triton's gRPC endpoint, mutual with a client CA."""
+    if not section.cert_file:
+        return {}
+    options: dict[str, Any] = {"grpc_use_ssl": True, "grpc_server_cert": Path(section.cert_file),
+                               "grpc_server_key": Path(section.key_file)}
+    if section.client_ca_file:
+        options.update(grpc_use_ssl_mutual=True, grpc_root_cert=Path(section.client_ca_file))
+    return options
 
 
 def generator_config(section: Mapping[str, Any]) -> GeneratorConfig | None:
@@ -386,6 +406,7 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
         grpc_keepalive_permit_without_calls=True,
         grpc_http2_min_recv_ping_interval_without_data=1000,
         grpc_http2_max_ping_strikes=0,
+        **settings.tls,
     )
     triton = Triton(config=triton_config, workspace=_fresh_workspace(settings.workspace))
     _die_with_this_process(triton)

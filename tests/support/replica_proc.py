@@ -70,14 +70,17 @@ def replica_env(name: str, grpc_port: int, http_port: int, metrics_port: int,
 
 
 def launch_replica(name: str, log_dir: Path, replica_settings: Mapping[str, object] | None = None,
-                   ports: tuple[int, int, int] | None = None) -> ReplicaProcess:
-    """Spawn a replica without waiting for it (see wait_ready)."""
+                   ports: tuple[int, int, int] | None = None,
+                   extra_env: Mapping[str, str] | None = None) -> ReplicaProcess:
+    """Spawn a replica without waiting for it (see wait_ready); `extra_env` adds SLUICE_* overrides."""
     grpc_port, http_port, metrics_port = ports or tuple(free_ports(3))
     log_path = log_dir / f"replica-{name}-{grpc_port}.log"
+    env = replica_env(name, grpc_port, http_port, metrics_port, replica_settings or {})
+    env.update(extra_env or {})
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "sluice.replica.serve", "--name", name],
-            cwd=REPO_ROOT, env=replica_env(name, grpc_port, http_port, metrics_port, replica_settings or {}),
+            cwd=REPO_ROOT, env=env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return ReplicaProcess(name, f"127.0.0.1:{grpc_port}", http_port, metrics_port, process, log_path)
@@ -97,8 +100,8 @@ def wait_ready(replica: ReplicaProcess, timeout_s: float = 60.0) -> float:
 
 
 def start_replica(name: str, log_dir: Path, replica_settings: Mapping[str, object] | None = None,
-                  timeout_s: float = 60.0) -> ReplicaProcess:
-    replica = launch_replica(name, log_dir, replica_settings)
+                  timeout_s: float = 60.0, extra_env: Mapping[str, str] | None = None) -> ReplicaProcess:
+    replica = launch_replica(name, log_dir, replica_settings, extra_env=extra_env)
     try:
         wait_ready(replica, timeout_s)
     except BaseException:
