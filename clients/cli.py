@@ -14,6 +14,8 @@ The API key comes from --api-key or SLUICE_API_KEY. Addresses come from
 --address (one process serving every service), else SLUICE_ADDRESS, else
 SLUICE_ADMISSION_ADDRESS / SLUICE_RUNS_ADDRESS / SLUICE_USAGE_ADDRESS (default: the
 platform's packaged 127.0.0.1:50051/50052/50053). The CLI reads no platform config.
+A TLS gateway: --ca PEM (or SLUICE_CA_FILE) verifies its certificate; --cert/--key (or
+SLUICE_CERT_FILE/SLUICE_KEY_FILE) present a client certificate to a mutual-TLS gateway.
 
 A refusal prints the server's message, then a one-line hint from the hints it
 attached (e.g. "hint: retry after 300 ms", "hint: lower --max-tokens to 1000");
@@ -29,6 +31,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 import grpc
@@ -45,6 +48,9 @@ EXIT_OK = 0
 EXIT_RPC_ERROR = 1
 EXIT_USAGE = 2
 EXIT_RUN_NOT_COMPLETED = 3
+CA_FILE_ENV, CERT_FILE_ENV, KEY_FILE_ENV = "SLUICE_CA_FILE", "SLUICE_CERT_FILE", "SLUICE_KEY_FILE"
+CERT_AND_KEY = "sluice: --cert and --key go together (a client certificate and its private key)"
+CERT_WITHOUT_CA = "sluice: --cert needs --ca (the CA that signed the gateway's certificate)"
 
 
 def _common(defaults: bool) -> argparse.ArgumentParser:
@@ -55,7 +61,28 @@ def _common(defaults: bool) -> argparse.ArgumentParser:
     common.add_argument("--address", default=default,
                         help="one host:port serving every service (default: $SLUICE_ADDRESS, else "
                              "the per-service variables)")
+    common.add_argument("--ca", default=default,
+                        help=f"TLS: the CA (PEM) that signed the gateway's certificate (${CA_FILE_ENV})")
+    common.add_argument("--cert", default=default,
+                        help=f"mutual TLS: this client's certificate chain, PEM (default: ${CERT_FILE_ENV})")
+    common.add_argument("--key", default=default,
+                        help=f"mutual TLS: this client's private key, PEM (default: ${KEY_FILE_ENV})")
     return common
+
+
+def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials from --ca/--cert/--key or their variables; None (plaintext) when no CA is given."""
+    ca = getattr(args, "ca", None) or os.environ.get(CA_FILE_ENV)
+    cert = getattr(args, "cert", None) or os.environ.get(CERT_FILE_ENV)
+    key = getattr(args, "key", None) or os.environ.get(KEY_FILE_ENV)
+    if bool(cert) != bool(key):
+        raise SystemExit(CERT_AND_KEY)
+    if not ca:
+        if cert:
+            raise SystemExit(CERT_WITHOUT_CA)
+        return None
+    return grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(key).read_bytes() if key else None,
+                                        Path(cert).read_bytes() if cert else None)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,7 +201,7 @@ async def _follow(client: SluiceClient, run_id: str, after: int, out: TextIO, as
 
 async def _run(args: argparse.Namespace, out: TextIO) -> int:
     addresses = Addresses.single(args.address) if args.address else Addresses.from_env()
-    async with SluiceClient(addresses, args.api_key) as client:
+    async with SluiceClient(addresses, args.api_key, credentials=credentials(args)) as client:
         if args.command == "chat":
             run = await submit_chat(client, args, sys.stderr)
             print(f"[run {run.run_id} · {run.model_version} · {run.input_tokens} prompt tokens]",

@@ -6,7 +6,10 @@ certificate for 127.0.0.1 and a client certificate, all signed by that CA.
 
 from __future__ import annotations
 
+import asyncio
+import io
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -14,6 +17,8 @@ import grpc.aio
 import pytest
 from sluice.services.admission import add_admission_servicer
 from sluice.services.main import PLAINTEXT_OFF_LOOPBACK, _bind
+from sluice.services.usage import add_usage_servicer
+from sluice_client import cli
 from sluice_client.sdk import SluiceClient, SluiceError
 
 from sluice.config import Settings, load_settings
@@ -32,11 +37,14 @@ def tls_settings(pki: Path, mutual: bool) -> Settings:
                                         "client_ca_file": str(pki / "ca.pem") if mutual else ""})
 
 
-async def serve_admission(sessionmaker, word_tokenizer: str, config: Settings) -> tuple[grpc.aio.Server, str]:
+async def serve_admission(sessionmaker, word_tokenizer: str, config: Settings,
+                          also: Callable[..., object] | None = None) -> tuple[grpc.aio.Server, str]:
     async with sessionmaker() as session, session.begin():
         await add_model(session, word_tokenizer)
     server = grpc.aio.server()
     add_admission_servicer(server, sessionmaker, config)
+    if also is not None:
+        also(server, sessionmaker, config)
     address = f"127.0.0.1:{free_ports(1)[0]}"
     _bind(server, [address], config.tls)
     await server.start()
@@ -93,3 +101,37 @@ def test_plaintext_is_refused_off_loopback_unless_accepted():
     assert str(refused.value) == PLAINTEXT_OFF_LOOPBACK.format(address="0.0.0.0:0")
     with pytest.raises(ValueError, match="tls.cert_file and tls.key_file go together"):
         TlsSection(cert_file="server.pem")
+
+
+def run_cli(address: str, api_key: str, *tls: str) -> int:
+    """`sluice usage` against `address` (cli.main runs its own event loop: call it in a thread)."""
+    return cli.main(["usage", "--address", address, "--api-key", api_key, *tls], out=io.StringIO())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+async def test_the_cli_talks_to_a_tls_gateway_with_ca_and_a_mutual_one_with_cert_and_key(
+        sessionmaker, word_tokenizer, api_key, pki, capsys, mutual):
+    with_ca = ("--ca", str(pki / "ca.pem"))
+    client_certificate = ("--cert", str(pki / "client.pem"), "--key", str(pki / "client.key"))
+    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual),
+                                            also=add_usage_servicer)
+    try:
+        assert await asyncio.to_thread(run_cli, address, api_key) == cli.EXIT_RPC_ERROR   # plaintext
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        ca_only = await asyncio.to_thread(run_cli, address, api_key, *with_ca)
+        assert ca_only == (cli.EXIT_RPC_ERROR if mutual else cli.EXIT_OK)
+        both = await asyncio.to_thread(run_cli, address, api_key, *with_ca, *client_certificate)
+        assert both == cli.EXIT_OK
+    finally:
+        await server.stop(None)
+
+
+def test_the_cli_takes_its_tls_files_from_the_environment_and_refuses_a_cert_without_a_key(monkeypatch, pki):
+    monkeypatch.setenv(cli.CA_FILE_ENV, str(pki / "ca.pem"))
+    args = cli._parser().parse_args(["usage"])
+    assert isinstance(cli.credentials(args), grpc.ChannelCredentials)
+    monkeypatch.delenv(cli.CA_FILE_ENV)
+    assert cli.credentials(args) is None
+    with pytest.raises(SystemExit, match="--cert and --key go together"):
+        cli.credentials(cli._parser().parse_args(["usage", "--cert", "c.pem"]))
