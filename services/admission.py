@@ -236,7 +236,7 @@ class AdmissionService:
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
-        span.set_attribute("sluice.tenant", tenant.name)
+        span.set_attributes({"sluice.tenant": str(tenant.id), "sluice.tenant.name": tenant.name})
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
         deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms

@@ -202,7 +202,8 @@ async def test_one_run_is_one_trace_across_the_gateway_and_the_worker_exported_o
     assert submit_attributes["gen_ai.request.max_tokens"] == CAP
     assert submit_attributes["gen_ai.usage.input_tokens"] == submitted.input_tokens
     assert submit_attributes["sluice.run_id"] == submitted.run_id
-    assert submit_attributes["sluice.tenant"] == "acme"
+    assert submit_attributes["sluice.tenant"] == str(tenant.id)          # as on the worker's spans
+    assert submit_attributes["sluice.tenant.name"] == "acme"
     stream = attributes(in_trace[stream_name][1])
     expected = {
         "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "sluice",
