@@ -4,6 +4,7 @@ budget at dispatch, and the degradation ladder. Expected values are worked out i
 from __future__ import annotations
 
 import pytest
+
 from sluice.traffic.gpu_budget import Candidate, claimable, kv_tokens, never_fits
 from sluice.traffic.ladder import (
     LadderThresholds,
@@ -25,14 +26,14 @@ from sluice.traffic.priority import (
     has_headroom,
 )
 
-I, B = Priority.INTERACTIVE, Priority.BATCH
+INTER, B = Priority.INTERACTIVE, Priority.BATCH
 
 
 # --- priority: claim order and headroom ---------------------------------------------------------------
 
 
 def test_interactive_runs_are_claimed_before_older_batch_runs_and_each_class_oldest_first() -> None:
-    waiting = [(B, 1.0), (I, 5.0), (B, 0.5), (I, 3.0)]
+    waiting = [(B, 1.0), (INTER, 5.0), (B, 0.5), (INTER, 3.0)]
     # interactive by age: index 3 (t=3), index 1 (t=5); then batch by age: index 2 (t=0.5), index 0 (t=1)
     assert claim_order(waiting) == [3, 1, 2, 0]
 
@@ -56,11 +57,12 @@ def test_slots_unknown_on_any_replica_leaves_slot_use_out_of_the_rule() -> None:
 
 @pytest.mark.parametrize(("replica", "expected"), [
     (ReplicaLoad(waiting=0, running=23, kv_used_blocks=69, kv_capacity_blocks=100, max_slots=32), True),
-    (ReplicaLoad(waiting=1, running=0, kv_used_blocks=0, kv_capacity_blocks=100, max_slots=32), False),   # depth 1
-    (ReplicaLoad(waiting=0, running=0, kv_used_blocks=70, kv_capacity_blocks=100, max_slots=32), False),  # kv 0.70
-    (ReplicaLoad(waiting=0, running=24, kv_used_blocks=0, kv_capacity_blocks=100, max_slots=32), False),  # 24/32=.75
+    (ReplicaLoad(waiting=1, running=0, kv_used_blocks=0, kv_capacity_blocks=100, max_slots=32), False),  # 1
+    (ReplicaLoad(waiting=0, running=0, kv_used_blocks=70, kv_capacity_blocks=100, max_slots=32), False),  # kv
+    (ReplicaLoad(waiting=0, running=24, kv_used_blocks=0, kv_capacity_blocks=100, max_slots=32), False),  # sl
 ])
-def test_batch_is_dispatched_only_strictly_below_every_threshold(replica: ReplicaLoad, expected: bool) -> None:
+def test_batch_is_dispatched_only_strictly_below_every_threshold(replica: ReplicaLoad,
+                                                                   expected: bool) -> None:
     assert has_headroom(pool(replica), Headroom(max_queue_depth=1.0, max_kv_utilization=0.7,
                                                 max_slot_utilization=0.75)) is expected
 

@@ -2,14 +2,14 @@
 → degradation ladder"; seed 000: "the gateway rejects with a retry-after rather than letting queues
 grow").
 
-    step               taken when                                           effect
-    0 normal           -                                                    everything admitted and dispatched
-    1 defer batch      interactive runs wait to be claimed, or the pool     batch runs stay queued (admitted,
-                       lacks headroom (priority.has_headroom)               not dispatched)
-    2 shed batch       interactive backlog >= shed_batch_backlog            new batch submits: UNAVAILABLE
-    3 fallbacks        interactive backlog >= fallback_backlog              interactive submits that permit a
-                                                                            fallback model go there
-    4 shed interactive interactive backlog >= shed_backlog                  every submit: UNAVAILABLE + retry-after
+    step               taken when                                 effect
+    0 normal           -                                          everything admitted and dispatched
+    1 defer batch      interactive runs wait to be claimed, or    batch runs stay queued (admitted,
+                       the pool lacks headroom (has_headroom)     not dispatched)
+    2 shed batch       interactive backlog >= shed_batch_backlog  new batch submits: UNAVAILABLE
+    3 fallbacks        interactive backlog >= fallback_backlog    interactive submits that permit a
+                                                                  fallback model go there
+    4 shed interactive interactive backlog >= shed_backlog        every submit: UNAVAILABLE + retry-after
 
 The thresholds are ordered (1 <= shed batch <= fallback <= shed), so as a backlog grows the steps are
 taken in that order and given back in reverse: a step is never taken while an earlier one is not.
