@@ -35,24 +35,30 @@ from sluice.ledger.repositories import Caller, ModelInfo, caller_of
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.types import BigInteger, Integer
+from sqlalchemy.types import BigInteger, Float, Integer
 
 from sluice.traffic.canary import SHARE_SCALE
 from sluice.traffic.route import RouteReason
 
-# A literal status, not a parameter: the plan can then prove ix_runs_model_version_accepted's predicate.
+# A literal status, not a parameter: the plan can then prove the partial index's predicate
+# (ix_runs_model_version_priority_accepted).
 # The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
 # its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
 _READ = text(f"""
 SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, k.scope,
        t.name AS tenant_name, t.allowed_tiers, t.max_concurrent_runs,
-       t.tokens_per_minute, t.shared_cache_scope, t.suspended_at,
+       t.tokens_per_minute, t.shared_cache_scope, t.suspended_at, t.batch_allowed, t.kv_token_budget,
        m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
        m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
        m.price_card_id, m.canary_share_bp, m.canary_baseline,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
-                              LIMIT :backlog_limit) AS waiting) AS backlog
+                                AND r.priority = 'interactive'
+                              LIMIT :backlog_limit) AS waiting) AS backlog,
+       (SELECT count(*) FROM (SELECT 1 FROM runs r
+                              WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
+                                AND r.priority = 'batch'
+                              LIMIT :batch_backlog_limit) AS waiting) AS batch_backlog
 FROM api_keys k
 LEFT JOIN tenants t ON t.id = k.tenant_id
 LEFT JOIN LATERAL (
@@ -87,13 +93,13 @@ WITH reserved AS (
                       input_tokens, max_output_tokens, sampling, conversation_id, cache_scope, deadline_at,
                       reserved_tokens, reserved_cost_micros, api_key_id, price_card_id,
                       requested_model, route_reason, worker_pool, quality_tier, fallback_from, route_detail,
-                      traceparent)
+                      traceparent, priority)
     SELECT :id, tenant_id, :request_key, :payload_hash, :model_version, '{RunStatus.ACCEPTED.value}',
            :prompt_token_ids, :input_tokens, :max_output_tokens, :sampling, :conversation_id, :cache_scope,
            now() + :deadline_ms * interval '1 millisecond', :reserved_tokens, :reserved_cost_micros,
            :api_key_id, :price_card_id,
            :requested_model, :route_reason, :worker_pool, :quality_tier, :fallback_from, :route_detail,
-           :traceparent
+           :traceparent, :priority
     FROM reserved
     RETURNING id, pg_notify(:channel, :pool)
 )
@@ -114,18 +120,21 @@ class SubmitContext:
 
     caller: Caller | None
     model: ModelInfo | None          # None: no model (not retired) has that alias or version
-    backlog: int                     # the model's ACCEPTED runs, counted up to the limit asked
+    backlog: int                     # the model's interactive ACCEPTED runs, counted up to the limit asked
     reason: RouteReason = RouteReason.REQUESTED   # how the name resolved to `model`
     canary: str = ""                 # CANARY: the split, for the run's route detail
+    batch_backlog: int = 0           # its batch ACCEPTED runs, counted up to the batch limit asked
 
 
 async def read_submit_context(connection: AsyncConnection, key: str, model_name: str,
-                              backlog_limit: int, split_point: int = SHARE_SCALE) -> SubmitContext:
+                              backlog_limit: int, split_point: int = SHARE_SCALE,
+                              batch_backlog_limit: int = 1) -> SubmitContext:
     """`split_point` is the run's sticky point for a canary split (traffic.canary.split_point); the
     default is past every share, so the alias resolves to its holder."""
     rows = (await connection.execute(_READ, {"key_hash": unsalted_hash(key), "key_prefix": salted_prefix(key),
                                              "name": model_name, "backlog_limit": backlog_limit,
-                                             "split_point": split_point})).all()
+                                             "split_point": split_point,
+                                             "batch_backlog_limit": batch_backlog_limit})).all()
     row = next((row for row in rows if matches(key, row.key_hash, row.key_salt)), None)
     if row is None:
         return SubmitContext(None, None, 0)
@@ -134,13 +143,14 @@ async def read_submit_context(connection: AsyncConnection, key: str, model_name:
     if row.version is None:
         return SubmitContext(caller, None, 0)
     model = model_info_of(row)
+    backlog, batch = int(row.backlog), int(row.batch_backlog)
     if row.version == model_name:
-        return SubmitContext(caller, model, int(row.backlog), RouteReason.REQUESTED)
+        return SubmitContext(caller, model, backlog, RouteReason.REQUESTED, batch_backlog=batch)
     if row.canary_share_bp is None:
-        return SubmitContext(caller, model, int(row.backlog), RouteReason.ALIAS)
+        return SubmitContext(caller, model, backlog, RouteReason.ALIAS, batch_backlog=batch)
     split = (f"canary of {model_name}: {row.canary_share_bp / 100:g}% of new runs to {row.version}"
              f" (baseline {row.canary_baseline})")
-    return SubmitContext(caller, model, int(row.backlog), RouteReason.CANARY, split)
+    return SubmitContext(caller, model, backlog, RouteReason.CANARY, split, batch_backlog=batch)
 
 
 def model_info_of(row: Any) -> ModelInfo:
@@ -160,6 +170,19 @@ class Reserved:
     run_id: uuid.UUID
     tokens_left: int
     cost_left_micros: int
+
+
+_DRAINED = text("""
+SELECT count(*) FROM runs WHERE model_version = :model_version
+                            AND queued_at > now() - :window_s * interval '1 second'
+""").bindparams(bindparam("window_s", type_=Float))
+
+
+async def drained_runs(connection: AsyncConnection, model_version: str, window_s: float) -> int:
+    """Runs of the model claimed by routing workers in the last `window_s` (the ladder's measured drain;
+    read only when a submit is about to be shed, so the hot path never pays it)."""
+    return int((await connection.execute(_DRAINED, {"model_version": model_version,
+                                                    "window_s": float(window_s)})).scalar_one())
 
 
 async def insert_reserving(connection: AsyncConnection, run: dict[str, Any], deadline_ms: int,

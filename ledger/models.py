@@ -119,6 +119,11 @@ class Tenant(Base):
     shared_cache_scope: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Set by an admin: Submit is refused (PERMISSION_DENIED); runs already accepted still finish.
     suspended_at: Mapped[dt.datetime | None] = _timestamp(nullable=True)
+    # May submit priority=batch runs (sluice/traffic/priority.py); otherwise PERMISSION_DENIED.
+    batch_allowed: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # GPU-memory budget: cap on the KV tokens (prompt + output cap) its claimed, unfinished runs hold
+    # at once across the pool, enforced at dispatch (sluice/traffic/gpu_budget.py). NULL = no cap.
+    kv_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         CheckConstraint(
@@ -128,6 +133,7 @@ class Tenant(Base):
         ),
         CheckConstraint("shared_cache_scope IS NULL OR length(shared_cache_scope) BETWEEN 1 AND 128",
                         name="shared_cache_scope_named"),
+        CheckConstraint("kv_token_budget IS NULL OR kv_token_budget > 0", name="kv_token_budget_positive"),
     )
 
 
@@ -251,6 +257,8 @@ class Run(Base):
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     conversation_id: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # interactive | batch (sluice/traffic/priority.py): claim order, headroom, which backlog it joins.
+    priority: Mapped[str] = mapped_column(Text, server_default="interactive")
     # The trust scope its prompt may reuse KV blocks in, fixed at admission (NULL: admitted before
     # scopes existed, treated as the tenant's own).
     cache_scope: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -305,14 +313,22 @@ class Run(Base):
         CheckConstraint(f"route_reason IS NULL OR {_ROUTE_REASON_CHECK}", name="route_reason_known"),
         CheckConstraint(_RUN_STATUS_CHECK, name="status_known"),
         CheckConstraint("max_output_tokens > 0", name="max_output_tokens_positive"),
+        CheckConstraint("priority IN ('interactive', 'batch')", name="priority_known"),
         Index("ix_runs_status_created_at", "status", "created_at"),
         # Admission's tokens-per-minute window (the tenant's runs of the last 60 s) and its
         # concurrent-run count (the tenant's runs not yet terminal).
         Index("ix_runs_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_runs_tenant_id_active", "tenant_id", postgresql_where=text(_ACTIVE_STATUS_CHECK)),
-        # Admission's backlog count (a model's runs waiting to be claimed, counted with a LIMIT):
-        # it only ever holds the few runs not yet claimed, so it stays small however big runs grows.
-        Index("ix_runs_model_version_accepted", "model_version", postgresql_where=text(_ACCEPTED_CHECK)),
+        # Admission's backlog count (a model's runs of one class waiting to be claimed, counted with a
+        # LIMIT): it only ever holds the runs not yet claimed, so it stays small however big runs grows.
+        Index("ix_runs_model_version_priority_accepted", "model_version", "priority",
+              postgresql_where=text(_ACCEPTED_CHECK)),
+        # The claim: one class at a time, oldest first.
+        Index("ix_runs_priority_created_at_accepted", "priority", "created_at",
+              postgresql_where=text(_ACCEPTED_CHECK)),
+        # The ladder's measured drain rate: a model's runs claimed in the last seconds.
+        Index("ix_runs_model_version_queued_at", "model_version", "queued_at",
+              postgresql_where=text("queued_at IS NOT NULL")),
         # The reaper's scan for settled runs whose TERMINAL event was never confirmed published.
         Index("ix_runs_lease_expires_at_unpublished", "lease_expires_at",
               postgresql_where=text(_UNPUBLISHED_TERMINAL_CHECK)),

@@ -61,6 +61,8 @@ class TenantInfo:
     shared_cache_scope: str | None = None   # the shared prefix-cache scope opted into; None = own
     suspended: bool = False                 # an admin suspended it: Submit is refused
     api_key_id: uuid.UUID | None = None     # the key the caller authenticated with (runs record it)
+    batch_allowed: bool = False             # may submit priority=batch runs
+    kv_token_budget: int | None = None      # GPU-memory budget in KV tokens; None = no cap
 
     @property
     def has_rate_limits(self) -> bool:
@@ -400,7 +402,8 @@ class ApiKeyRepository:
                 select(ApiKey.id.label("key_id"), ApiKey.key_prefix, ApiKey.key_hash, ApiKey.key_salt,
                        ApiKey.scope, stale.label("key_stale"), Tenant.id.label("tenant_id"),
                        Tenant.name.label("tenant_name"), Tenant.allowed_tiers, Tenant.max_concurrent_runs,
-                       Tenant.tokens_per_minute, Tenant.shared_cache_scope, Tenant.suspended_at)
+                       Tenant.tokens_per_minute, Tenant.shared_cache_scope, Tenant.suspended_at,
+                       Tenant.batch_allowed, Tenant.kv_token_budget)
                 .outerjoin(Tenant, ApiKey.tenant_id == Tenant.id)
                 .where(found, ApiKey.revoked_at.is_(None),
                        or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()))
@@ -426,6 +429,8 @@ def caller_of(row: Any) -> Caller:
         shared_cache_scope=row.shared_cache_scope,
         suspended=row.suspended_at is not None,
         api_key_id=row.key_id,
+        batch_allowed=bool(getattr(row, "batch_allowed", False)),
+        kv_token_budget=getattr(row, "kv_token_budget", None),
     )
     return Caller(key_id=row.key_id, key_prefix=row.key_prefix, scope=KeyScope(row.scope), tenant=tenant)
 

@@ -70,7 +70,7 @@ from typing import Any, cast
 
 import grpc.aio
 from opentelemetry import trace
-from sluice.ledger.admission_sql import SubmitContext, insert_reserving, read_submit_context
+from sluice.ledger.admission_sql import SubmitContext, drained_runs, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.db import autocommit_engine
 from sluice.ledger.fallbacks import read_candidates, read_rules
@@ -89,7 +89,6 @@ from sluice.services.admission_rules import (
     PoolPace,
     Sampling,
     SubmitIntent,
-    check_backlog,
     check_context,
     check_deadline,
     check_request_shape,
@@ -128,6 +127,16 @@ from sluice.services.errors import (
 from sluice.services.gateway_metrics import GatewayMetrics, submit_span_attributes
 from sluice.services.routes import route_message
 from sluice.services.telemetry import traceparent, tracer
+from sluice.services.traffic import (
+    DEFAULT_TRAFFIC,
+    LadderMetrics,
+    TrafficSettings,
+    check_kv_budget,
+    check_ladder,
+    check_priority_permitted,
+    may_refuse,
+    rung_for,
+)
 from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
@@ -137,6 +146,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sluice.config import Settings
 from sluice.traffic.canary import split_point
 from sluice.traffic.fallback import Condition, Narrowing, Unusable, describe, permitted, queue_bound, unusable
+from sluice.traffic.ladder import Rung, Step, allows_fallback
+from sluice.traffic.priority import Priority
 from sluice.traffic.route import RouteReason, RouteRecord
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
@@ -150,7 +161,8 @@ class AdmissionSettings:
     default_deadline_ms: int         # used when a request sends deadline_ms = 0
     max_request_key_chars: int
     pace: PoolPace                   # backlog bound and the speeds the deadline floor assumes
-    max_deadline_ms: int = 86_400_000   # [admission].max_deadline_ms
+    max_deadline_ms: int = 86_400_000   # [admission].max_deadline_ms (interactive)
+    traffic: TrafficSettings = DEFAULT_TRAFFIC   # [traffic]: batch bounds and the degradation ladder
 
     @classmethod
     def from_config(cls, config: Settings) -> AdmissionSettings:
@@ -165,7 +177,16 @@ class AdmissionSettings:
                 ms_per_prompt_token=section.expected_ms_per_prompt_token,
                 ms_per_output_token=section.expected_ms_per_output_token,
             ),
+            traffic=TrafficSettings.from_config(config),
         )
+
+    def max_deadline_ms_for(self, priority: Priority) -> int:
+        return self.traffic.max_batch_deadline_ms if priority is Priority.BATCH else self.max_deadline_ms
+
+    def default_deadline_ms_for(self, priority: Priority) -> int:
+        if priority is Priority.BATCH:
+            return self.traffic.default_batch_deadline_ms
+        return self.default_deadline_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +198,7 @@ class Admitted:
     max_output_tokens: int
     deduplicated: bool               # an earlier identical submit made this run
     route: RouteRecord | None = None  # where it went and why (None: admitted before 0008)
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +218,12 @@ class _Prepared:
 
 class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
         self._autocommit = autocommit_engine(sessionmaker)
         self.metrics = metrics or GatewayMetrics()
+        self.ladder_metrics = ladder_metrics or LadderMetrics(self.metrics.registry)
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         """Admit or refuse, timed and counted (GatewayMetrics) under the Submit span, whose
@@ -227,44 +250,63 @@ class AdmissionService:
         key = api_key_from_metadata(metadata)
         # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
         # the config sets is refused before the first query reads a field.
-        check_storable(intent, self._settings.max_deadline_ms)
-        pace = self._settings.pace
+        priority = intent.priority
+        check_storable(intent, self._settings.max_deadline_ms_for(priority))
+        pace, traffic = self._settings.pace, self._settings.traffic
         # Sticky per conversation: every run of one conversation lands on the same side of a split.
         point = split_point(intent.model, intent.conversation_id or intent.request_key)
         async with self._autocommit.connect() as connection:
-            context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point)
+            context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
+                                                traffic.max_batch_backlog)
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
         span.set_attributes({"sluice.tenant": str(tenant.id), "sluice.tenant.name": tenant.name})
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
-        deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms
+        check_priority_permitted(tenant, priority)
+        deadline_ms = intent.deadline_ms or self._settings.default_deadline_ms_for(priority)
         route = RouteRecord(model.version, model.worker_pool, model.quality_tier, context.reason,
                             intent.model, detail=context.canary)
+        # The degradation ladder (sluice/traffic/ladder.py): batch is shed first; interactive runs
+        # that permit a fallback go there from step 3; interactive is shed at step 4 unless a
+        # permitted fallback takes it. Batch never falls back: it waits or is shed.
+        rung = await self._climb_ladder(model, priority, context)
         fallback: _Prepared | None = None
         try:
-            retry = await self._unless_a_retry(tenant, intent, lambda: check_backlog(
-                model.version, model.worker_pool, context.backlog, pace))
+            retry = await self._unless_a_retry(tenant, intent, lambda: self._check_ladder(
+                model, priority, rung, context))
         except Unavailable as refusal:
+            if priority is Priority.BATCH:
+                raise
             fallback = await self._fall_back(tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
                                              f"backlog {context.backlog} >= {pace.max_backlog}", refusal)
             retry = False
+        if fallback is None and not retry and priority is Priority.INTERACTIVE and allows_fallback(rung):
+            fallback = await self._fall_back_if_permitted(
+                tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
+                f"backlog {context.backlog} >= {traffic.ladder.fallback_backlog} (degradation ladder)")
         prepared = fallback or await self._prepare(tenant, model, route, intent, text, deadline_ms)
+        check_kv_budget(tenant, len(prepared.prompt_token_ids), intent.max_output_tokens)
         if fallback is None:
+            # A batch run waits behind every interactive run as well as the batch runs before it.
+            waiting = context.backlog + (context.batch_backlog if priority is Priority.BATCH else 0)
             try:
                 retry = retry or await self._unless_a_retry(tenant, intent, lambda: check_deadline(
-                    prepared.deadline_ms, context.backlog, len(prepared.prompt_token_ids),
+                    prepared.deadline_ms, waiting, len(prepared.prompt_token_ids),
                     intent.max_output_tokens, pace))
             except DeadlineExceeded as refusal:
-                floor = deadline_floor(context.backlog, len(prepared.prompt_token_ids),
+                floor = deadline_floor(waiting, len(prepared.prompt_token_ids),
                                        intent.max_output_tokens, pace)
-                if not queue_bound(deadline_ms, floor.queue_ms, floor.prefill_ms + floor.decode_ms):
+                if priority is Priority.BATCH or \
+                        not queue_bound(deadline_ms, floor.queue_ms, floor.prefill_ms + floor.decode_ms):
                     raise
                 prepared = await self._fall_back(
                     tenant, intent, text, deadline_ms, model, Condition.DEADLINE,
                     f"queue wait {floor.queue_ms} ms + run {floor.prefill_ms + floor.decode_ms} ms"
                     f" > deadline {deadline_ms} ms", refusal)
+        if prepared.route.reason is RouteReason.FALLBACK:
+            self.ladder_metrics.acted(model.worker_pool, Step.FALLBACK)
         admitted = None
         if not retry and not tenant.has_rate_limits:
             admitted = await self._insert_reserving(prepared)
@@ -308,6 +350,17 @@ class AdmissionService:
                      why_not.value if why_not else Unusable.UNKNOWN.value)
         raise refusal
 
+    async def _fall_back_if_permitted(self, tenant: TenantInfo, intent: SubmitIntent, text: str,
+                                      deadline_ms: int, requested: ModelInfo, condition: Condition,
+                                      why: str) -> _Prepared | None:
+        """Ladder step 3: a permitted fallback if one can take the run, else None (the run stays on
+        the requested model, which still has room)."""
+        try:
+            return await self._fall_back(tenant, intent, text, deadline_ms, requested, condition, why,
+                                         _NO_FALLBACK)
+        except _NoFallback:
+            return None
+
     async def _counted_on(self, tenant: TenantInfo, model: ModelInfo, backlog: int, route: RouteRecord,
                           intent: SubmitIntent, text: str, deadline_ms: int) -> _Prepared | Unusable:
         """The request counted with a fallback's tokenizer: prepared, or why it does not fit there."""
@@ -318,6 +371,26 @@ class AdmissionService:
         if deadline_ms < deadline_floor(backlog, len(token_ids), cap, self._settings.pace).total_ms:
             return Unusable.DEADLINE
         return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
+    async def _climb_ladder(self, model: ModelInfo, priority: Priority, context: SubmitContext) -> Rung:
+        """The degradation ladder's step for the model's pool. The drain rate is measured (one indexed
+        count) only when the ladder could refuse this submit: the hot path never pays for it."""
+        traffic = self._settings.traffic
+        drained = 0
+        if may_refuse(priority, context.backlog, context.batch_backlog, traffic):
+            async with self._autocommit.connect() as connection:
+                drained = await drained_runs(connection, model.version, traffic.drain_window_s)
+        rung = rung_for(context.backlog, drained, traffic)
+        self.ladder_metrics.decided(model.worker_pool, rung.step)
+        return rung
+
+    def _check_ladder(self, model: ModelInfo, priority: Priority, rung: Rung, context: SubmitContext) -> None:
+        try:
+            check_ladder(model.version, model.worker_pool, priority, rung, context.backlog,
+                         context.batch_backlog, self._settings.traffic)
+        except SluiceError:
+            self.ladder_metrics.acted(model.worker_pool, Step.SHED_BATCH if priority is Priority.BATCH
+                                      else Step.SHED_INTERACTIVE)
+            raise
 
     async def _unless_a_retry(self, tenant: TenantInfo, intent: SubmitIntent,
                               check: Callable[[], None]) -> bool:
@@ -353,7 +426,8 @@ class AdmissionService:
                         model_version=prepared.model.version,
                         input_tokens=len(prepared.prompt_token_ids),
                         max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False,
-                        route=prepared.route)
+                        route=prepared.route,
+                        priority=prepared.intent.priority)
 
     @staticmethod
     async def _prepare(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
@@ -383,6 +457,7 @@ class AdmissionService:
                 max_output_tokens=existing.max_output_tokens,
                 deduplicated=True,
                 route=route_of(existing),
+                priority=Priority(existing.priority),
             )
         if tenant.has_rate_limits:
             await _check_rate_limits(session, prepared, run_id)
@@ -398,6 +473,7 @@ class AdmissionService:
             max_output_tokens=intent.max_output_tokens,
             deduplicated=False,
             route=prepared.route,
+            priority=intent.priority,
         )
 
     @staticmethod
@@ -424,6 +500,7 @@ class AdmissionService:
             "price_card_id": prepared.model.price_card_id,   # settled at the price it reserved at
             **route_columns(prepared.route),
             "traceparent": traceparent(),                   # the Submit span's; None when not traced
+            "priority": intent.priority.value,
         }
 
     @staticmethod
@@ -443,12 +520,19 @@ class AdmissionService:
         raise await _budget_refusal(budgets, prepared)
 
 
+class _NoFallback(SluiceError):
+    """No permitted fallback took the run (ladder step 3 then keeps it on the requested model)."""
+
+
+_NO_FALLBACK = _NoFallback("no permitted fallback")
+
+
 # The runs columns the one-statement write binds (the rest are literals or database defaults).
 _WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_version", "prompt_token_ids",
                     "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
                     "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id",
                     "requested_model", "route_reason", "worker_pool", "quality_tier", "fallback_from",
-                    "route_detail", "traceparent")
+                    "route_detail", "traceparent", "priority")
 
 
 def _prepared(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
@@ -553,6 +637,7 @@ def intent_from_proto(request: admission_pb2.SubmitRequest) -> SubmitIntent:
         ),
         conversation_id=request.conversation_id or None,
         fallback=narrowing_from_proto(request.fallback),
+        priority=priority_from_proto(request.priority),
     )
 
 
@@ -564,6 +649,15 @@ def narrowing_from_proto(request: admission_pb2.FallbackRequest) -> Narrowing:
             Condition(admission_pb2.FallbackCondition.Name(value).removeprefix("FALLBACK_CONDITION_").lower())
             for value in request.conditions if value != admission_pb2.FALLBACK_CONDITION_UNSPECIFIED),
     )
+
+
+def priority_from_proto(value: int) -> Priority:
+    return Priority.BATCH if value == common_pb2.PRIORITY_BATCH else Priority.INTERACTIVE
+
+
+def priority_to_proto(priority: Priority | str) -> common_pb2.Priority:
+    batch = Priority(priority) is Priority.BATCH
+    return common_pb2.PRIORITY_BATCH if batch else common_pb2.PRIORITY_INTERACTIVE
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
@@ -583,6 +677,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
             max_output_tokens=admitted.max_output_tokens,
             deduplicated=admitted.deduplicated,
             route=route_message(admitted.route),
+            priority=priority_to_proto(admitted.priority),
         )
 
 

@@ -41,6 +41,7 @@ from sluice.services.errors import (
 )
 
 from sluice.traffic.fallback import NO_NARROWING, Narrowing
+from sluice.traffic.priority import Priority
 
 PAYLOAD_HASH_VERSION = b"sluice.submit.v1"
 
@@ -84,6 +85,9 @@ class SubmitIntent:
     rendered: bool = False
     # What the request says about fallback: it can only narrow the tenant's permission.
     fallback: Narrowing = NO_NARROWING
+    # interactive (default) or batch (sluice/traffic/priority.py); not part of the payload hash: it
+    # changes when the run is scheduled, not what it computes.
+    priority: Priority = Priority.INTERACTIVE
 
 
 def normalize_float(value: float) -> float:

@@ -119,6 +119,29 @@ POOL_BACKLOG_FULL = (
     " (at most {limit:,} may wait): retry after {retry_after_ms} ms"
 )
 
+# Priority classes, GPU-memory budgets, the degradation ladder (issue 14; services/traffic_admission.py)
+BATCH_NOT_ALLOWED = (
+    "priority batch is not permitted for this tenant: submit it as interactive, or ask an administrator"
+    " to allow batch for the tenant"
+)
+BATCH_SHED = (
+    "model {model!r} is shedding batch work: {backlog:,} interactive runs are waiting for worker pool"
+    " {pool!r} (batch is shed from {threshold:,}): retry after {retry_after_ms} ms"
+)
+BATCH_BACKLOG_FULL = (
+    "model {model!r} already has {backlog:,} batch runs waiting for worker pool {pool!r} (at most"
+    " {limit:,} may wait): retry after {retry_after_ms} ms"
+)
+KV_BUDGET_NEVER_FITS = (
+    "this run would hold {needed:,} KV tokens (prompt {prompt:,} + max_output_tokens {cap:,}) but the"
+    " tenant's GPU-memory budget is {budget:,} KV tokens at once: {advice}"
+)
+DETAIL_EXPIRED_WAITING_KV_BUDGET = (
+    "deadline passed while the run waited for its tenant's GPU-memory budget ({held:,} of {budget:,} KV"
+    " tokens held by its running runs; it needs {needed:,})"
+)
+DETAIL_EXPIRED_WAITING_HEADROOM = "deadline passed while the batch run waited for pool headroom"
+
 # Trailing-metadata keys that carry machine-readable hints with the error.
 MAX_OUTPUT_TOKENS_THAT_FIT_KEY = "x-max-output-tokens-that-fit"
 MIN_DEADLINE_MS_KEY = "x-min-deadline-ms"

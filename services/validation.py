@@ -110,7 +110,10 @@ class FieldLimits:
     @classmethod
     def from_config(cls, config: Settings) -> FieldLimits:
         return cls(max_bytes={"sluice.v1.SubmitRequest.input": config.admission.max_input_bytes},
-                   max_values={"sluice.v1.SubmitRequest.deadline_ms": config.admission.max_deadline_ms})
+                   # Batch runs may carry longer deadlines; admission holds interactive ones to
+                   # [admission].max_deadline_ms (admission_rules.check_storable).
+                   max_values={"sluice.v1.SubmitRequest.deadline_ms": max(
+                       config.admission.max_deadline_ms, config.traffic.max_batch_deadline_ms)})
 
     def problem(self, request: Message) -> str | None:
         """Why `request` is refused, naming the field; None if every field is within bounds."""

@@ -195,6 +195,22 @@ class RoutingSection(ListenSection):
     canary_check_interval_s: NonNegative = 5.0
 
 
+class TrafficSection(Section):
+    """Priority classes, batch headroom and the degradation ladder (sluice/traffic/; sluice.toml)."""
+
+    batch_max_queue_depth: Positive = 1.0
+    batch_max_kv_utilization: Annotated[float, Field(gt=0, le=1)] = 0.7
+    batch_max_slot_utilization: Annotated[float, Field(gt=0, le=1)] = 0.75
+    max_batch_backlog_per_pool: PositiveInt = 10_000
+    default_batch_deadline_ms: PositiveInt = 21_600_000
+    max_batch_deadline_ms: PositiveInt = 259_200_000
+    shed_batch_backlog_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
+    fallback_backlog_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    drain_window_s: Positive = 10.0
+    min_drained_to_measure: PositiveInt = 10
+    max_retry_after_ms: PositiveInt = 60_000
+
+
 class TelemetrySection(Section):
     exporter: Literal["none", "console", "memory", "otlp"] = "none"
     endpoint: str = "http://127.0.0.1:4317"          # otlp: the collector (http/protobuf: http://host:4318)
@@ -281,6 +297,7 @@ class Settings(BaseSettings):
     tls: TlsSection = TlsSection()
     replica_tls: ReplicaTlsSection = ReplicaTlsSection()
     routing: RoutingSection = RoutingSection()
+    traffic: TrafficSection = TrafficSection()
     telemetry: TelemetrySection = TelemetrySection()
     replica: ReplicaSection = ReplicaSection()
     replicas: list[ReplicaTable] = Field(default_factory=list)
