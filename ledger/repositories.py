@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
-from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, KeyScope, Model, Run, Tenant
+from sluice.ledger.models import ACTIVE_STATUSES, ApiKey, Budget, KeyScope, Model, Run, RunStatus, Tenant
 from sqlalchemy import (
     ColumnElement,
     Date,
@@ -285,6 +285,15 @@ class RunRepository:
             query = query.where(Run.tenant_id == tenant_id)
         row = (await self._session.execute(query)).one()
         return InFlightTotals(runs=int(row[0]), reserved_tokens=int(row[1]), reserved_cost_micros=int(row[2]))
+
+    async def kv_tokens_held(self, tenant_id: uuid.UUID) -> int:
+        """KV tokens (prompt + output cap) the tenant's claimed, unfinished runs hold: what its
+        GPU-memory budget is checked against at dispatch (sluice/traffic/gpu_budget.py)."""
+        total = await self._session.scalar(
+            select(func.coalesce(func.sum(Run.input_tokens + Run.max_output_tokens), 0))
+            .where(Run.tenant_id == tenant_id,
+                   Run.status.in_([RunStatus.QUEUED.value, RunStatus.RUNNING.value])))
+        return int(total or 0)
 
 
 class BudgetRepository:

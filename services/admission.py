@@ -135,6 +135,8 @@ from sluice.services.traffic import (
     check_ladder,
     check_priority_permitted,
     may_refuse,
+    priority_from_proto,
+    priority_to_proto,
     rung_for,
 )
 from sluice.services.trust_scope import scope_of
@@ -650,14 +652,6 @@ def narrowing_from_proto(request: admission_pb2.FallbackRequest) -> Narrowing:
             for value in request.conditions if value != admission_pb2.FALLBACK_CONDITION_UNSPECIFIED),
     )
 
-
-def priority_from_proto(value: int) -> Priority:
-    return Priority.BATCH if value == common_pb2.PRIORITY_BATCH else Priority.INTERACTIVE
-
-
-def priority_to_proto(priority: Priority | str) -> common_pb2.Priority:
-    batch = Priority(priority) is Priority.BATCH
-    return common_pb2.PRIORITY_BATCH if batch else common_pb2.PRIORITY_INTERACTIVE
 
 
 class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):

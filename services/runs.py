@@ -49,6 +49,7 @@ from sluice.services.finish import Ending, TerminalRecord, publish_terminal, set
 from sluice.services.notify import ChannelListener, notify
 from sluice.services.routes import route_message
 from sluice.services.telemetry import tracer
+from sluice.services.traffic import priority_to_proto
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -136,7 +137,8 @@ class RunsService:
             max_output_tokens=run.max_output_tokens, usage=usage, created_at_ms=_ms(run.created_at),
             started_at_ms=_ms(run.started_at), finished_at_ms=_ms(run.finished_at),
             deadline_at_ms=_ms(run.deadline_at), last_sequence=final_cursor(run), detail=run.detail or "",
-            cached_input_tokens=run.cached_input_tokens, route=route_message(route_of(run)))
+            cached_input_tokens=run.cached_input_tokens, route=route_message(route_of(run)),
+            priority=priority_to_proto(run.priority))
 
     @staticmethod
     async def _usage(session: AsyncSession, run: Run) -> common_pb2.TokenUsage:

@@ -42,6 +42,7 @@ from sluice.config import Settings
 from sluice.traffic.gpu_budget import kv_tokens, never_fits
 from sluice.traffic.ladder import LadderThresholds, PoolSignals, Rung, Step, climb, retry_after_ms
 from sluice.traffic.priority import Headroom, Priority
+from sluice.v1 import common_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,15 @@ def check_ladder(model_version: str, worker_pool: str, priority: Priority, rung:
                                                    limit=settings.ladder.shed_backlog,
                                                    retry_after_ms=rung.retry_after_ms),
                           retry_after_ms=rung.retry_after_ms, reason="POOL_BACKLOG_FULL")
+
+
+def priority_from_proto(value: int) -> Priority:
+    return Priority.BATCH if value == common_pb2.PRIORITY_BATCH else Priority.INTERACTIVE
+
+
+def priority_to_proto(priority: Priority | str) -> common_pb2.Priority:
+    batch = Priority(priority) is Priority.BATCH
+    return common_pb2.PRIORITY_BATCH if batch else common_pb2.PRIORITY_INTERACTIVE
 
 
 class LadderMetrics:

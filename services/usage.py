@@ -54,6 +54,8 @@ class UsageReport:
     in_flight: InFlightTotals
     budget_tokens: int               # current period; 0 when the tenant has no budget row
     budget_cost_micros: int
+    kv_token_budget: int = 0         # GPU-memory budget in KV tokens; 0 = no cap
+    kv_tokens_held: int = 0          # what its claimed, unfinished runs hold now
 
 
 def parse_date(field: str, value: str, default: dt.date) -> dt.date:
@@ -89,6 +91,7 @@ class UsageQueryService:
             start, end = report_window(from_date, to_date, today)
             rows = await _settled_rows(session, tenant.id, start, end)
             in_flight = await RunRepository(session).in_flight_totals(tenant.id)
+            held = await RunRepository(session).kv_tokens_held(tenant.id)
             budget = await BudgetRepository(session).current(tenant.id)
         return UsageReport(
             tenant=tenant.name,
@@ -99,6 +102,8 @@ class UsageQueryService:
             in_flight=in_flight,
             budget_tokens=budget.token_budget if budget else 0,
             budget_cost_micros=budget.cost_budget_micros if budget else 0,
+            kv_token_budget=tenant.kv_token_budget or 0,
+            kv_tokens_held=held,
         )
 
 
@@ -167,6 +172,8 @@ def report_to_proto(report: UsageReport) -> usage_pb2.GetUsageResponse:
         in_flight=_in_flight(report.in_flight),
         budget_tokens=report.budget_tokens,
         budget_cost_micros=report.budget_cost_micros,
+        kv_token_budget=report.kv_token_budget,
+        kv_tokens_held=report.kv_tokens_held,
     )
 
 

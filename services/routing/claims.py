@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.ledger.leases import lease_until
-from sluice.ledger.models import Model, Run, RunStatus
+from sluice.ledger.models import Model, Run, RunStatus, Tenant
 from sluice.ledger.routes import route_from_columns
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
-from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
+from sluice.services.errors import DETAIL_EXPIRED_WAITING_HEADROOM, DETAIL_EXPIRED_WAITING_KV_BUDGET
+from sqlalchemy import Float, TextClause, bindparam, func, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from sluice.eventlog.interface import LogPosition
+from sluice.traffic.gpu_budget import Candidate, claimable, kv_tokens
+from sluice.traffic.priority import Priority
 from sluice.traffic.route import RouteRecord
 
 ACTIVE_CLAIMED = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
+DETAIL_EXPIRED_BEFORE_START = "deadline passed before a replica took the run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,42 +82,114 @@ class AcceptedRun:
     end_id: int
     route: RouteRecord | None    # the routing decision admission recorded (None: before 0008)
     traceparent: str | None      # the Submit span's W3C traceparent (None: not traced)
+    priority: str = Priority.INTERACTIVE.value   # interactive | batch
 
 
 _ACCEPTED_COLUMNS = (Run.id, Run.tenant_id, Run.model_version, Run.prompt_token_ids, Run.input_tokens,
                      Run.max_output_tokens, Run.conversation_id, Run.deadline_at, Run.created_at,
                      Run.cache_scope, Run.sampling, Run.lease_epoch, Model.worker_pool, Model.tokenizer,
-                     Model.end_id, Run.traceparent)
+                     Model.end_id, Run.traceparent, Run.priority)
 _ROUTE_COLUMNS = (Run.worker_pool.label("route_pool"), Run.quality_tier.label("route_tier"), Run.route_reason,
                   Run.requested_model, Run.fallback_from, Run.route_detail)
 
 
-async def lock_accepted(session: AsyncSession, limit: int) -> list[AcceptedRun]:
-    """Oldest ACCEPTED runs nobody else is claiming right now, row-locked for this transaction.
+async def lock_accepted(session: AsyncSession, limit: int, priority: Priority = Priority.INTERACTIVE,
+                        excluding_pools: Collection[str] = ()) -> list[AcceptedRun]:
+    """Oldest ACCEPTED runs of one priority class nobody else is claiming right now, row-locked for
+    this transaction.
 
     SKIP LOCKED lets several routing processes claim concurrently without
     waiting on each other or taking the same run twice. Columns, not ORM rows: the claim loop
     builds no identity map.
+
+    Left out, unless their deadline has passed (they are taken to be ended EXPIRED): runs of pools in
+    `excluding_pools` (batch, where the pool has no headroom), and runs that would overflow their
+    tenant's GPU-memory budget given what its claimed runs hold now (sluice/traffic/gpu_budget.py),
+    so a tenant at its cap never fills a claim batch with runs that must wait. This filter is a
+    pre-selection; the exact check is made under the tenant's lock (lock_kv_budgets).
     """
-    rows = await session.execute(
+    held = aliased(Run)
+    holding = (select(func.coalesce(func.sum(held.input_tokens + held.max_output_tokens), 0))
+               .where(held.tenant_id == Run.tenant_id, held.status.in_(ACTIVE_CLAIMED))
+               .scalar_subquery())
+    expired = Run.deadline_at <= func.now()
+    query = (
         select(*_ACCEPTED_COLUMNS, *_ROUTE_COLUMNS)
         .join(Model, Model.version == Run.model_version)
-        .where(Run.status == RunStatus.ACCEPTED.value)
+        .join(Tenant, Tenant.id == Run.tenant_id)
+        .where(Run.status == RunStatus.ACCEPTED.value, Run.priority == priority.value)
+        .where(or_(Tenant.kv_token_budget.is_(None), expired,
+                   holding + Run.input_tokens + Run.max_output_tokens <= Tenant.kv_token_budget))
         .order_by(Run.created_at)
         .limit(limit)
         .with_for_update(skip_locked=True, of=Run)
     )
+    if excluding_pools:
+        query = query.where(or_(Model.worker_pool.not_in(list(excluding_pools)), expired))
+    rows = await session.execute(query)
     return [AcceptedRun(
         id=row.id, tenant_id=row.tenant_id, model_version=row.model_version,
         prompt_token_ids=row.prompt_token_ids, input_tokens=row.input_tokens,
         max_output_tokens=row.max_output_tokens, conversation_id=row.conversation_id,
         deadline_at=row.deadline_at, created_at=row.created_at, cache_scope=row.cache_scope,
         sampling=row.sampling, lease_epoch=row.lease_epoch, worker_pool=row.worker_pool,
-        tokenizer=row.tokenizer, end_id=row.end_id,
+        tokenizer=row.tokenizer, end_id=row.end_id, priority=row.priority,
         route=route_from_columns(row.model_version, row.route_pool, row.route_tier, row.route_reason,
                                  row.requested_model, row.fallback_from, row.route_detail),
         traceparent=row.traceparent)
         for row in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudgets:
+    """The GPU-memory budgets of some tenants and the KV tokens their claimed runs hold now."""
+
+    budgets: dict[str, int | None]      # tenant id → kv_token_budget (tenants without one: absent)
+    held: dict[str, int]                # tenant id → Σ input + output cap over its QUEUED/RUNNING runs
+
+
+async def lock_kv_budgets(session: AsyncSession, tenant_ids: Collection[uuid.UUID]) -> KvBudgets:
+    """Lock the tenants among `tenant_ids` that have a KV token budget (until COMMIT) and read what
+    their claimed runs hold. The lock serializes claims for one tenant across routing processes, so
+    two of them can never each see room and together overshoot the cap. FOR NO KEY UPDATE, as
+    admission's lock: it does not block the FOR KEY SHARE lock inserting a run takes."""
+    if not tenant_ids:
+        return KvBudgets({}, {})
+    rows = await session.execute(
+        select(Tenant.id, Tenant.kv_token_budget)
+        .where(Tenant.id.in_(list(tenant_ids)), Tenant.kv_token_budget.is_not(None))
+        .order_by(Tenant.id)
+        .with_for_update(key_share=True)
+    )
+    budgets: dict[str, int | None] = {str(tenant): budget for tenant, budget in rows}
+    if not budgets:
+        return KvBudgets({}, {})
+    sums = await session.execute(
+        select(Run.tenant_id, func.sum(Run.input_tokens + Run.max_output_tokens))
+        .where(Run.tenant_id.in_([uuid.UUID(t) for t in budgets]), Run.status.in_(ACTIVE_CLAIMED))
+        .group_by(Run.tenant_id)
+    )
+    return KvBudgets(budgets, {str(tenant): int(total) for tenant, total in sums})
+
+
+def within_kv_budgets(rows: Sequence[AcceptedRun], kv: KvBudgets, now: float) -> set[uuid.UUID]:
+    """The runs of `rows` (claim order) that fit their tenant's GPU-memory budget taken in order;
+    runs past their deadline are left out (they are ended, not claimed)."""
+    live = [Candidate(str(run.id), str(run.tenant_id), kv_tokens(run.input_tokens, run.max_output_tokens))
+            for run in rows if run.deadline_at.timestamp() > now]
+    return {uuid.UUID(key) for key in claimable(live, kv.held, kv.budgets)}
+
+
+def expiry_detail(priority: str, tenant_id: uuid.UUID, kv: KvBudgets, needed: int, deferred: bool) -> str:
+    """Why a run that never reached a replica ran out of time: its tenant's GPU-memory budget, the
+    pool's headroom (batch), or simply the queue."""
+    budget = kv.budgets.get(str(tenant_id))
+    held = kv.held.get(str(tenant_id), 0)
+    if budget is not None and held + needed > budget:
+        return DETAIL_EXPIRED_WAITING_KV_BUDGET.format(held=held, budget=budget, needed=needed)
+    if priority == Priority.BATCH and deferred:
+        return DETAIL_EXPIRED_WAITING_HEADROOM
+    return DETAIL_EXPIRED_BEFORE_START
 
 
 async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, owner: str,

@@ -55,13 +55,17 @@ from sluice.services.finish import (
 )
 from sluice.services.notify import ChannelListener
 from sluice.services.routing.claims import (
+    DETAIL_EXPIRED_BEFORE_START,  # noqa: F401  (re-exported: tests name it from here)
     AcceptedRun,
     ClaimedRun,
     TakenRun,
+    expiry_detail,
     lock_accepted,
+    lock_kv_budgets,
     mark_queued,
     take_expired_leases,
     take_unpublished_terminals,
+    within_kv_budgets,
 )
 from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
 from sluice.services.routing.leases import Lease, LeaseKeeper
@@ -74,6 +78,7 @@ from sluice.services.routing.observability import (
 )
 from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.telemetry import context_of, tracer
+from sluice.services.traffic import LadderMetrics, TrafficSettings
 from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -85,10 +90,13 @@ from sluice.router.load import LoadTracker, record_scrape, restarted
 from sluice.router.policy import ReplicaView, RouteDecision, RouteRequest, RoutingPolicy, explain
 from sluice.router.registry import ReplicaRegistry, ReplicaSpec
 from sluice.router.retry import DEFAULT_MAX_ATTEMPTS, retry_candidates
+from sluice.traffic.gpu_budget import kv_tokens
+from sluice.traffic.ladder import Step
+from sluice.traffic.priority import Headroom, PoolLoad, Priority, has_headroom
+from sluice.traffic.priority import ReplicaLoad as PoolReplicaLoad
 
 log = logging.getLogger(__name__)
 
-DETAIL_EXPIRED_BEFORE_START = "deadline passed before a replica took the run"
 DETAIL_DRIVER_LOST = "routing worker {owner} stopped renewing its lease; ended from the last durable event"
 LOCATE_MARGIN_MS = 5_000     # clock skew allowed between Postgres (queued_at) and the Kafka broker
 REAP_BATCH = 8
@@ -118,6 +126,7 @@ class WorkerSettings:
     scrape_interval_s: float = 0.25     # 0 = replicas are not scraped
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     coalesce_max_tokens: int = 0
+    headroom: Headroom = Headroom()     # [traffic]: what a pool must be below for batch dispatch
 
     @classmethod
     def from_config(cls, config: Settings, owner: str) -> WorkerSettings:
@@ -132,6 +141,7 @@ class WorkerSettings:
             scrape_interval_s=routing.scrape_interval_ms / 1000,
             max_attempts=routing.max_attempts,
             coalesce_max_tokens=config.kafka.coalesce_max_tokens,
+            headroom=TrafficSettings.from_config(config).headroom,
         )
 
     @property
@@ -174,6 +184,7 @@ class RoutingWorker:
         self.health = HealthBook(HEALTH)
         self.loads = LoadTracker()
         self.metrics = metrics or RoutingMetrics()
+        self.ladder = LadderMetrics(self.metrics.registry)
         self.keeper.on_renewed = self.metrics.lease_renewed
         self.keeper.on_failed = self.metrics.lease_renewal_failed
         self.health.sync([spec.name for spec in registry.specs()], time.time())
@@ -266,21 +277,35 @@ class RoutingWorker:
         expired: list[TerminalRecord] = []
         try:
             async with self.sessions() as session, session.begin():
-                rows = await lock_accepted(session, free)
+                # Interactive runs first; batch runs only with what is left of the pass, and only from
+                # pools with headroom (ladder step 1, "defer batch", for the others).
+                rows = await lock_accepted(session, free, Priority.INTERACTIVE)
+                deferring = self._pools_without_headroom(now, interactive_waiting=len(rows) >= free)
+                if len(rows) < free:
+                    rows += await lock_accepted(session, free - len(rows), Priority.BATCH, deferring)
                 if not rows:
                     return False
                 # Started only once there is something to claim: an idle poll every 50 ms is no span.
                 span = tracer().start_span("routing.claim", start_time=started_ns, attributes={
                     "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
+                kv = await lock_kv_budgets(session, {run.tenant_id for run in rows})
+                fits = within_kv_budgets(rows, kv, now)
                 for run in rows:
                     if run.deadline_at.timestamp() <= now:
+                        detail = expiry_detail(run.priority, run.tenant_id, kv,
+                                               kv_tokens(run.input_tokens, run.max_output_tokens),
+                                               run.worker_pool in deferring)
                         record = await settle_and_fix_terminal(
-                            session, str(run.id),
-                            Ending(RunStatus.EXPIRED, 0, 0, DETAIL_EXPIRED_BEFORE_START),
+                            session, str(run.id), Ending(RunStatus.EXPIRED, 0, 0, detail),
                             self.settings.owner, self.settings.lease_seconds, run.lease_epoch)
                         if record is not None:
                             expired.append(record)
                         continue
+                    if run.id not in fits:
+                        continue    # waits ACCEPTED for its tenant's GPU-memory budget
+                    if run.priority == Priority.BATCH and not self._has_headroom(run.worker_pool, now):
+                        self.ladder.acted(run.worker_pool, Step.DEFER_BATCH)
+                        continue    # the runs sent in this pass used the pool's headroom up
                     item = await self._route(session, run, now, claim_started)
                     if item is not None:
                         routed.append(item)
@@ -331,6 +356,31 @@ class RoutingWorker:
             sampling=Sampling.from_json(run.sampling), route=run.route, traceparent=run.traceparent)
         self.metrics.routed(claim.route)
         return _Routed(claim, request, decision, claim_started)
+
+    def _has_headroom(self, pool: str, now: float) -> bool:
+        """Is the pool below every batch threshold (sluice/traffic/priority.py), as last scraped plus
+        the runs this process sent since?"""
+        loads = []
+        for view in self.registry.views(pool, now, self.health, self.loads):
+            snapshot = self.loads.snapshot(view.name)
+            loads.append(PoolReplicaLoad(waiting=view.waiting, running=view.running,
+                                         kv_used_blocks=view.kv_used_blocks,
+                                         kv_capacity_blocks=view.kv_capacity_blocks,
+                                         max_slots=snapshot.max_requests if snapshot is not None else 0))
+        return has_headroom(PoolLoad.of(loads), self.settings.headroom)
+
+    def _pools_without_headroom(self, now: float, interactive_waiting: bool) -> list[str]:
+        """The registry's pools where batch must wait this pass; each pool's ladder gauge is set (step 1
+        where batch waits, for want of headroom or behind interactive runs that filled the pass)."""
+        deferring = []
+        for pool in self.registry.pools():
+            if not pool:
+                continue      # replicas serving every model: judged per run (_has_headroom)
+            blocked = not self._has_headroom(pool, now)
+            if blocked:
+                deferring.append(pool)
+            self.ladder.decided(pool, Step.DEFER_BATCH if blocked or interactive_waiting else Step.NORMAL)
+        return deferring
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
         started = time.perf_counter()
