@@ -196,14 +196,16 @@ class SluiceClient:
     async def submit(self, prompt: str | bytes, *, model: str = "chat", max_output_tokens: int = 256,
                      request_key: str | None = None, deadline_ms: int = 0, temperature: float = 0.0,
                      top_p: float = 0.0, seed: int = 0,
-                     conversation_id: str = "") -> admission_pb2.SubmitResponse:
-        """Submit a run. Reuse `request_key` to retry safely: the same payload returns the same run."""
+                     conversation_id: str = "", batch: bool = False) -> admission_pb2.SubmitResponse:
+        """Submit a run. Reuse `request_key` to retry safely: the same payload returns the same run.
+        `batch`: priority class batch (the tenant must be permitted it) instead of interactive."""
         request = admission_pb2.SubmitRequest(
             model=model, input=prompt.encode("utf-8") if isinstance(prompt, str) else prompt,
             max_output_tokens=max_output_tokens, request_key=request_key or uuid.uuid4().hex,
             deadline_ms=deadline_ms,
             sampling=admission_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
-            conversation_id=conversation_id)
+            conversation_id=conversation_id,
+            priority=common_pb2.PRIORITY_BATCH if batch else common_pb2.PRIORITY_INTERACTIVE)
         return await _typed(self._admission.Submit(request, metadata=self._metadata))
 
     async def get_run(self, run_id: str) -> runs_pb2.Run:

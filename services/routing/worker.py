@@ -359,11 +359,14 @@ class RoutingWorker:
 
     def _has_headroom(self, pool: str, now: float) -> bool:
         """Is the pool below every batch threshold (sluice/traffic/priority.py), as last scraped plus
-        the runs this process sent since?"""
+        the runs this process sent since? A run sent just before a scrape may be in neither count yet
+        (in transit to the replica), so this process's own runs in flight bound the running count
+        from below."""
         loads = []
         for view in self.registry.views(pool, now, self.health, self.loads):
             snapshot = self.loads.snapshot(view.name)
-            loads.append(PoolReplicaLoad(waiting=view.waiting, running=view.running,
+            running = max(view.running, view.in_flight - view.waiting)
+            loads.append(PoolReplicaLoad(waiting=view.waiting, running=running,
                                          kv_used_blocks=view.kv_used_blocks,
                                          kv_capacity_blocks=view.kv_capacity_blocks,
                                          max_slots=snapshot.max_requests if snapshot is not None else 0))

@@ -47,6 +47,7 @@ class Services:
         deadline_ms: int = 0,
         temperature: float = 0.0,
         metadata: tuple[tuple[str, str], ...] | None = None,
+        priority: int = 0,
     ) -> admission_pb2.SubmitResponse:
         request = admission_pb2.SubmitRequest(
             model=model,
@@ -55,6 +56,7 @@ class Services:
             request_key=uuid.uuid4().hex if request_key is None else request_key,
             deadline_ms=deadline_ms,
             sampling=admission_pb2.SamplingParams(temperature=temperature),
+            priority=priority,      # type: ignore[arg-type]
         )
         return await self.admission.Submit(
             request, metadata=key_metadata(tenant.api_key) if metadata is None else metadata
