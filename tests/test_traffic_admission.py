@@ -113,8 +113,10 @@ async def test_batch_may_carry_a_two_day_deadline_where_interactive_may_not(tigh
     batch = await tight.submit(tenant, "alpha", 5, priority=BATCH, deadline_ms=two_days)
     run = await run_row(tight, batch.run_id)
     assert run.deadline_at - run.created_at == dt.timedelta(days=2)
-    error = await refused(tight.submit(tenant, "alpha", 5, deadline_ms=two_days), grpc.StatusCode.INVALID_ARGUMENT)
-    assert error.details() == errors.FIELD_ABOVE_RANGE.format(field="deadline_ms", high=DAY_MS, value=two_days)
+    error = await refused(tight.submit(tenant, "alpha", 5, deadline_ms=two_days),
+                          grpc.StatusCode.INVALID_ARGUMENT)
+    assert error.details() == errors.FIELD_ABOVE_RANGE.format(field="deadline_ms", high=DAY_MS,
+                                                              value=two_days)
     four_days = 4 * DAY_MS   # past [traffic].max_batch_deadline_ms (three days): refused at the edge
     await refused(tight.submit(tenant, "alpha", 5, priority=BATCH, deadline_ms=four_days),
                   grpc.StatusCode.INVALID_ARGUMENT)

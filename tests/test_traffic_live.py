@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +68,8 @@ async def runs(stack: Stack, ids: list[str]) -> list[Run]:
 async def test_batch_saturating_the_pool_never_delays_an_interactive_runs_first_token(stack: Stack):
     await allow(stack, batch_allowed=True)
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-        batch = [(await sdk.submit(PROMPT, max_output_tokens=BATCH_CAP, batch=True)).run_id for _ in range(20)]
+        batch = [(await sdk.submit(PROMPT, max_output_tokens=BATCH_CAP, batch=True)).run_id
+                 for _ in range(20)]
         await stack.start_worker()
         await wait_until(lambda: _at_least(stack, BATCH_SLOTS_USED), 20.0, "batch to fill its share of slots")
         await asyncio.sleep(1.0)      # four more scrapes: batch stays at its share, the rest waits ACCEPTED
@@ -85,7 +85,8 @@ async def test_batch_saturating_the_pool_never_delays_an_interactive_runs_first_
     assert done.started_at is not None and done.queued_at is not None
     ttft_s = (done.started_at - done.created_at).total_seconds()
     # Its first token came before any batch run ended: it never waited for a batch slot to free ...
-    finished_before = [r for r in batch_rows if r.finished_at is not None and r.finished_at <= done.started_at]
+    finished_before = [r for r in batch_rows
+                       if r.finished_at is not None and r.finished_at <= done.started_at]
     assert finished_before == []
     assert ttft_s < MIN_BATCH_RUN_S
     # ... and no batch run was claimed while it waited: the pool had no batch headroom left.
@@ -137,9 +138,8 @@ async def test_a_run_whose_deadline_passes_while_its_tenant_is_at_its_cap_expire
         shown = await sdk.get_run(late.run_id)
 
     needed = late.input_tokens + 16
-    assert expired.detail == DETAIL_EXPIRED_WAITING_KV_BUDGET.format(held=budget, budget=budget, needed=needed)
+    assert expired.detail == DETAIL_EXPIRED_WAITING_KV_BUDGET.format(held=budget, budget=budget,
+                                                                     needed=needed)
     assert shown.status == common_pb2.RUN_STATUS_EXPIRED and shown.detail == expired.detail
     assert expired.queued_at is None and expired.output_tokens == 0
 
-
-__all__ = ["uuid"]
