@@ -33,13 +33,18 @@ def test_nul_in_any_string_is_refused_naming_the_field_and_position():
 
 
 def test_limits_come_from_config_and_name_the_field():
-    config = Settings().updated(admission={"max_input_bytes": 10, "max_deadline_ms": 1_000})
+    config = Settings().updated(admission={"max_input_bytes": 10, "max_deadline_ms": 1_000},
+                                traffic={"max_batch_deadline_ms": 1_000})
     limits = FieldLimits.from_config(config)
     assert limits.problem(admission_pb2.SubmitRequest(input=b"a" * 10, deadline_ms=1_000)) is None
     assert limits.problem(admission_pb2.SubmitRequest(input=b"a" * 11)) == \
         validation.FIELD_TOO_LONG.format(field="input", length=11, unit="bytes", limit=10)
     assert limits.problem(admission_pb2.SubmitRequest(deadline_ms=1_001)) == \
         validation.FIELD_ABOVE_RANGE.format(field="deadline_ms", high=1_000, value=1_001)
+    # The edge holds deadline_ms to the larger of the two classes' bounds; admission holds an
+    # interactive run to its own (services/admission_rules.check_storable).
+    batch_longer = FieldLimits.from_config(config.updated(traffic={"max_batch_deadline_ms": 5_000}))
+    assert batch_longer.problem(admission_pb2.SubmitRequest(deadline_ms=5_000)) is None
 
 
 def test_over_long_strings_and_lists_are_refused():
