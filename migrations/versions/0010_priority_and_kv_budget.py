@@ -10,8 +10,8 @@
 - ix_runs_model_version_queued_at: the ladder's measured drain rate counts a model's runs claimed
   in the last seconds (read only on the shedding path).
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-11-30 09:30:00
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0009'
-down_revision: str | None = '0008'
+revision: str = '0010'
+down_revision: str | None = '0009'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
