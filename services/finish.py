@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import status_value, terminal_event
 from sluice.eventlog.interface import EventLog, LogPosition
-from sluice.v1 import common_pb2
+from sluice.v1 import common_pb2, runs_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +98,23 @@ def _record(run_id: str, sequence: int, usage: SettledUsage, detail: str | None,
     )
 
 
+def terminal_event_of(record: TerminalRecord) -> runs_pb2.RunEvent:
+    """The TERMINAL event of `record`, produced now."""
+    return terminal_event(record.run_id, record.sequence, status_value(record.status.value),
+                          record.usage, record.detail, int(time.time() * 1000), record.epoch)
+
+
 async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSession],
                            record: TerminalRecord) -> LogPosition:
-    """Steps 2 and 3 (step 3 is one autocommit statement that also notifies the run's Streams)."""
-    event = terminal_event(record.run_id, record.sequence, status_value(record.status.value),
-                           record.usage, record.detail, int(time.time() * 1000), record.epoch)
-    position = await log.append(event)
+    """Steps 2 and 3."""
+    position = await log.append(terminal_event_of(record))
+    await record_published(sessions, record, position)
+    return position
+
+
+async def record_published(sessions: async_sessionmaker[AsyncSession], record: TerminalRecord,
+                           position: LogPosition) -> None:
+    """Step 3: one autocommit statement that also notifies the run's Streams. Idempotent (a retry
+    after a lost acknowledgment writes the same values)."""
     async with autocommit_engine(sessions).connect() as connection:
         await mark_published(connection, record.run_id, record.sequence, position, EVENTS_CHANNEL)
-    return position

@@ -39,3 +39,13 @@ def test_an_event_after_the_terminal_a_gap_and_a_status_mismatch_are_each_report
     assert wrong == [f"run {RUN_ID}: terminal COMPLETED#3 vs ledger INTERRUPTED#3"]
     missing = _event_problems(_run(), [_delta(1)])
     assert missing == [f"run {RUN_ID} COMPLETED: no TERMINAL event in the log"]
+
+
+def test_a_terminal_republished_at_another_time_and_epoch_is_a_copy_and_a_changed_one_is_not():
+    republished = _terminal(3)
+    republished.time_ms, republished.lease_epoch = 99, 2
+    assert _event_problems(_run(), [_delta(1), _delta(2), _terminal(3), republished]) == []
+    changed = _terminal(3)
+    changed.usage.output_tokens = 5
+    assert _event_problems(_run(), [_delta(1), _delta(2), _terminal(3), changed]) == [
+        f"run {RUN_ID}: 1 events after its terminal (first seq 3)"]

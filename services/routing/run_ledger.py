@@ -20,7 +20,13 @@ from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.db import autocommit_engine
 from sluice.ledger.runs_sql import mark_running
 from sluice.ledger.settlement import NotOwned
-from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
+from sluice.services.finish import (
+    Ending,
+    TerminalRecord,
+    record_published,
+    settle_and_fix_terminal,
+    terminal_event_of,
+)
 from sluice.services.routing.claims import reassign_replica
 from sluice.services.routing.leases import Lease
 from sqlalchemy import exc as sa_exc
@@ -88,15 +94,7 @@ class SqlRunLedger:
     lease_seconds: float
 
     async def _retrying(self, lease: Lease, write: Callable[[], Awaitable[T]]) -> T:
-        while True:
-            try:
-                return await write()
-            except Exception as error:
-                if not transient(error) or not lease.valid(time.monotonic()):
-                    raise
-                log.warning("run %s: ledger write failed (%r); retrying within the lease",
-                            lease.run_id, error)
-                await asyncio.sleep(RETRY_S)
+        return await _retried(lease.run_id, write, lambda: lease.valid(time.monotonic()))
 
     async def _in_transaction(self, lease: Lease, write: Callable[[AsyncSession], Awaitable[T]]) -> T:
         async def attempt() -> T:
@@ -135,4 +133,21 @@ class SqlRunLedger:
             raise LeaseLost("the run is no longer active under this epoch") from gone
 
     async def publish_terminal(self, record: TerminalRecord) -> None:
-        await publish_terminal(self.events, self.sessions, record)
+        # Settling gave the run a fresh lease for its publisher: recording the publication is retried
+        # within it, so a blip does not leave a reaper to republish (a harmless copy, but late).
+        until = time.monotonic() + self.lease_seconds
+        position = await self.events.append(terminal_event_of(record))
+        await _retried(record.run_id, lambda: record_published(self.sessions, record, position),
+                       lambda: time.monotonic() < until)
+
+
+async def _retried(run_id: str, write: Callable[[], Awaitable[T]], may_retry: Callable[[], bool]) -> T:
+    """`write()`, again after each transient database error while `may_retry()`."""
+    while True:
+        try:
+            return await write()
+        except Exception as error:
+            if not transient(error) or not may_retry():
+                raise
+            log.warning("run %s: ledger write failed (%r); retrying within the lease", run_id, error)
+            await asyncio.sleep(RETRY_S)
