@@ -197,7 +197,9 @@ async def test_routing_with_any_field_values(target):
     @given(call=calls)
     def prove(call: tuple[str, object]) -> None:
         method, request = call
-        check_call(served, method, request.SerializeToString(), ())  # type: ignore[attr-defined]
+        # A tenant key: Explain predicts within the caller's trust scope (the registry calls take none).
+        metadata = (("x-api-key", keys["acme"]),)
+        check_call(served, method, request.SerializeToString(), metadata)  # type: ignore[attr-defined]
 
     await fuzz(served, keys["acme"], prove)
 

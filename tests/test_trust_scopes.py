@@ -13,7 +13,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc.aio
 import pytest
+from sluice.ledger.models import Run
+from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.trust_scope import cache_salt, scope_of
 from sluice_client.sdk import SluiceClient
 
@@ -22,11 +25,11 @@ from sluice.engine.types import EngineRequest
 from sluice.router import prefix_index
 from sluice.router.policies import PrefixAware
 from sluice.router.policy import ReplicaView, RouteRequest
-from sluice.v1 import common_pb2
+from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc
 from tests.engine_helpers import make_engine, prompt, run_to_completion
 from tests.support.ledger_factories import TenantHandle, add_tenant
 from tests.support.replica_proc import ReplicaProcess, start_replica, stop_replica
-from tests.support.routing_stack import Stack, collect, replica_tables
+from tests.support.routing_stack import MODEL, Stack, collect, replica_tables
 
 SALT_A, SALT_B = cache_salt("tenant:a"), cache_salt("tenant:b")
 
@@ -115,14 +118,19 @@ def core_replica(replica_logs: Path) -> Iterator[ReplicaProcess]:
         stop_replica(replica)
 
 
-async def _cached_tokens(stack: Stack, tenant: TenantHandle) -> int:
+async def _run_once(stack: Stack, tenant: TenantHandle) -> Run:
+    """PROMPT run to completion for `tenant`; its ledger row."""
     async with SluiceClient(stack.address, tenant.api_key) as sdk:
         run = await sdk.submit(PROMPT, max_output_tokens=4)
         events = await collect(sdk.stream(run.run_id))
     assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
     row = await stack.run_row(run.run_id)
     assert events[-1].usage.cached_input_tokens == row.cached_input_tokens   # billed as reported
-    return row.cached_input_tokens
+    return row
+
+
+async def _cached_tokens(stack: Stack, tenant: TenantHandle) -> int:
+    return (await _run_once(stack, tenant)).cached_input_tokens
 
 
 @pytest.mark.integration
@@ -140,3 +148,42 @@ async def test_through_the_stack_another_tenant_gets_no_cached_token_of_a_prompt
     assert await _cached_tokens(stack, stack.other) == 0    # tenant B, tenant A's prompt: nothing
     assert await _cached_tokens(stack, shared_1) == 0       # the shared scope starts empty ...
     assert await _cached_tokens(stack, shared_2) == hit     # ... and is shared by its members
+
+
+@pytest.mark.integration
+async def test_explain_predicts_within_the_callers_scope_so_another_tenant_sees_nothing_cached(
+        stack: Stack, core_replica: ReplicaProcess):
+    stack.config = stack.config.updated(replicas=replica_tables([core_replica]))
+    stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
+    async with stack.sessionmaker() as session, session.begin():
+        shared_1 = await add_tenant(session, "public-1", shared_cache_scope="public-prompts")
+        shared_2 = await add_tenant(session, "public-2", shared_cache_scope="public-prompts")
+    worker = await stack.start_worker()
+    server = grpc.aio.server()
+    add_routing_servicer(server, worker)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            routing = routing_pb2_grpc.RoutingStub(channel)
+            tokens = (await _run_once(stack, stack.tenant)).prompt_token_ids   # tenant A's prompt, routed
+            await _run_once(stack, shared_1)                                   # and a shared scope's
+
+            request = routing_pb2.ExplainRequest(model_version=MODEL.version, token_ids=tokens)
+
+            async def predicted(tenant: TenantHandle) -> int:
+                answer = await routing.Explain(request, metadata=(("x-api-key", tenant.api_key),))
+                return answer.predicted_cached_tokens
+
+            for_a = await predicted(stack.tenant)
+            scoped = RouteRequest(request_id="explain", model_version=MODEL.version, token_ids=tuple(tokens),
+                                  max_output_tokens=1, cache_salt=cache_salt(scope_of(stack.tenant.id, None)))
+            expected = worker.explain(scoped, MODEL.version)
+            assert expected is not None and for_a == expected.predicted_cached_tokens > 0
+            assert await predicted(stack.other) == 0         # tenant B, tenant A's prompt: nothing
+            assert await predicted(shared_2) == for_a        # a member of the scope that sent it: the hit
+            with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+                await routing.Explain(request)
+            assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(None)

@@ -209,6 +209,21 @@ async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, ow
     return row.queued_at, int(row.lease_epoch)
 
 
+async def claims_held(session: AsyncSession, granted: dict[str, int], owner: str) -> dict[str, float]:
+    """Of the runs `granted` (run id -> epoch of its claim), those the ledger leases to `owner` under
+    that epoch, not yet started and with their lease still running, with the seconds it has left by
+    the ledger's clock: the claims of a transaction whose COMMIT acknowledgment was lost that did
+    commit (the epoch tells this claim from any later one)."""
+    rows = await session.execute(
+        select(Run.id, Run.lease_epoch,
+               func.extract("epoch", Run.lease_expires_at - func.now()).cast(Float).label("remaining_s"))
+        .where(Run.id.in_([uuid.UUID(run_id) for run_id in granted]), Run.lease_owner == owner,
+               Run.status == RunStatus.QUEUED.value, Run.lease_expires_at > func.now())
+    )
+    return {str(row.id): float(row.remaining_s) for row in rows
+            if granted.get(str(row.id)) == row.lease_epoch}
+
+
 async def reassign_replica(session: AsyncSession, run_id: str, epoch: int, replica: str) -> bool:
     """Move a QUEUED run (no token yet) to another replica; False if the lease is gone. Committed
     before the new replica is contacted, as the first assignment was: a reaper then stops the

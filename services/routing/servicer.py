@@ -1,7 +1,8 @@
 """Routing gRPC API: the replica registry of the routing process that serves it, and Explain.
 
 Served by a routing worker process (`python -m sluice.services.routing --listen ...`),
-so an edit changes where that process routes from its next claim on.
+so an edit changes where that process routes from its next claim on. Explain takes a tenant API key
+and predicts within that tenant's trust scope (services/trust_scope.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import time
 import grpc
 import grpc.aio
 from sluice.ledger.models import Model
+from sluice.services.auth import authenticate
 from sluice.services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
 from sluice.services.routing.claims import in_flight_by_replica
 from sluice.services.routing.worker import RoutingWorker
+from sluice.services.trust_scope import cache_salt, scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 
 from sluice.router.policy import RouteRequest
@@ -76,12 +79,16 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     async def Explain(self, request: routing_pb2.ExplainRequest,
                       context: grpc.aio.ServicerContext) -> routing_pb2.ExplainResponse:
         async with self.worker.sessions() as session:
+            # The caller's tenant fixes the trust scope the prediction is made in, as admission
+            # fixes a run's (DESIGN.md "Trust scopes"): nobody learns what another scope has cached.
+            tenant = await authenticate(session, context.invocation_metadata())
             model = await session.get(Model, request.model_version)
         if model is None:
             raise NotFound(UNKNOWN_MODEL_VERSION.format(version=request.model_version))
         route = RouteRequest(request_id="explain", model_version=model.version,
                              token_ids=tuple(request.token_ids), max_output_tokens=1,
-                             conversation_id=request.conversation_id or None)
+                             conversation_id=request.conversation_id or None,
+                             cache_salt=cache_salt(scope_of(tenant.id, tenant.shared_cache_scope)))
         decision = self.worker.explain(route, model.worker_pool)
         if decision is None:
             raise Unavailable(NO_REPLICA.format(version=model.version))

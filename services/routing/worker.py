@@ -59,6 +59,7 @@ from sluice.services.routing.claims import (
     AcceptedRun,
     ClaimedRun,
     TakenRun,
+    claims_held,
     expiry_detail,
     lock_accepted,
     lock_kv_budgets,
@@ -100,6 +101,7 @@ log = logging.getLogger(__name__)
 DETAIL_DRIVER_LOST = "routing worker {owner} stopped renewing its lease; ended from the last durable event"
 LOCATE_MARGIN_MS = 5_000     # clock skew allowed between Postgres (queued_at) and the Kafka broker
 REAP_BATCH = 8
+CLAIM_RECHECK_S = 0.2        # after a failed claim, ask the ledger again this soon which runs it holds
 # Runs claimed per transaction: small batches spread a burst over every routing process
 # instead of letting the first poller take it all (the loop claims again at once when full).
 CLAIM_BATCH = 8
@@ -311,8 +313,18 @@ class RoutingWorker:
                         routed.append(item)
                         # Counted at once, so the batch's next decisions see this run's load.
                         self.loads.on_sent(item.decision.replica)
+        except Exception as error:
+            # The claim failed, perhaps only its COMMIT's acknowledgment (connection lost after the
+            # COMMIT left): the ledger says which runs are leased to us under the epochs granted.
+            committed = await self._committed_claims(routed, error) if routed else []
+            kept = {item.claim.run_id for item in committed}
+            for item in routed:
+                if item.claim.run_id not in kept:
+                    self.loads.on_finished(item.decision.replica)
+            if not committed:
+                raise
+            routed, expired = committed, []   # an EXPIRED settlement unconfirmed: its reaper republishes
         except BaseException:
-            # The claim rolled back: none of its runs went to a replica, so none may stay counted.
             for item in routed:
                 self.loads.on_finished(item.decision.replica)
             raise
@@ -333,6 +345,35 @@ class RoutingWorker:
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
         # of a healthy replica must not spin this loop.
         return len(routed) + len(expired) == free
+
+    async def _committed_claims(self, routed: list[_Routed], error: Exception) -> list[_Routed]:
+        """The claims of a failed claim transaction that committed nonetheless (its COMMIT reached
+        the ledger but the acknowledgment was lost), read back within their lease, so that they are
+        driven rather than left to lapse and be reaped as INTERRUPTED runs that never started. The
+        ledger is asked until it answers or the lease runs out (then the reaper ends any that did
+        commit)."""
+        granted = {item.claim.run_id: item.claim.epoch for item in routed}
+        until = min(item.granted_from for item in routed) + self.settings.lease_seconds
+        while True:
+            try:
+                sent = time.monotonic()
+                async with self.sessions() as session:
+                    held = await claims_held(session, granted, self.settings.owner)
+                break
+            except Exception as again:
+                if time.monotonic() + CLAIM_RECHECK_S >= until:
+                    log.error("claim of %d runs failed (%r) and could not be confirmed within its lease"
+                              " (%r); the reaper ends any that committed", len(routed), error, again)
+                    return []
+                await asyncio.sleep(CLAIM_RECHECK_S)
+        # Each driver's deadline is the ledger's (sent + remaining), as a renewal would set it.
+        lease_s = self.settings.lease_seconds
+        committed = [dataclasses.replace(item, granted_from=sent + held[item.claim.run_id] - lease_s)
+                     for item in routed if item.claim.run_id in held]
+        if committed:
+            log.warning("claim failed (%r) after its COMMIT landed: driving the %d runs the ledger"
+                        " leased to this process", error, len(committed))
+        return committed
 
     async def _route(self, session: AsyncSession, run: AcceptedRun, now: float,
                      claim_started: float) -> _Routed | None:
