@@ -56,10 +56,18 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
 from sluice.eventlog.events import status_value
-from sluice.eventlog.interface import CursorPastRetention, EventLog, LogPosition, ReaderTooSlow
+from sluice.eventlog.interface import (
+    CursorPastRetention,
+    EventLog,
+    LogPosition,
+    LogUnavailable,
+    ReaderTooSlow,
+)
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 
 RUN_NOT_FOUND = "run {run_id!r} not found: check the run id (runs are visible to their own tenant only)"
+EVENT_LOG_RETRY_AFTER_MS = 500   # a fresh live tail starts with the next Stream: well under a second
+EVENT_LOG_UNAVAILABLE_REASON = "EVENT_LOG_UNAVAILABLE"
 NEGATIVE_CURSOR = "after must be 0 (from the start) or the last sequence received (got {after})"
 DETAIL_CANCELLED_BEFORE_START = "cancelled by the caller before a replica took the run"
 
@@ -193,6 +201,10 @@ class RunsService:
         except ReaderTooSlow as exc:
             # UNAVAILABLE: the SDK resumes by itself from the last event it received.
             raise Unavailable(str(exc)) from exc
+        except LogUnavailable as exc:
+            # Transient (the next Stream starts a fresh tail): retry info, so any client resumes.
+            raise Unavailable(str(exc), retry_after_ms=EVENT_LOG_RETRY_AFTER_MS,
+                              reason=EVENT_LOG_UNAVAILABLE_REASON) from exc
 
     async def _recorded_position(self, run_id: uuid.UUID, after: int) -> LogPosition | None:
         return (await self._wait_for_events(run_id, after)).position

@@ -45,6 +45,21 @@ class ReaderTooSlow(Exception):
         self.after = after
 
 
+LOG_UNAVAILABLE = (
+    "stream of run {run_id} broken: the event log cannot be read right now ({error}); resume with"
+    " after=<the last sequence received>"
+)
+
+
+class LogUnavailable(Exception):
+    """The log cannot be read now (the live tail lost its consumer, a broker is unreachable):
+    transient, and a reader resumes by cursor once it answers again."""
+
+    def __init__(self, run_id: str, error: BaseException) -> None:
+        super().__init__(LOG_UNAVAILABLE.format(run_id=run_id, error=type(error).__name__))
+        self.run_id = run_id
+
+
 @dataclass(frozen=True, slots=True)
 class LogPosition:
     """Where an event sits in the log; a run's events all share one partition."""

@@ -27,13 +27,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import OffsetOutOfRangeError
+from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 from aiokafka.partitioner import DefaultPartitioner
 
 from sluice.config import Settings
 from sluice.config.settings import KafkaSection
 from sluice.eventlog.events import EventDeduper
-from sluice.eventlog.interface import CursorPastRetention, LogPosition, ReaderTooSlow
+from sluice.eventlog.interface import CursorPastRetention, LogPosition, LogUnavailable, ReaderTooSlow
 from sluice.eventlog.replay import RangeDeleted, SharedReplay
 from sluice.eventlog.tail import (
     RECENT_RECORDS_PER_PARTITION,
@@ -41,6 +41,7 @@ from sluice.eventlog.tail import (
     LiveTail,
     Subscription,
     SubscriptionOverflow,
+    TailFailed,
 )
 from sluice.v1 import runs_pb2
 
@@ -61,6 +62,11 @@ def replication(kafka: KafkaSection) -> tuple[int, int]:
     """(replication factor, min.insync.replicas) of the events topic: (3, 2) on the cluster, so an
     acks=all write survives one node; (1, 1) on the single broker."""
     return (3, 2) if kafka.brokers == CLUSTER_BROKERS else (1, 1)
+
+
+# A follower's transient failures: the tail lost its consumer, or the brokers did not answer. Mapped
+# to LogUnavailable (UNAVAILABLE at the RPC edge): the reader resumes by cursor.
+LOG_FAILURES = (TailFailed, KafkaError)
 
 
 class KafkaEventLog:
@@ -160,7 +166,7 @@ class KafkaEventLog:
 
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
-        tail = await self._ready_tail()
+        tail = await self._ready_tail(run_id)
         subscription, recent = tail.subscribe(run_id, start.partition, start.offset)
         try:
             async for event in self._deliver(run_id, start, after, subscription, recent, []):
@@ -171,7 +177,7 @@ class KafkaEventLog:
     async def follow_from_first(self, run_id: str, after: int,
                                 recorded_start: Callable[[], Awaitable[LogPosition | None]],
                                 ) -> AsyncIterator[runs_pb2.RunEvent]:
-        tail = await self._ready_tail()
+        tail = await self._ready_tail(run_id)
         subscription, _ = tail.subscribe(run_id, await self.partition_of(run_id), -1)
         first_live = asyncio.ensure_future(subscription.take())
         ledger = asyncio.ensure_future(recorded_start())
@@ -205,6 +211,8 @@ class KafkaEventLog:
                 yield event
         except SubscriptionOverflow as exc:
             raise ReaderTooSlow(run_id, after, exc.capacity) from exc
+        except LOG_FAILURES as exc:
+            raise LogUnavailable(run_id, exc) from exc
         finally:
             for waiting in (first_live, ledger):
                 waiting.cancel()
@@ -234,6 +242,8 @@ class KafkaEventLog:
                 batch = await subscription.take()
         except SubscriptionOverflow as exc:
             raise ReaderTooSlow(run_id, dedupe.last_sequence, exc.capacity) from exc
+        except LOG_FAILURES as exc:
+            raise LogUnavailable(run_id, exc) from exc
 
     async def _check_retained(self, run_id: str, start: LogPosition, after: int) -> None:
         """A stream that starts before the live tail is served from the tail's memory only while the
@@ -256,12 +266,15 @@ class KafkaEventLog:
         """The process's tail, once a follow() started it."""
         return self._tail
 
-    async def _ready_tail(self) -> LiveTail:
+    async def _ready_tail(self, run_id: str) -> LiveTail:
         if self._tail is None:
             self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
                                   recent_per_partition=self.recent_per_partition)
-        producer = await self._ready_producer()
-        await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
+        try:
+            producer = await self._ready_producer()
+            await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
+        except LOG_FAILURES as exc:
+            raise LogUnavailable(run_id, exc) from exc
         return self._tail
 
     async def _read_range(self, run_id: str, start: LogPosition, end: int | None,
