@@ -15,7 +15,7 @@ from sluice.services.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing import worker as routing_worker
 from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.claims import mark_queued
-from sluice.services.routing.servicer import REPLICA_NAME_MISSING, add_routing_servicer
+from sluice.services.routing.servicer import REPLICA_NAME_MISSING
 from sluice.services.routing.worker import (
     DETAIL_EXPIRED_BEFORE_START,
     RoutingWorker,
@@ -26,8 +26,8 @@ from sluice_client import cli
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
-from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc, runs_pb2
-from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens
+from sluice.v1 import common_pb2, routing_pb2, runs_pb2
+from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens, routing_api
 
 pytestmark = pytest.mark.integration
 
@@ -115,26 +115,19 @@ async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_r
 
 async def test_the_routing_api_lists_edits_and_explains_the_registry_of_its_process(stack: Stack):
     worker = await stack.start_worker()
-    server = grpc.aio.server()
-    add_routing_servicer(server, worker)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            routing = routing_pb2_grpc.RoutingStub(channel)
-            listed = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
-            explained = await routing.Explain(routing_pb2.ExplainRequest(model_version=MODEL.version,
-                                                                         token_ids=[5, 6, 7]))
-            added = await routing.UpsertReplica(routing_pb2.Replica(name="r7", pool=MODEL.version,
-                                                                    grpc_address="127.0.0.1:1"))
-            relisted = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
-            after_add = [r.name for r in relisted.replicas]
-            removed = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
-            removed_again = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await routing.UpsertReplica(routing_pb2.Replica(grpc_address="127.0.0.1:1"))
-    finally:
-        await server.stop(None)
+    async with routing_api(worker) as routing:
+        listed = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+        explained = await routing.Explain(routing_pb2.ExplainRequest(model_version=MODEL.version,
+                                                                     token_ids=[5, 6, 7]),
+                                          metadata=(("x-api-key", stack.tenant.api_key),))
+        added = await routing.UpsertReplica(routing_pb2.Replica(name="r7", pool=MODEL.version,
+                                                                grpc_address="127.0.0.1:1"))
+        relisted = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+        after_add = [r.name for r in relisted.replicas]
+        removed = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
+        removed_again = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await routing.UpsertReplica(routing_pb2.Replica(grpc_address="127.0.0.1:1"))
     assert listed.policy == "round_robin"
     assert [(r.name, r.pool, r.healthy) for r in listed.replicas] == [
         ("r0", MODEL.version, True), ("r1", MODEL.version, True)]

@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc.aio
 import pytest
 from sluice.ledger.models import Run
-from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.trust_scope import cache_salt, scope_of
 from sluice_client.sdk import SluiceClient
 
@@ -25,11 +24,11 @@ from sluice.engine.types import EngineRequest
 from sluice.router import prefix_index
 from sluice.router.policies import PrefixAware
 from sluice.router.policy import ReplicaView, RouteRequest
-from sluice.v1 import common_pb2, routing_pb2, routing_pb2_grpc
+from sluice.v1 import common_pb2, routing_pb2
 from tests.engine_helpers import make_engine, prompt, run_to_completion
 from tests.support.ledger_factories import TenantHandle, add_tenant
 from tests.support.replica_proc import ReplicaProcess, start_replica, stop_replica
-from tests.support.routing_stack import MODEL, Stack, collect, replica_tables
+from tests.support.routing_stack import MODEL, Stack, collect, replica_tables, routing_api
 
 SALT_A, SALT_B = cache_salt("tenant:a"), cache_salt("tenant:b")
 
@@ -133,14 +132,20 @@ async def _cached_tokens(stack: Stack, tenant: TenantHandle) -> int:
     return (await _run_once(stack, tenant)).cached_input_tokens
 
 
-@pytest.mark.integration
-async def test_through_the_stack_another_tenant_gets_no_cached_token_of_a_prompt_its_own_tenant_reuses(
-        stack: Stack, core_replica: ReplicaProcess):
-    stack.config = stack.config.updated(replicas=replica_tables([core_replica]))
-    stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
+async def _scoped_stack(stack: Stack, core_replica: ReplicaProcess) -> tuple[TenantHandle, TenantHandle]:
+    """The stack on one core-engine replica under prefix_aware, with two members of a shared scope."""
+    stack.config = stack.config.updated(replicas=replica_tables([core_replica]),
+                                        routing={"policy": "prefix_aware"})
     async with stack.sessionmaker() as session, session.begin():
         shared_1 = await add_tenant(session, "public-1", shared_cache_scope="public-prompts")
         shared_2 = await add_tenant(session, "public-2", shared_cache_scope="public-prompts")
+    return shared_1, shared_2
+
+
+@pytest.mark.integration
+async def test_through_the_stack_another_tenant_gets_no_cached_token_of_a_prompt_its_own_tenant_reuses(
+        stack: Stack, core_replica: ReplicaProcess):
+    shared_1, shared_2 = await _scoped_stack(stack, core_replica)
     await stack.start_worker()
     assert await _cached_tokens(stack, stack.tenant) == 0
     hit = await _cached_tokens(stack, stack.tenant)
@@ -153,37 +158,25 @@ async def test_through_the_stack_another_tenant_gets_no_cached_token_of_a_prompt
 @pytest.mark.integration
 async def test_explain_predicts_within_the_callers_scope_so_another_tenant_sees_nothing_cached(
         stack: Stack, core_replica: ReplicaProcess):
-    stack.config = stack.config.updated(replicas=replica_tables([core_replica]))
-    stack.config = stack.config.updated(routing={"policy": "prefix_aware"})
-    async with stack.sessionmaker() as session, session.begin():
-        shared_1 = await add_tenant(session, "public-1", shared_cache_scope="public-prompts")
-        shared_2 = await add_tenant(session, "public-2", shared_cache_scope="public-prompts")
+    shared_1, shared_2 = await _scoped_stack(stack, core_replica)
     worker = await stack.start_worker()
-    server = grpc.aio.server()
-    add_routing_servicer(server, worker)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            routing = routing_pb2_grpc.RoutingStub(channel)
-            tokens = (await _run_once(stack, stack.tenant)).prompt_token_ids   # tenant A's prompt, routed
-            await _run_once(stack, shared_1)                                   # and a shared scope's
+    tokens = (await _run_once(stack, stack.tenant)).prompt_token_ids   # tenant A's prompt, routed
+    await _run_once(stack, shared_1)                                   # and a shared scope's
+    request = routing_pb2.ExplainRequest(model_version=MODEL.version, token_ids=tokens)
+    async with routing_api(worker) as routing:
 
-            request = routing_pb2.ExplainRequest(model_version=MODEL.version, token_ids=tokens)
+        async def predicted(tenant: TenantHandle) -> int:
+            answer = await routing.Explain(request, metadata=(("x-api-key", tenant.api_key),))
+            return answer.predicted_cached_tokens
 
-            async def predicted(tenant: TenantHandle) -> int:
-                answer = await routing.Explain(request, metadata=(("x-api-key", tenant.api_key),))
-                return answer.predicted_cached_tokens
-
-            for_a = await predicted(stack.tenant)
-            scoped = RouteRequest(request_id="explain", model_version=MODEL.version, token_ids=tuple(tokens),
-                                  max_output_tokens=1, cache_salt=cache_salt(scope_of(stack.tenant.id, None)))
-            expected = worker.explain(scoped, MODEL.version)
-            assert expected is not None and for_a == expected.predicted_cached_tokens > 0
-            assert await predicted(stack.other) == 0         # tenant B, tenant A's prompt: nothing
-            assert await predicted(shared_2) == for_a        # a member of the scope that sent it: the hit
-            with pytest.raises(grpc.aio.AioRpcError) as anonymous:
-                await routing.Explain(request)
-            assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        await server.stop(None)
+        for_a, for_b = await predicted(stack.tenant), await predicted(stack.other)
+        for_shared_2 = await predicted(shared_2)
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await routing.Explain(request)
+    scoped = RouteRequest(request_id="explain", model_version=MODEL.version, token_ids=tuple(tokens),
+                          max_output_tokens=1, cache_salt=cache_salt(scope_of(stack.tenant.id, None)))
+    expected = worker.explain(scoped, MODEL.version)
+    assert expected is not None and for_a == expected.predicted_cached_tokens > 0
+    assert for_b == 0                                   # tenant B, tenant A's prompt: nothing
+    assert for_shared_2 == for_a                        # a member of the scope that sent it: the hit
+    assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED

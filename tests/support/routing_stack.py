@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from sluice.ledger.seed import TINY_CHAT, read_chat_template
 from sluice.services import replica_client
 from sluice.services.admission import add_admission_servicer
 from sluice.services.routing.app import policy_from_config, registry_from_config
+from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.runs import RunsService, add_runs_servicer
 from sluice.services.usage import add_usage_servicer
@@ -39,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sluice.config import Settings, load_settings
 from sluice.config.settings import env_overrides
 from sluice.eventlog.kafka import KafkaEventLog
-from sluice.v1 import runs_pb2
+from sluice.v1 import routing_pb2_grpc, runs_pb2
 from tests.support import REPO_ROOT
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
 from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
@@ -280,6 +282,20 @@ class Stack:
             await server.stop(None)
         for close in self._closers:
             await close()
+
+
+@contextlib.asynccontextmanager
+async def routing_api(worker: RoutingWorker) -> AsyncIterator[routing_pb2_grpc.RoutingStub]:
+    """The Routing API of `worker`, served on a free port for the block's length."""
+    server = grpc.aio.server()
+    add_routing_servicer(server, worker)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield routing_pb2_grpc.RoutingStub(channel)  # type: ignore[no-untyped-call]
+    finally:
+        await server.stop(None)
 
 
 @pytest.fixture
