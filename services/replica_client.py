@@ -21,7 +21,7 @@ Outcomes of `stream_generate`, as the routing worker needs to tell them apart:
 
 Cost per response (issue 9.1): a read is one plain await (no timer per read: one sweeper task
 per event loop checks every open stream's silence four times a second), and a response is
-parsed by reading the raw bytes of the tensors used (output_ids and two counters), not by
+parsed by reading the raw bytes of the tensors used (output_ids and kv_cache_reused_blocks), not by
 building an InferResult with a numpy array per output. The routing worker's replica monitor
 judges a hung replica sooner than these limits, from its step time and scraped liveness.
 """
@@ -72,7 +72,7 @@ class ReplicaRejected(ReplicaError):
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
     token_ids: tuple[int, ...]           # newly generated tokens, in order (empty only when stopped)
-    num_input_tokens: int                # prompt tokens the replica accounted
+    num_input_tokens: int                # prompt tokens sent (the interface reports no count)
     kv_cache_reused_blocks: int          # prompt KV blocks served from the replica's prefix cache
     stopped: bool = False                # the request was stopped; this empty chunk is the last
 
@@ -160,16 +160,23 @@ def _tensor(request: service_pb2.ModelInferRequest, name: str, array: NDArray[An
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                   end_id: int | None = None, *, stop: bool = False, seed: int | None = None,
                   streaming: bool = True, cache_salt: int = 0, temperature: float | None = None,
-                  top_p: float | None = None,
-                  stop_words: Sequence[Sequence[int]] = ()) -> service_pb2.ModelInferRequest:
-    """One TensorRT-LLM style request (batch of one). Sampling fields left None/empty are not sent
-    (the replica's defaults: greedy, no nucleus cut, no stop words)."""
+                  top_p: float | None = None, stop_words: Sequence[Sequence[int]] = (),
+                  perf_metrics: bool = True) -> service_pb2.ModelInferRequest:
+    """One request of the `tensorrt_llm` interface (tensorrtllm_backend v0.19.0, batch of one;
+    deploy/triton/CONTRACT.md). Sampling fields left None/empty are not sent (the backend's
+    defaults: greedy, no nucleus cut, no stop words). `perf_metrics` asks for the perf outputs,
+    which the backend returns only when asked: the platform reads kv_cache_reused_blocks from them."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
     _tensor(request, "input_ids", ids, "INT32")
     _tensor(request, "input_lengths", np.asarray([[ids.shape[1]]], dtype=np.int32), "INT32")
     _tensor(request, "request_output_len", np.asarray([[max_new_tokens]], dtype=np.int32), "INT32")
     _tensor(request, "streaming", np.asarray([[streaming]], dtype=np.bool_), "BOOL")
+    # Only new tokens, whatever the deployment's exclude_input_in_output parameter says (a
+    # non-streaming response would otherwise start with the prompt).
+    _tensor(request, "exclude_input_in_output", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    if perf_metrics:
+        _tensor(request, "return_perf_metrics", np.asarray([[True]], dtype=np.bool_), "BOOL")
     if end_id is not None:
         _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
     if seed is not None:
@@ -230,15 +237,15 @@ _INT_WIDTHS = {"INT32": 4, "INT64": 8}
 
 def parse_chunk(response: service_pb2.ModelInferResponse, num_input_tokens: int,
                 reused_blocks: int) -> TokenChunk:
-    """The tensors the platform uses, and only those: output_ids, and the two counters a replica may
-    report (kept from earlier responses when absent). InferResult would build a numpy array per
-    output of every response; this reads each tensor's bytes once."""
+    """The tensors the platform uses, and only those: output_ids, and kv_cache_reused_blocks, a perf
+    output present only when the request asked for it (kept from earlier responses when absent).
+    The interface has no prompt-token count: `num_input_tokens` is what the client sent.
+    InferResult would build a numpy array per output of every response; this reads each tensor's
+    bytes once."""
     token_ids: tuple[int, ...] = ()
     for index, output in enumerate(response.outputs):
         if output.name == "output_ids":
             token_ids = _tensor_ints(response, index)
-        elif output.name == "num_input_tokens":
-            num_input_tokens = _tensor_ints(response, index)[0]
         elif output.name == "kv_cache_reused_blocks":
             reused_blocks = _tensor_ints(response, index)[0]
     return TokenChunk(token_ids, num_input_tokens, reused_blocks)
@@ -341,8 +348,9 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
             if not response.outputs:             # the empty final response
                 break
             chunk = parse_chunk(response, num_input_tokens, reused)
-            num_input_tokens, reused = chunk.num_input_tokens, chunk.kv_cache_reused_blocks
-            yield chunk
+            reused = chunk.kv_cache_reused_blocks
+            if chunk.token_ids:                  # a final response may carry no tokens
+                yield chunk
         ended = True
         stopped = stop_sent.get(key, False)
     except ReplicaError:

@@ -226,6 +226,8 @@ class ReplicaSection(Section):
 
     model_version: str = "tiny-chat-v1"
     engine: Literal["core", "simple"] = "core"
+    interface: Literal["tensorrt_llm", "legacy"] = "tensorrt_llm"
+    cache_salt_id: bool = True
     vocab_size: PositiveInt = 4096
     first_normal_id: Annotated[int, Field(ge=0)] = 5
     output_length: Literal["cap", "lognormal", "fixed", "uniform"] = "cap"

@@ -1,4 +1,4 @@
-"""One narrow fix to the pytriton 0.7 proxy that Triton's Python backend stub runs.
+"""Two narrow fixes to pytriton 0.7: zero-size tensors, and the final flag on a decoupled response.
 
 pytriton copies its proxy sources (pytriton/proxy/*.py) into the model store,
 and the stub process serializes each request's tensors into shared memory
@@ -12,6 +12,14 @@ Applied by rewriting the copied source as pytriton hands it to Triton (both
 the local-model-store and the files-in-load-request paths); if a future
 pytriton changes the line, the patch is skipped with a warning and the empty
 input test in tests/test_replica.py shows the regression.
+
+Final flag: a decoupled pytriton callable cannot mark a response final; pytriton sends every
+yielded response with flags 0 and, when the generator ends, a flags-only final response (seen by
+a gRPC client only with `triton_enable_empty_final_response`). TensorRT-LLM's backend sends its
+last response (the last tokens, or a stop's empty acknowledgement) with
+TRITONSERVER_RESPONSE_COMPLETE_FINAL. The strict replica yields that response as
+`FinalResponses`; the patched connector sends it with pytriton's EOS flag (which the stub turns
+into COMPLETE_FINAL on that very response) and swallows the flags-only one that would follow.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import typing
+from typing import Any
 
 LOG = logging.getLogger(__name__)
 
@@ -34,6 +43,29 @@ def _patch_source(text: str) -> str:
             LOG.warning("pytriton proxy data.py changed; zero-size tensor fix not applied")
         return text
     return text.replace(_BROKEN, _FIXED)
+
+
+class FinalResponses(list):  # type: ignore[type-arg]
+    """The last responses of a decoupled call: sent with Triton's final flag (see module doc)."""
+
+
+_FINAL_SENT = "sluice_final_sent"          # scope key: the final flag has gone with a response
+
+
+def _patch_final_flag() -> None:
+    from pytriton.proxy.inference import RequestsResponsesConnector
+    from pytriton.proxy.communication import PyTritonResponseFlags
+
+    original_send = RequestsResponsesConnector.send
+
+    def send(self: Any, scope: dict[str, Any], flags: Any, responses: Any) -> None:
+        if isinstance(responses, FinalResponses):
+            scope[_FINAL_SENT] = True
+            original_send(self, scope, flags | PyTritonResponseFlags.EOS, list(responses))
+        elif not scope.get(_FINAL_SENT):
+            original_send(self, scope, flags, responses)
+
+    typing.cast(Any, RequestsResponsesConnector).send = send
 
 
 def apply() -> None:
@@ -59,6 +91,7 @@ def apply() -> None:
     typing.cast(typing.Any, Model).get_proxy_model_files = get_proxy_model_files
     typing.cast(typing.Any, Model).generate_model = generate_model
     typing.cast(typing.Any, Model)._sluice_patched = True
+    _patch_final_flag()
     # Our own process deserializes with the same module; patch it too for symmetry.
     from pytriton.proxy import data
 

@@ -38,6 +38,7 @@ from sluice.config import Settings
 from sluice.config.bootstrap import start_process
 from sluice.config.settings import LOOPBACK_HOSTS, ReplicaTlsSection
 from sluice.replica import lifecycle
+from sluice.replica.contract import stop_words
 from sluice.replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from sluice.replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
 from sluice.replica.host import Aborted, EngineHost, RequestIdInUse
@@ -58,6 +59,7 @@ from sluice.replica.protocol import (
 LOG = logging.getLogger("replica")
 ERR_PORT_IN_USE = "replica {name}: {kind} port {port} on {host} is already in use (another replica running?)"
 ERR_UNKNOWN_ENGINE = "[replica].engine must be \"simple\" or \"core\", got {!r}"
+STRICT = "tensorrt_llm"                  # [replica].interface: the pinned backend's interface (contract.py)
 ERR_ENGINE_CONFIG = "[replica] settings for engine {engine!r} are invalid: {error}"
 DEFAULT_ENGINE = "core"                  # as config/sluice.toml; used when [replica].engine is absent
 ERR_UNKNOWN_REPLICA = "no [[replicas]] entry named {!r} in the config (known: {})"
@@ -217,18 +219,6 @@ def parse_request(data: Mapping[str, NDArray[Any]], request_id: str) -> Generati
                              top_p=top_p if top_p > 0 else 1.0, stop_sequences=stops, cache_salt=salt)
 
 
-def stop_words(tensor: NDArray[Any]) -> tuple[tuple[int, ...], ...]:
-    """TensorRT-LLM's stop_words_list [batch, 2, n]: row 0 the words' ids back to back, row 1 each
-    word's end offset into row 0, padded with -1."""
-    rows = tensor.reshape(-1, 2, tensor.shape[-1])[0] if tensor.size else np.zeros((2, 0), np.int32)
-    flat, ends = rows[0].tolist(), [int(end) for end in rows[1].tolist() if end >= 0]
-    if any(end > len(flat) for end in ends) or ends != sorted(ends):
-        raise EngineRequestError(ERR_BAD_STOP_WORDS)
-    starts = [0, *ends[:-1]]
-    return tuple(tuple(int(t) for t in flat[start:end]) for start, end in zip(starts, ends, strict=True)
-                 if end > start)
-
-
 def _token_response(token_ids: tuple[int, ...], num_input_tokens: int,
                     kv_reused: int) -> dict[str, NDArray[Any]]:
     # Shapes carry the batch dim first: output_ids [batch, beam, tokens], the rest [batch, 1].
@@ -308,6 +298,9 @@ def bind_model(triton: Any, model: TensorrtLlmModel) -> None:
             Tensor(name="streaming", dtype=np.bool_, shape=(1,), optional=True),
             i32("end_id", (1,), optional=True),
             Tensor(name="stop", dtype=np.bool_, shape=(1,), optional=True),
+            # Sent by the client (written against the strict interface); the counters come anyway.
+            Tensor(name="exclude_input_in_output", dtype=np.bool_, shape=(1,), optional=True),
+            Tensor(name="return_perf_metrics", dtype=np.bool_, shape=(1,), optional=True),
             Tensor(name="random_seed", dtype=np.uint64, shape=(1,), optional=True),
             Tensor(name="temperature", dtype=np.float32, shape=(1,), optional=True),
             Tensor(name="runtime_top_p", dtype=np.float32, shape=(1,), optional=True),
@@ -411,7 +404,13 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
     triton = Triton(config=triton_config, workspace=_fresh_workspace(settings.workspace))
     _die_with_this_process(triton)
     try:
-        bind_model(triton, TensorrtLlmModel(host))
+        if str(settings.section.get("interface", STRICT)) == STRICT:
+            from sluice.replica.strict_model import StrictTensorrtLlmModel, bind_strict_model
+
+            strict = StrictTensorrtLlmModel(host, block_size=engine.stats().kv_tokens_per_block)
+            bind_strict_model(triton, strict, bool(settings.section.get("cache_salt_id", True)))
+        else:
+            bind_model(triton, TensorrtLlmModel(host))
         _run_until_ready(triton, settings.name, settings.workspace)
     except Exception as exc:
         triton.stop()
