@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ def add_input(request: service_pb2.ModelInferRequest, name: str, array: np.ndarr
     rc._tensor(request, name, array, datatype)
 
 
-async def exchange(address: str, request: service_pb2.ModelInferRequest) -> list[service_pb2.ModelInferResponse]:
+async def exchange(address: str,
+                   request: service_pb2.ModelInferRequest) -> list[service_pb2.ModelInferResponse]:
     return [response async for response in rc._exchange(address, request, 10.0, 10.0)]
 
 
@@ -70,9 +72,11 @@ def shapes(response: service_pb2.ModelInferResponse) -> dict[str, list[int]]:
     return {output.name: list(output.shape) for output in response.outputs}
 
 
-async def test_streamed_responses_carry_each_steps_tokens_and_the_last_one_the_final_flag(replica: ReplicaProcess):
+async def test_streamed_responses_carry_each_steps_tokens_and_the_last_one_the_final_flag(
+        replica: ReplicaProcess):
     prompt, cap = [11, 12, 13], 5
-    responses = await exchange(replica.grpc_address, rc.build_request("flag-1", prompt, cap, perf_metrics=False))
+    request = rc.build_request("flag-1", prompt, cap, perf_metrics=False)
+    responses = await exchange(replica.grpc_address, request)
     assert [final(r) for r in responses] == [False] * (cap - 1) + [True]     # no empty final response
     assert [outputs(r)["output_ids"] for r in responses] == [[t] for t in expected(prompt, cap)]
     assert {tuple(sorted(outputs(r))) for r in responses} == {tuple(sorted(ALWAYS))}
@@ -98,7 +102,8 @@ async def test_perf_outputs_come_only_when_asked_and_count_blocks_and_times(repl
         [0.0], [0], [0])
 
 
-async def test_non_streaming_returns_one_final_response_with_the_prompt_unless_excluded(replica: ReplicaProcess):
+async def test_non_streaming_returns_one_final_response_with_the_prompt_unless_excluded(
+        replica: ReplicaProcess):
     prompt, cap = [21, 22], 4
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id="whole-1")
     add_input(request, "input_ids", np.asarray([prompt], np.int32), "INT32")
@@ -114,7 +119,8 @@ async def test_non_streaming_returns_one_final_response_with_the_prompt_unless_e
 
 
 @pytest.mark.parametrize("name", ["foo", "return_kv_cache_reuse_stats", "num_input_tokens"])
-async def test_an_input_the_interface_does_not_declare_is_refused_by_triton(replica: ReplicaProcess, name: str):
+async def test_an_input_the_interface_does_not_declare_is_refused_by_triton(replica: ReplicaProcess,
+                                                                            name: str):
     request = rc.build_request("unknown-1", [1, 2], 2)
     add_input(request, name, np.asarray([[True]], np.bool_), "BOOL")
     with pytest.raises(ReplicaRejected, match=f"unexpected inference input '{name}'"):
@@ -146,14 +152,16 @@ async def test_stop_ends_the_running_request_with_a_final_response_and_is_acknow
         replica: ReplicaProcess):
     running = rc.build_request("stop-1", [5, 6], 500, perf_metrics=False)
     seen: list[service_pb2.ModelInferResponse] = []
+    three = asyncio.Event()
 
     async def read() -> None:
         async for response in rc._exchange(replica.grpc_address, running, 10.0, 10.0):
             seen.append(response)
+            if len(seen) == 3:
+                three.set()
 
     reader = asyncio.create_task(read())
-    while len(seen) < 3:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(three.wait(), 5)
     ack = await exchange(replica.grpc_address, rc.build_request("stop-1", [0], 1, stop=True))
     await asyncio.wait_for(reader, 5)
     assert [(final(r), list(r.outputs)) for r in ack] == [(True, [])]     # one empty final response
@@ -181,3 +189,44 @@ def test_the_declared_tensors_are_the_pinned_config_pbtxt(tmp_path: Path):
     by_name = {s.name: s for s in contract.INPUTS}
     assert (by_name["stop_words_list"].dims, by_name["random_seed"].dtype) == ((2, -1), np.uint64)
     assert "return_kv_cache_reuse_stats" not in by_name and contract.CACHE_SALT_INPUT not in by_name
+
+
+def scrape(replica: ReplicaProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5).read()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
+
+
+def labelled(kind_label: str, kind: str, **more: str) -> frozenset[tuple[str, str]]:
+    return frozenset({"model": MODEL_NAME, "version": "1", kind_label: kind, **more}.items())
+
+
+async def test_metrics_carry_the_backends_names_labels_and_a_sample_per_finished_request(
+        replica: ReplicaProcess):
+    before = await asyncio.to_thread(scrape, replica)
+    await exchange(replica.grpc_address, rc.build_request("metered-1", list(range(100, 140)), 3))
+    after = await asyncio.to_thread(scrape, replica)
+
+    def grew(name: str, kind: str, **more: str) -> float:
+        key = (name, labelled("response_metric_type", kind, **more))
+        return after[key] - before.get(key, 0.0)
+
+    assert (grew("nv_llm_input_token_len_count", "total_input_tokens"),
+            grew("nv_llm_input_token_len_sum", "total_input_tokens"),
+            grew("nv_llm_input_token_len_bucket", "total_input_tokens", le="10.0"),
+            grew("nv_llm_input_token_len_bucket", "total_input_tokens", le="50.0")) == (1, 40, 0, 1)
+    assert (grew("nv_llm_output_token_len_sum", "total_output_tokens"),
+            grew("nv_llm_output_token_len_bucket", "total_output_tokens", le="10.0")) == (3, 1)
+    for kind in ("cpu", "gpu", "pinned"):
+        assert after[("nv_trt_llm_runtime_memory_metrics", labelled("memory_type", kind))] == 0
+    for kind in ("active", "max", "scheduled", "context", "waiting"):
+        assert ("nv_trt_llm_request_metrics", labelled("request_type", kind)) in after
+    for kind in ("max", "free", "used", "tokens_per", "reused", "fraction"):
+        assert ("nv_trt_llm_kv_cache_block_metrics", labelled("kv_cache_block_type", kind)) in after
+    for kind in ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"):
+        key = ("nv_trt_llm_inflight_batcher_metrics", labelled("inflight_batcher_specific_metric", kind))
+        assert key in after
+    stamp = after[("nv_trt_llm_general_metrics", labelled("general_type", "timestamp"))]
+    assert abs(stamp / 1e6 - time.time()) < 600                   # microseconds since the epoch

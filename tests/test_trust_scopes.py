@@ -180,3 +180,37 @@ async def test_explain_predicts_within_the_callers_scope_so_another_tenant_sees_
     assert for_b == 0                                   # tenant B, tenant A's prompt: nothing
     assert for_shared_2 == for_a                        # a member of the scope that sent it: the hit
     assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.integration
+async def test_a_replica_whose_model_lacks_cache_salt_id_gets_unsalted_requests_when_its_entry_says_so(
+        stack: Stack, replica_logs: Path):
+    """tensorrtllm_backend's own model declares no cache_salt_id: the entry's `cache_salt_id = false`
+    keeps the salt off its requests (else Triton refuses every one as an unexpected input)."""
+    bare = start_replica("scope-bare", replica_logs, {**CORE_SETTINGS, "cache_salt_id": False})
+    try:
+        tables = replica_tables([bare])
+        stack.config = stack.config.updated(replicas=[{**tables[0], "replica": {"cache_salt_id": False}}])
+        await stack.start_worker()
+        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+            run = await sdk.submit(PROMPT, max_output_tokens=4)
+            events = await collect(sdk.stream(run.run_id))
+        assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
+        assert events[-1].usage.output_tokens == 4
+    finally:
+        stop_replica(bare)
+
+
+def test_whether_a_replica_takes_the_salt_is_its_replica_section_with_the_entrys_own_keys_over_it():
+    from sluice.services.routing.app import registry_from_config
+
+    from sluice.config import Settings, load_settings
+
+    entries = [{"name": "own", "grpc_address": "127.0.0.1:1"},
+               {"name": "bare", "grpc_address": "127.0.0.1:2", "replica": {"cache_salt_id": False}}]
+    config = load_settings().updated(replicas=entries)
+    def salted(settings: Settings) -> dict[str, bool]:
+        return {spec.name: spec.cache_salt_id for spec in registry_from_config(settings).specs()}
+
+    assert salted(config) == {"own": True, "bare": False}
+    assert salted(config.updated(replica={"cache_salt_id": False})) == {"own": False, "bare": False}

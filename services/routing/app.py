@@ -23,8 +23,11 @@ DRAIN_S = 10.0   # on SIGTERM, how long runs in progress may take to finish befo
 
 def registry_from_config(config: Settings) -> ReplicaRegistry:
     """[[replicas]], with the KV block size of [replica] (the local replicas' engine) for tables
-    that do not give their own: reused prompt blocks × block size = cached prompt tokens."""
-    tables = [{"block_size": config.replica.block_size, **table} for table in config.replica_tables()]
+    that do not give their own: reused prompt blocks × block size = cached prompt tokens; and
+    whether the replica takes cache_salt_id ([replica] under the entry's own `replica` keys)."""
+    tables = [{"block_size": config.replica.block_size,
+               "cache_salt_id": config.replica_section_for(entry).cache_salt_id, **entry.as_table()}
+              for entry in config.replicas]
     return ReplicaRegistry.from_config({"replicas": tables})
 
 

@@ -118,6 +118,7 @@ class DriverSettings:
     block_size: int              # replica KV block size: reused blocks → cached prompt tokens
     max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token
     coalesce_max_tokens: int = 0   # a window holding this many tokens closes at once (0: no limit)
+    cache_salt_id: bool = True   # the replica takes the trust scope's salt (else requests go unsalted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,7 @@ class Target:
     replica: str
     address: str                 # Triton gRPC host:port
     block_size: int              # its KV block size
+    cache_salt_id: bool = True   # its model takes the trust scope's salt (ReplicaSpec.cache_salt_id)
 
 
 Reroute = Callable[["RunDriver"], Awaitable[Target | None]]
@@ -332,7 +334,8 @@ class RunDriver:
                  target.replica)
         self.claim = dataclasses.replace(self.claim, replica=target.replica)
         self.address = target.address
-        self.settings = dataclasses.replace(self.settings, block_size=target.block_size)
+        self.settings = dataclasses.replace(self.settings, block_size=target.block_size,
+                                            cache_salt_id=target.cache_salt_id)
         self.tried.append(target.replica)
         return True
 
@@ -358,10 +361,11 @@ class RunDriver:
 
     async def _read(self, pump: _Pump) -> None:
         claim = self.claim
+        salt = claim.cache_salt if self.settings.cache_salt_id else 0
         try:
             stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
                                                    claim.max_output_tokens, claim.end_id,
-                                                   cache_salt=claim.cache_salt, sampling=claim.sampling)
+                                                   cache_salt=salt, sampling=claim.sampling)
             async for chunk in stream:
                 pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
                 # Never more than the cap the budget reserved for, whatever the replica sends.

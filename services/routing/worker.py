@@ -436,14 +436,16 @@ class RoutingWorker:
     def _target(self, spec: ReplicaSpec) -> Target:
         # The block size the replica reports wins over the configured one: reused blocks x block size
         # is what the run is charged at the cached rate.
-        return Target(spec.name, spec.grpc_address, self.loads.load(spec.name).block_size or spec.block_size)
+        return Target(spec.name, spec.grpc_address, self.loads.load(spec.name).block_size or spec.block_size,
+                      spec.cache_salt_id)
 
     def _start_driver(self, item: _Routed,
                       claim_span: trace.Link | None = None) -> None:
         entry = self.registry.get(item.decision.replica)
         assert entry is not None, f"policy chose {item.decision.replica}, which is not registered"
         target = self._target(entry)
-        settings = dataclasses.replace(self.settings.driver(), block_size=target.block_size)
+        settings = dataclasses.replace(self.settings.driver(), block_size=target.block_size,
+                                       cache_salt_id=target.cache_salt_id)
         run_id = item.claim.run_id
         lease = Lease(run_id, item.claim.epoch, expires_at=item.granted_from + self.settings.lease_seconds)
         driver = RunDriver(claim=item.claim, address=target.address, settings=settings, events=self.events,

@@ -97,8 +97,8 @@ INPUTS: tuple[TensorSpec, ...] = (
 CACHE_SALT_SPEC = _spec(CACHE_SALT_INPUT, U64, 1)
 
 # Outputs: never `optional` in config.pbtxt (Triton has no optional outputs); a response simply
-# leaves out what the request did not ask for. The perf-metric outputs, present only when the request set return_perf_metrics (v0.19.0 renamed
-# return_kv_cache_reuse_stats to it), each [1] per request.
+# leaves out what the request did not ask for. The perf-metric outputs, present only when the
+# request set return_perf_metrics (v0.19.0 renamed return_kv_cache_reuse_stats to it), each [1].
 PERF_OUTPUTS: tuple[TensorSpec, ...] = (
     _out("kv_cache_alloc_new_blocks", I32, 1), _out("kv_cache_reused_blocks", I32, 1),
     _out("kv_cache_alloc_total_blocks", I32, 1), _out("arrival_time_ns", I64, 1),

@@ -9,8 +9,13 @@ these the same way (router/load.py):
         max|free|used|tokens_per|reused|fraction|alloc_total|alloc_new}
     nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=
         total_context_tokens|generation_requests|micro_batch_id|paused_requests}
-    nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}
+    nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}   (timestamp in µs, as v0.19.0)
+    nv_trt_llm_runtime_memory_metrics{memory_type=cpu|gpu|pinned}           (0 here: no device memory)
+    nv_llm_input_token_len / nv_llm_output_token_len{response_metric_type=total_input_tokens|
+        total_output_tokens}: histograms, buckets 10, 50, 100, 500, 1000, one sample per finished request
 
+(tensorrtllm_backend v0.19.0, inflight_batcher_llm/src/custom_metrics_reporter; its
+nv_trt_llm_disaggregated_serving_metrics counters are left out: no disaggregated serving here),
 plus what TensorRT-LLM's Triton metrics lack: sluice_replica_start_time_seconds
 (a change tells the router the replica restarted with an empty prefix cache)
 and the host-memory KV tier (engine.kv_cache.HostPool), which TensorRT-LLM
@@ -28,8 +33,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from sluice.replica.engine_api import EngineStats
 from sluice.replica.protocol import MODEL_NAME
@@ -38,6 +44,10 @@ REQUEST_METRIC = "nv_trt_llm_request_metrics"
 KV_METRIC = "nv_trt_llm_kv_cache_block_metrics"
 BATCHER_METRIC = "nv_trt_llm_inflight_batcher_metrics"
 GENERAL_METRIC = "nv_trt_llm_general_metrics"
+MEMORY_METRIC = "nv_trt_llm_runtime_memory_metrics"
+INPUT_LEN_METRIC = "nv_llm_input_token_len"
+OUTPUT_LEN_METRIC = "nv_llm_output_token_len"
+TOKEN_LEN_BUCKETS = (10.0, 50.0, 100.0, 500.0, 1000.0)
 START_TIME_METRIC = "sluice_replica_start_time_seconds"
 HOST_TIER_METRIC = "sluice_kv_host_tier_metrics"
 
@@ -90,6 +100,19 @@ class ReplicaMetrics:
         self._iterations = general.labels(**labels, general_type="iteration_counter")
         self._timestamp = general.labels(**labels, general_type="timestamp")
         self._clock = clock
+        memory = Gauge(MEMORY_METRIC, "TRT LLM runtime memory metrics", ["model", "version", "memory_type"],
+                       registry=self.registry)
+        for kind in ("cpu", "gpu", "pinned"):
+            memory.labels(**labels, memory_type=kind).set(0)
+
+        def lengths(name: str, kind: str) -> Any:
+            histogram = Histogram(name, "TRT LLM response metrics",
+                                  ["model", "version", "response_metric_type"],
+                                  buckets=TOKEN_LEN_BUCKETS, registry=self.registry)
+            return histogram.labels(**labels, response_metric_type=kind)
+
+        self._input_len = lengths(INPUT_LEN_METRIC, "total_input_tokens")
+        self._output_len = lengths(OUTPUT_LEN_METRIC, "total_output_tokens")
         start = Gauge(START_TIME_METRIC,
                       "Unix time this replica process started; a change means a restart (empty cache)",
                       registry=self.registry)
@@ -102,4 +125,10 @@ class ReplicaMetrics:
         for child, value in self._rows:
             child.set(value(stats))
         self._iterations.set(stats.iterations)
-        self._timestamp.set(self._clock())      # when these stats were taken (TRT-LLM: per iteration)
+        # When these stats were taken, in µs since the epoch as v0.19.0 reports its iteration stats.
+        self._timestamp.set(self._clock() * 1e6)
+
+    def request_finished(self, input_tokens: int, output_tokens: int) -> None:
+        """One finished request's lengths (the backend observes them when it sends the final response)."""
+        self._input_len.observe(input_tokens)
+        self._output_len.observe(output_tokens)

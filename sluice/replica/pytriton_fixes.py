@@ -53,8 +53,8 @@ _FINAL_SENT = "sluice_final_sent"          # scope key: the final flag has gone 
 
 
 def _patch_final_flag() -> None:
-    from pytriton.proxy.inference import RequestsResponsesConnector
     from pytriton.proxy.communication import PyTritonResponseFlags
+    from pytriton.proxy.inference import RequestsResponsesConnector
 
     original_send = RequestsResponsesConnector.send
 

@@ -46,7 +46,6 @@ from sluice.replica.metrics import ReplicaMetrics
 from sluice.replica.protocol import (
     ERR_BAD_INPUT_LENGTHS,
     ERR_BAD_OUTPUT_LEN,
-    ERR_BAD_STOP_WORDS,
     ERR_BAD_TEMPERATURE,
     ERR_BAD_TOP_P,
     ERR_BATCH,
@@ -407,7 +406,8 @@ def serve(settings: ReplicaSettings, started_at: float) -> int:
         if str(settings.section.get("interface", STRICT)) == STRICT:
             from sluice.replica.strict_model import StrictTensorrtLlmModel, bind_strict_model
 
-            strict = StrictTensorrtLlmModel(host, block_size=engine.stats().kv_tokens_per_block)
+            strict = StrictTensorrtLlmModel(host, block_size=engine.stats().kv_tokens_per_block,
+                                            on_finished=metrics.request_finished)
             bind_strict_model(triton, strict, bool(settings.section.get("cache_salt_id", True)))
         else:
             bind_model(triton, TensorrtLlmModel(host))

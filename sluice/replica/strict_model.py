@@ -61,10 +61,12 @@ class _Progress:
 class StrictTensorrtLlmModel:
     """The decoupled infer callable bound as `tensorrt_llm` in strict mode."""
 
-    def __init__(self, host: EngineHost, block_size: int, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, host: EngineHost, block_size: int, clock_ns: Callable[[], int] = time.time_ns,
+                 on_finished: Callable[[int, int], None] = lambda _inputs, _outputs: None) -> None:
         self._host = host
         self._block_size = block_size
         self._clock_ns = clock_ns
+        self._on_finished = on_finished          # (input tokens, output tokens) of a finished request
 
     async def __call__(self, requests: list[Any]) -> AsyncIterator[list[Response]]:
         from pytriton.exceptions import PyTritonBadParameterError
@@ -112,6 +114,7 @@ class StrictTensorrtLlmModel:
             if not finished:
                 self._host.forget(generation.request_id)
         last = tuple(fresh) if parsed.streaming else tuple(held)
+        self._on_finished(progress.prompt_len, progress.generated)
         yield FinalResponses([self._response(last, progress, parsed.perf_metrics)])
 
     @staticmethod

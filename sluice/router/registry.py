@@ -44,6 +44,9 @@ class ReplicaSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_capacity_blocks: int = DEFAULT_KV_CAPACITY_BLOCKS
     long_context: bool = False          # member of the long-context pool
+    # Its tensorrt_llm model declares the trust scope's cache_salt_id input (Sluice's replica does;
+    # tensorrtllm_backend's does not: deploy/triton/README.md). False: requests go unsalted.
+    cache_salt_id: bool = True
 
     @classmethod
     def from_table(cls, table: Mapping[str, object], index: int = 0) -> ReplicaSpec:
@@ -62,6 +65,7 @@ class ReplicaSpec:
             block_size=_positive(table, "block_size", DEFAULT_BLOCK_SIZE, name),
             kv_capacity_blocks=_positive(table, "kv_capacity_blocks", DEFAULT_KV_CAPACITY_BLOCKS, name),
             long_context=bool(table.get("long_context", False)),
+            cache_salt_id=bool(table.get("cache_salt_id", True)),
         )
 
 
