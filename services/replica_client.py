@@ -177,6 +177,10 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
     _tensor(request, "exclude_input_in_output", np.asarray([[True]], dtype=np.bool_), "BOOL")
     if perf_metrics:
         _tensor(request, "return_perf_metrics", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    # Only the outputs parse_chunk reads (Triton returns every declared output when none is
+    # listed): ten perf tensors per streamed token would cost more than the token itself.
+    for name in _OUTPUTS_READ if perf_metrics else _OUTPUTS_READ[:2]:
+        request.outputs.add().name = name
     if end_id is not None:
         _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
     if seed is not None:
@@ -233,6 +237,8 @@ def _tensor_ints(response: service_pb2.ModelInferResponse, index: int) -> tuple[
 
 
 _INT_WIDTHS = {"INT32": 4, "INT64": 8}
+# The outputs parse_chunk reads; the backend refuses a request that does not list the first two.
+_OUTPUTS_READ = ("output_ids", "sequence_length", "kv_cache_reused_blocks")
 
 
 def parse_chunk(response: service_pb2.ModelInferResponse, num_input_tokens: int,

@@ -43,12 +43,15 @@ def test_a_run_request_asks_for_the_perf_outputs_and_new_tokens_only_and_forward
             values["streaming"].item()) == (True, True, True)
     assert values[contract.CACHE_SALT_INPUT].item() == 99
     assert "stop" not in values
+    assert [output.name for output in request.outputs] == ["output_ids", "sequence_length",
+                                                           "kv_cache_reused_blocks"]
 
 
 def test_what_is_left_out_is_not_sent_so_the_backend_defaults_apply():
-    values = sent(rc.build_request("run-2", [5], 4, perf_metrics=False))
-    assert set(values) == {"input_ids", "input_lengths", "request_output_len", "streaming",
-                           "exclude_input_in_output"}
+    request = rc.build_request("run-2", [5], 4, perf_metrics=False)
+    assert set(sent(request)) == {"input_ids", "input_lengths", "request_output_len", "streaming",
+                                  "exclude_input_in_output"}
+    assert [output.name for output in request.outputs] == ["output_ids", "sequence_length"]
 
 
 def test_a_stop_request_carries_the_required_inputs_and_the_id():

@@ -86,8 +86,10 @@ async def test_streamed_responses_carry_each_steps_tokens_and_the_last_one_the_f
 
 async def test_perf_outputs_come_only_when_asked_and_count_blocks_and_times(replica: ReplicaProcess):
     prompt, cap = list(range(100, 140)), 3       # 40 prompt tokens: 3 blocks of 16, 43 tokens: still 3
+    request = rc.build_request("perf-1", prompt, cap)
+    del request.outputs[:]                       # no list: Triton asks for every declared output
     before = time.time_ns()
-    responses = await exchange(replica.grpc_address, rc.build_request("perf-1", prompt, cap))
+    responses = await exchange(replica.grpc_address, request)
     after = time.time_ns()
     assert {frozenset(outputs(r)) for r in responses} == {frozenset(ALWAYS | PERF_NAMES)}
     last = outputs(responses[-1])
@@ -116,6 +118,18 @@ async def test_non_streaming_returns_one_final_response_with_the_prompt_unless_e
     excluded = await exchange(replica.grpc_address, rc.build_request("whole-2", prompt, cap, streaming=False,
                                                                      perf_metrics=False))
     assert [outputs(r) for r in excluded] == [{"output_ids": expected(prompt, cap), "sequence_length": [cap]}]
+
+
+async def test_a_response_carries_only_the_outputs_a_request_lists_and_output_ids_must_be_among_them(
+        replica: ReplicaProcess):
+    listed = await exchange(replica.grpc_address, rc.build_request("listed-1", [1, 2], 2))
+    assert {frozenset(outputs(r)) for r in listed} == {frozenset(ALWAYS | {"kv_cache_reused_blocks"})}
+    request = rc.build_request("listed-2", [1, 2], 2)
+    del request.outputs[:]
+    request.outputs.add().name = "sequence_length"
+    with pytest.raises(ReplicaRejected) as caught:
+        await exchange(replica.grpc_address, request)
+    assert str(caught.value) == contract.ERR_OUTPUT_NOT_REQUESTED.format("output_ids")
 
 
 @pytest.mark.parametrize("name", ["foo", "return_kv_cache_reuse_stats", "num_input_tokens"])

@@ -39,6 +39,7 @@ CACHE_SALT_INPUT = "cache_salt_id"
 
 ERR_NO_INPUT_IDS = "input_ids or encoder_input_features is not present in the request."
 ERR_STOP_WITHOUT_ID = "Trying to stop a request but request ID is not provided"
+ERR_OUTPUT_NOT_REQUESTED = "{} tensor must be present in list of output tensors"
 ERR_NOT_IMPLEMENTED = ("input {name!r} = {value} is part of the tensorrt_llm interface (" + PINNED_VERSION
                        + ") but this replica does not implement it; leave it out or send {neutral}")
 
@@ -230,9 +231,12 @@ def blocks_held(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size) if block_size > 0 else 0
 
 
-def token_response(token_ids: tuple[int, ...], perf: PerfMetrics | None) -> dict[str, NDArray[Any]]:
+def token_response(token_ids: tuple[int, ...], perf: PerfMetrics | None,
+                   requested: frozenset[str] | None = None) -> dict[str, NDArray[Any]]:
     """One response: output_ids [1, beam 1, n], sequence_length [1, 1] = n, and the perf outputs
-    ([1, 1] each) only when asked for. n may be 0 (the final response of a stopped request)."""
+    ([1, 1] each) only when asked for. n may be 0 (the final response of a stopped request).
+    `requested`: the outputs the request listed (None: all, as Triton reads an empty list); the
+    rest are not built, as Triton would not send them."""
     response: dict[str, NDArray[Any]] = {
         "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, -1),
         "sequence_length": np.asarray([[len(token_ids)]], dtype=np.int32),
@@ -243,5 +247,6 @@ def token_response(token_ids: tuple[int, ...], perf: PerfMetrics | None) -> dict
                                  perf.first_scheduled_ns, perf.first_token_ns, perf.last_token_ns,
                                  0.0, 0, 0)          # no speculative decoding: acceptance 0, drafts 0
     for spec, value in zip(PERF_OUTPUTS, values, strict=True):
-        response[spec.name] = np.asarray([[value]], dtype=spec.dtype)
+        if requested is None or spec.name in requested:
+            response[spec.name] = np.asarray([[value]], dtype=spec.dtype)
     return response

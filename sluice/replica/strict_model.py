@@ -87,6 +87,10 @@ class StrictTensorrtLlmModel:
             queue = self._host.submit(parsed.generation)
         except (EngineRequestError, RequestIdInUse) as exc:
             raise PyTritonBadParameterError(str(exc)) from None
+        requested = frozenset(request.requested_output_names or ()) or None
+        missing = [name for name in ("output_ids", "sequence_length") if requested and name not in requested]
+        if missing:
+            raise PyTritonBadParameterError(contract.ERR_OUTPUT_NOT_REQUESTED.format(missing[0]))
         generation = parsed.generation
         progress = _Progress(len(generation.prompt_ids), self._block_size, arrival_ns)
         held: list[int] = [] if parsed.streaming or parsed.exclude_input else list(generation.prompt_ids)
@@ -109,17 +113,18 @@ class StrictTensorrtLlmModel:
                 if not parsed.streaming:
                     held.extend(fresh)
                 elif not finished and fresh:
-                    yield [self._response(tuple(fresh), progress, parsed.perf_metrics)]
+                    yield [self._response(tuple(fresh), progress, parsed.perf_metrics, requested)]
         finally:
             if not finished:
                 self._host.forget(generation.request_id)
         last = tuple(fresh) if parsed.streaming else tuple(held)
         self._on_finished(progress.prompt_len, progress.generated)
-        yield FinalResponses([self._response(last, progress, parsed.perf_metrics)])
+        yield FinalResponses([self._response(last, progress, parsed.perf_metrics, requested)])
 
     @staticmethod
-    def _response(tokens: tuple[int, ...], progress: _Progress, perf_metrics: bool) -> Response:
-        return contract.token_response(tokens, progress.perf() if perf_metrics else None)
+    def _response(tokens: tuple[int, ...], progress: _Progress, perf_metrics: bool,
+                  requested: frozenset[str] | None) -> Response:
+        return contract.token_response(tokens, progress.perf() if perf_metrics else None, requested)
 
 
 def _tensor(spec: contract.TensorSpec) -> Any:
