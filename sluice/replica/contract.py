@@ -188,13 +188,8 @@ def _refuse_unimplemented(data: Mapping[str, NDArray[Any]]) -> None:
                 name=name, value=value, neutral=" or ".join(str(v) for v in neutral) or "nothing"))
 
 
-def parse(data: Mapping[str, NDArray[Any]], request_id: str,
-          default_seed: Callable[[tuple[int, ...]], int]) -> StrictRequest:
-    """A strict request (batch of one) as the engine's GenerationRequest; raises EngineRequestError.
-
-    Defaults are the backend's: streaming off, exclude_input_in_output off (the model parameter
-    the deploy config sets; a request value wins), end_id -1 (none), greedy, no stop words."""
-    _refuse_unimplemented(data)
+def prompt_and_cap(data: Mapping[str, NDArray[Any]]) -> tuple[tuple[int, ...], int]:
+    """The prompt (input_ids cut to input_lengths) and request_output_len; raises EngineRequestError."""
     if "input_ids" not in data:
         raise EngineRequestError(ERR_NO_INPUT_IDS)
     ids = data["input_ids"].reshape(-1)
@@ -206,20 +201,37 @@ def parse(data: Mapping[str, NDArray[Any]], request_id: str,
     cap = int(scalar(data, "request_output_len", 0))
     if cap < 1:
         raise EngineRequestError(ERR_BAD_OUTPUT_LEN.format(cap))
+    return tuple(int(t) for t in ids[:length]), cap
+
+
+def sampling(data: Mapping[str, NDArray[Any]]) -> tuple[float, float]:
+    """(temperature, top_p): absent temperature 0 = greedy; runtime_top_p absent or 0 = no nucleus
+    cut (1.0), as the backend drops a value <= 0."""
     temperature = float(scalar(data, "temperature", 0.0))
     top_p = float(scalar(data, "runtime_top_p", 0.0))
     if not math.isfinite(temperature) or temperature < 0:
         raise EngineRequestError(ERR_BAD_TEMPERATURE.format(temperature))
     if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
         raise EngineRequestError(ERR_BAD_TOP_P.format(top_p))
+    return temperature, top_p if top_p > 0 else 1.0
+
+
+def parse(data: Mapping[str, NDArray[Any]], request_id: str,
+          default_seed: Callable[[tuple[int, ...]], int]) -> StrictRequest:
+    """A strict request (batch of one) as the engine's GenerationRequest; raises EngineRequestError.
+
+    Defaults are the backend's: streaming off, exclude_input_in_output off (the model parameter
+    the deploy config sets; a request value wins), end_id -1 (none), greedy, no stop words."""
+    _refuse_unimplemented(data)
+    prompt, cap = prompt_and_cap(data)
+    temperature, top_p = sampling(data)
     end_id = int(scalar(data, "end_id", -1))
-    prompt = tuple(int(t) for t in ids[:length])
     seed = scalar(data, "random_seed", None)
     generation = GenerationRequest(
         request_id=request_id, prompt_ids=prompt, max_new_tokens=cap,
         end_id=end_id if end_id >= 0 else None,
         seed=default_seed(prompt) if seed is None else int(seed), temperature=temperature,
-        top_p=top_p if top_p > 0 else 1.0,           # the backend drops runtime_top_p <= 0
+        top_p=top_p,
         stop_sequences=stop_words(data["stop_words_list"]) if "stop_words_list" in data else (),
         cache_salt=int(scalar(data, CACHE_SALT_INPUT, 0)))
     return StrictRequest(generation, streaming=bool(scalar(data, "streaming", False)),

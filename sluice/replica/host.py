@@ -30,6 +30,23 @@ class RequestIdInUse(ValueError):
     pass
 
 
+async def take_ready(queue: asyncio.Queue[StreamItem]) -> tuple[list[StepOutput], bool]:
+    """A stream's outputs queued since the last call (waiting for the first), and whether the stream
+    has ended (finished, or ABORTED). A consumer that keeps up gets one step per call, so one
+    response per step; one that falls behind gets the steps queued meanwhile together."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    outputs: list[StepOutput] = []
+    for item in items:
+        if isinstance(item, Aborted):
+            return outputs, True
+        outputs.append(item)
+        if item.finished:
+            return outputs, True
+    return outputs, False
+
+
 class EngineHost:
     def __init__(self, engine: Engine, on_stats: Callable[[EngineStats], None] | None = None) -> None:
         self._engine = engine

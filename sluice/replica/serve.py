@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import shutil
 import signal
@@ -38,18 +37,13 @@ from sluice.config import Settings
 from sluice.config.bootstrap import start_process
 from sluice.config.settings import LOOPBACK_HOSTS, ReplicaTlsSection
 from sluice.replica import lifecycle
-from sluice.replica.contract import stop_words
+from sluice.replica.contract import prompt_and_cap, sampling, stop_words
 from sluice.replica.engine_api import Engine, EngineRequestError, GenerationRequest
 from sluice.replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
-from sluice.replica.host import Aborted, EngineHost, RequestIdInUse
+from sluice.replica.host import EngineHost, RequestIdInUse, take_ready
 from sluice.replica.metrics import ReplicaMetrics
 from sluice.replica.protocol import (
-    ERR_BAD_INPUT_LENGTHS,
-    ERR_BAD_OUTPUT_LEN,
-    ERR_BAD_TEMPERATURE,
-    ERR_BAD_TOP_P,
     ERR_BATCH,
-    ERR_EMPTY_INPUT,
     ERR_MISSING,
     MODEL_NAME,
     REQUEST_ID_PARAM,
@@ -190,32 +184,15 @@ def _scalar(data: Mapping[str, NDArray[Any]], name: str, default: Any = None) ->
 
 def parse_request(data: Mapping[str, NDArray[Any]], request_id: str) -> GenerationRequest:
     """Turn TRT-LLM style tensors (batch dim first) into a GenerationRequest; raises on bad input."""
-    if "input_ids" not in data:
-        raise EngineRequestError(ERR_MISSING.format("input_ids"))
-    ids = data["input_ids"].reshape(-1)
-    if ids.size == 0:
-        raise EngineRequestError(ERR_EMPTY_INPUT)
-    length = int(_scalar(data, "input_lengths", ids.size))
-    if not 1 <= length <= ids.size:
-        raise EngineRequestError(ERR_BAD_INPUT_LENGTHS.format(length, ids.size))
-    cap = int(_scalar(data, "request_output_len"))
-    if cap < 1:
-        raise EngineRequestError(ERR_BAD_OUTPUT_LEN.format(cap))
-    prompt = tuple(int(t) for t in ids[:length])
+    prompt, cap = prompt_and_cap(data)
+    temperature, top_p = sampling(data)
     end_id = int(data["end_id"].reshape(-1)[0]) if "end_id" in data else None
     seed = int(data["random_seed"].reshape(-1)[0]) if "random_seed" in data else prompt_seed(prompt)
-    temperature = float(_scalar(data, "temperature", 0.0)) if "temperature" in data else 0.0
-    top_p = float(_scalar(data, "runtime_top_p", 1.0)) if "runtime_top_p" in data else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise EngineRequestError(ERR_BAD_TEMPERATURE.format(temperature))
-    if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
-        raise EngineRequestError(ERR_BAD_TOP_P.format(top_p))
     stops = stop_words(data["stop_words_list"]) if "stop_words_list" in data else ()
     salt = int(data["cache_salt_id"].reshape(-1)[0]) if "cache_salt_id" in data else 0
     return GenerationRequest(request_id=request_id, prompt_ids=prompt, max_new_tokens=cap,
-                             end_id=end_id, seed=seed, temperature=temperature,
-                             # TensorRT-LLM reads runtime_top_p 0 as "no nucleus"; so do we.
-                             top_p=top_p if top_p > 0 else 1.0, stop_sequences=stops, cache_salt=salt)
+                             end_id=end_id, seed=seed, temperature=temperature, top_p=top_p,
+                             stop_sequences=stops, cache_salt=salt)
 
 
 def _token_response(token_ids: tuple[int, ...], num_input_tokens: int,
@@ -257,17 +234,9 @@ class TensorrtLlmModel:
         num_input_tokens, kv_reused = len(generation.prompt_ids), 0
         try:
             while not finished:
-                items = [await queue.get()]
-                # One response per step while we keep up; when the transport falls behind, the
-                # tokens queued meanwhile leave in one response (as a client-side coalescer would).
-                while not queue.empty():
-                    items.append(queue.get_nowait())
+                outputs, finished = await take_ready(queue)
                 fresh: list[int] = []
-                for item in items:
-                    if isinstance(item, Aborted):
-                        finished = True
-                        break
-                    finished = item.finished
+                for item in outputs:
                     num_input_tokens, kv_reused = item.num_input_tokens, item.kv_cache_reused_blocks
                     fresh.extend(item.new_token_ids)
                 if streaming and fresh:

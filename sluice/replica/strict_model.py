@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 from sluice.replica import contract
 from sluice.replica.engine_api import EngineRequestError
 from sluice.replica.generator import prompt_seed
-from sluice.replica.host import Aborted, EngineHost, RequestIdInUse
+from sluice.replica.host import EngineHost, RequestIdInUse, take_ready
 from sluice.replica.protocol import ERR_BATCH, MODEL_NAME, REQUEST_ID_PARAM
 from sluice.replica.pytriton_fixes import FinalResponses
 
@@ -97,17 +97,9 @@ class StrictTensorrtLlmModel:
         finished = False
         try:
             while not finished:
-                items = [await queue.get()]
-                # One response per step while we keep up; when the transport falls behind, the
-                # tokens queued meanwhile leave in one response.
-                while not queue.empty():
-                    items.append(queue.get_nowait())
+                outputs, finished = await take_ready(queue)
                 fresh: list[int] = []
-                for item in items:
-                    if isinstance(item, Aborted):
-                        finished = True
-                        break
-                    finished = item.finished
+                for item in outputs:
                     fresh.extend(item.new_token_ids)
                     progress.saw_step(self._clock_ns(), len(item.new_token_ids), item.kv_cache_reused_blocks)
                 if not parsed.streaming:
