@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -121,8 +122,8 @@ def test_a_follow_up_goes_elsewhere_when_its_replica_is_past_the_imbalance_bound
     policy = PrefixAware(PolicyOptions(imbalance_bound=0.1, imbalance_slack=2))
     views = [view("r0"), view("r1"), view("r2")]
     first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
-    # limit = 10 * 1.1 + 2 = 13: the previous replica at 14 is past it.
-    loaded = [view(v.name, running=14 if v.name == first.replica else 10) for v in views]
+    # limit = mean (16 + 10 + 10) / 3 = 12, * 1.1 + 2 = 15.2: the previous replica at 16 is past it.
+    loaded = [view(v.name, running=16 if v.name == first.replica else 10) for v in views]
     second = route(policy, request("t2", turn(7, 2), conversation="c7"), loaded)
     assert second.replica != first.replica
     assert second.outcome == OUTCOME_BALANCED_AWAY
@@ -202,7 +203,7 @@ def test_by_default_a_saved_prefill_block_outweighs_64_blocks_of_decode_load():
 def test_the_bound_holds_under_a_skewed_workload(options: PolicyOptions):
     """Nine in ten requests continue one hot conversation; runs finish at random.
 
-    Every decision picks a replica whose load is within the bound of the least-loaded one."""
+    Every decision picks a replica whose load is within the bound of the mean load."""
     policy = PrefixAware(options)
     bound, slack = options.imbalance_bound, options.imbalance_slack
     names = [f"r{i}" for i in range(8)]
@@ -221,7 +222,7 @@ def test_the_bound_holds_under_a_skewed_workload(options: PolicyOptions):
         decision = policy.choose(req, views, float(n))
         assert decision is not None
         loads = {name: policy.in_flight(name) for name in names}
-        assert loads[decision.replica] <= load_limit(min(loads.values()), bound, slack)
+        assert loads[decision.replica] <= load_limit(statistics.fmean(loads.values()), bound, slack)
         policy.on_routed(req, decision, float(n))
         running[decision.replica].append(req)
         served[decision.replica] += 1
@@ -231,8 +232,14 @@ def test_the_bound_holds_under_a_skewed_workload(options: PolicyOptions):
                 running[name].remove(done)
                 policy.on_finished(done, name, float(n))
     # The hot conversation could not keep its home: the bound pushed its turns around the fleet.
-    assert min(served.values()) > 3000 / 8 * 0.5
-    assert outcomes[OUTCOME_BALANCED_AWAY] > 300
+    # One arrival per tick, each run ending w.p. 1/50 per tick: ~50 runs in flight, 50 / 8 per
+    # replica on average, so no replica holds more than (50 / 8 * (1 + bound) + slack) of the 50,
+    # and serves no more than that share of the requests (10% over for the draw's fluctuation).
+    in_flight = 50
+    most = (in_flight / len(names) * (1 + bound) + slack) / in_flight
+    assert max(served.values()) <= 3000 * most * 1.1
+    assert min(served.values()) > 0
+    assert outcomes[OUTCOME_BALANCED_AWAY] > 0                      # and it was moved by the bound
 
 
 def test_the_bound_uses_the_larger_of_scraped_and_own_counts():
@@ -396,8 +403,9 @@ def test_prefix_aware_bounds_a_slow_replica_by_its_weighted_load():
     for step_times, expected in (((0.010, 0.010), "slow"), ((0.020, 0.010), "fast")):
         policy = PrefixAware(EXACT)
         route(policy, request("warm", prompt), [view("slow"), view("fast", running=100)])
-        # 'slow' holds the prompt with 6 running; 'fast' is idle. The bound admits loads up to
-        # 0 * 1.5 + 8 = 8: 6 requests pass at an equal step time, 6 x 2 = 12 do not at twice the time.
-        views = [replace(view("slow", running=6), step_time_s=step_times[0]),
+        # 'slow' holds the prompt with 20 running; 'fast' is idle. At an equal step time the loads
+        # are 20 and 0, the bound (20 + 0) / 2 * 1.5 + 8 = 23 and 20 passes; at twice the time they
+        # are 40 and 0, the bound 20 * 1.5 + 8 = 38 and 40 does not.
+        views = [replace(view("slow", running=20), step_time_s=step_times[0]),
                  replace(view("fast"), step_time_s=step_times[1])]
         assert route(policy, request("q", prompt + [7]), views).replica == expected
