@@ -38,7 +38,7 @@ def test_the_host_pool_drops_its_least_recently_offloaded_entry_when_full() -> N
     assert (host.offloaded, host.evicted, len(host)) == (4, 1, 2)
 
 
-def test_evicted_blocks_move_to_the_host_in_eviction_order_and_come_back_registered() -> None:
+def test_evicted_blocks_move_to_the_host_in_eviction_order_and_are_found_there() -> None:
     pool = BlockPool(num_blocks=2, block_size=BLOCK, host_blocks=4)
     first = pool.allocate(2)
     assert first == [0, 1]
@@ -139,3 +139,39 @@ def test_the_model_executor_runs_without_a_host_tier() -> None:
     with pytest.raises(ValueError, match="modelled"):
         EngineCore(config(host_blocks=8), executor=executor)
     assert "host_num_blocks to 0" in HOST_TIER_MODELLED
+
+
+# -- a request paused by the scheduler (max_utilization) ---------------------------------------
+
+
+def resume_step(host_blocks: int) -> tuple[int, float, EngineCore]:
+    """A and B (8-token prompts, 8 tokens of answer) share a 5-block pool: at the first decode both
+    need a block and one is free, so B (the newest) is paused with its 2 prompt blocks cached. A's
+    growth evicts B's second block. (context tokens, duration) of the step that resumes B."""
+    config = replace(make_config(block_size=BLOCK, num_blocks=5, max_num_seqs=2, max_num_tokens=64,
+                                 policy="max_utilization"), host_num_blocks=host_blocks)
+    engine = EngineCore(config, COST)
+    engine.add_request(request("A", prompt(8), max_output=8))
+    engine.add_request(request("B", prompt(8, start=500), max_output=8))
+    paused = False
+    while engine.has_work():
+        step = engine.step()
+        paused = paused or step.num_paused == 1
+        if paused and step.num_context_tokens:
+            while engine.has_work():
+                engine.step()
+            return step.num_context_tokens, step.duration_s, engine
+    raise AssertionError("B was never resumed")
+
+
+def test_a_request_paused_by_the_scheduler_resumes_from_the_host_tier_without_recomputing_it() -> None:
+    # B's context on resume: 8 prompt tokens + its 1 streamed token. Its first prompt block is still
+    # on the GPU, its second came back from the host: only the streamed token is computed, and the
+    # step costs the 9-token context chunk plus one block's copy.
+    computed, duration, engine = resume_step(host_blocks=8)
+    assert computed == 1
+    assert duration == pytest.approx(COST.step_time_totals_s(1, 0, 0, 9) + transfer_s(1), rel=1e-9)
+    assert (engine.stats().kv.blocks_onboarded, engine.stats().kv.host_tier_hits) == (1, 1)
+    # Without the tier the evicted block is computed again with the streamed token.
+    computed, duration, _ = resume_step(host_blocks=0)
+    assert computed == 1 + BLOCK
