@@ -426,6 +426,9 @@ class ReplicaRow(Base):
     block_size: Mapped[int] = mapped_column(Integer)
     kv_capacity_blocks: Mapped[int] = mapped_column(BigInteger)
     long_context: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # serving | warm | draining: the autoscaler's view of the replica; routing sends new runs only
+    # to serving ones (sluice.router.registry).
+    state: Mapped[str] = mapped_column(Text, server_default="serving")
     removed: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     # Bumped from one sequence on every write: a syncing process asks for revision > last seen.
     revision: Mapped[int] = mapped_column(

@@ -19,7 +19,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-FIELDS = ("name", "pool", "grpc_address", "metrics_url", "block_size", "kv_capacity_blocks", "long_context")
+FIELDS = ("name", "pool", "grpc_address", "metrics_url", "block_size", "kv_capacity_blocks", "long_context", "state")
 
 
 class ReplicaFields(Protocol):
@@ -39,6 +39,8 @@ class ReplicaFields(Protocol):
     def kv_capacity_blocks(self) -> int: ...
     @property
     def long_context(self) -> bool: ...
+    @property
+    def state(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class ReplicaRecord:
     block_size: int
     kv_capacity_blocks: int
     long_context: bool
+    state: str  # serving | warm | draining (sluice.router.registry): only serving takes new runs
     removed: bool  # a tombstone: routing processes drop the replica
     revision: int
 

@@ -10,6 +10,8 @@ Roles (each process may take several):
     routing   a routing worker (claims accepted runs, drives replicas, reaps
               expired leases) and, with --routing-api, the Routing API on
               [routing].listen. Several routing processes share the work.
+    autoscaler  one pool's autoscaler (--pool P; sluice.autoscaler): a role of its own, taken
+              alone; the same process as `python -m sluice.autoscaler --pool P`.
 
 `--role all` (the default) is the all-in-one development process: gateway +
 routing worker + Routing API. Replicas are separate processes
@@ -60,7 +62,7 @@ from sluice.v1 import admin_pb2, admission_pb2, routing_pb2, runs_pb2, usage_pb2
 
 log = logging.getLogger("sluice")
 
-ROLES = ("all", "gateway", "routing")
+ROLES = ("all", "gateway", "routing", "autoscaler")
 
 
 def gateway_addresses(config: Settings) -> list[str]:
@@ -233,8 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routing-api", action="store_true",
                         help="with role routing: also serve the Routing API on [routing].listen")
     parser.add_argument("--name", default=None, help="label in the routing worker's lease owner id")
+    parser.add_argument("--pool", default=None, help="with role autoscaler: the pool it scales")
     args = parser.parse_args(argv)
     chosen = set(args.role or ["all"])
+    if "autoscaler" in chosen:
+        if chosen != {"autoscaler"} or not args.pool:
+            parser.error("--role autoscaler is taken alone, with --pool")
+        from sluice.autoscaler.__main__ import run
+        run(args.pool)
+        return
     config = start_process("+".join(sorted(chosen)))
     routing_api = args.routing_api
     if "all" in chosen:

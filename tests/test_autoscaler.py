@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -95,3 +96,14 @@ def test_bad_configurations_are_refused_with_what_to_change() -> None:
     with pytest.raises(ValueError) as band:
         ScalerConfig(runs_per_replica=1, scale_in_utilization=0.9, target_utilization=0.8)
     assert str(band.value) == BAD_HYSTERESIS.format(low=0.9, high=0.8)
+
+
+def test_a_draining_replica_holds_its_gpus_and_refills_the_warm_pool_so_nothing_starts_for_it() -> None:
+    # max 3: 2 serving + 1 draining hold all three; the drained one will return to the warm pool
+    config = dataclasses.replace(CONFIG, max_replicas=3, warm_pool=1)
+    draining = dataclasses.replace(signals(serving=2, warm=0, in_flight=6), draining=1)
+    decision = Autoscaler(config).decide(draining)
+    assert decision.reason == "steady"
+    assert (decision.promote, decision.start, decision.drain, decision.retire_warm) == (0, 0, 0, 0)
+    # the same pool without the draining replica refills its warm pool with one cold start
+    assert Autoscaler(config).decide(signals(serving=2, warm=0, in_flight=6)).start == 1

@@ -61,7 +61,7 @@ class PoolSignals:
 class ScalerConfig:
     runs_per_replica: float         # concurrent runs one replica serves within its SLOs (planner: goodput)
     min_replicas: int = 1
-    max_replicas: int = 16          # serving + warm + starting: the GPUs the pool may hold
+    max_replicas: int = 16          # serving + warm + starting + draining: the GPUs the pool may hold
     warm_pool: int = 1              # replicas kept loaded and idle beyond what serves
     target_utilization: float = 0.8
     scale_in_utilization: float = 0.5
@@ -146,8 +146,7 @@ class Autoscaler:
         # Cold starts already under way count toward what is missing, then the warm pool is refilled.
         warm_after = signals.warm - promote
         wanted = (missing - promote) + max(config.warm_pool - warm_after, 0)
-        room = config.max_replicas - (signals.serving + signals.warm + signals.starting)
-        start = max(min(wanted - signals.starting, room), 0)
+        start = max(min(wanted - signals.starting, _room(signals, config)), 0)
         self._last_out = signals.now_s
         return ScaleDecision(promote=promote, start=start, drain=0, retire_warm=0, serving_target=target,
                              demand_runs=demand, reason=reason)
@@ -162,9 +161,15 @@ class Autoscaler:
     def _hold(self, signals: PoolSignals, demand: float, reason: str) -> ScaleDecision:
         """No change to serving; keep the warm pool at its size (start the missing, retire the extra)."""
         config = self.config
-        pool = signals.warm + signals.starting
-        room = config.max_replicas - (signals.serving + signals.warm + signals.starting)
-        start = max(min(config.warm_pool - pool, room), 0)
+        # A draining replica returns to the warm pool if it is short when its runs end: counted in it.
+        pool = signals.warm + signals.starting + signals.draining
+        start = max(min(config.warm_pool - pool, _room(signals, config)), 0)
         retire = max(signals.warm - config.warm_pool, 0)
         return ScaleDecision(promote=0, start=start, drain=0, retire_warm=retire,
                              serving_target=signals.serving, demand_runs=demand, reason=reason)
+
+
+def _room(signals: PoolSignals, config: ScalerConfig) -> int:
+    """Replicas that may still be started: a draining replica holds its GPUs until its runs end."""
+    held = signals.serving + signals.warm + signals.starting + signals.draining
+    return config.max_replicas - held

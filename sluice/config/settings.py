@@ -256,6 +256,43 @@ class ReplicaSection(Section):
     min_fraction: Annotated[float, Field(gt=0, le=1)] = 0.25
 
 
+class AutoscalerPoolTable(Section):
+    """One pool's `[autoscaler.pools.<pool>]` table: sluice.autoscaler.control.ScalerConfig's knobs
+    (sluice.toml documents each) and the `replica = {…}` keys of the replicas it starts."""
+
+    runs_per_replica: Positive = 8.0
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: PositiveInt = 4
+    warm_pool: Annotated[int, Field(ge=0)] = 1
+    target_utilization: Annotated[float, Field(gt=0, le=1)] = 0.8
+    scale_in_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
+    target_kv_utilization: Annotated[float, Field(gt=0, le=1)] = 0.85
+    ttft_headroom: Annotated[float, Field(gt=0, le=1)] = 0.8
+    cold_start_s: Positive = 10.0
+    scale_out_cooldown_s: NonNegative = 15.0
+    scale_in_cooldown_s: NonNegative = 120.0
+    replica: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("replica")
+    @classmethod
+    def _known_replica_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        ReplicaSection.model_validate(value)
+        return value
+
+
+class AutoscalerSection(Section):
+    """`python -m sluice.autoscaler --pool P` (one process per pool): the control loop's timing."""
+
+    interval_s: Positive = 5.0
+    window_s: Positive = 30.0
+    slope_windows: PositiveInt = 3
+    drain_settle_s: NonNegative = 2.0
+    start_timeout_s: Positive = 300.0
+    stop_grace_s: Positive = 10.0
+    provider: Literal["local"] = "local"
+    pools: dict[str, AutoscalerPoolTable] = Field(default_factory=dict)
+
+
 class ReplicaTable(Section):
     """One [[replicas]] entry: where a routing worker finds a replica (and a replica host its ports)."""
 
@@ -302,6 +339,7 @@ class Settings(BaseSettings):
     traffic: TrafficSection = TrafficSection()
     telemetry: TelemetrySection = TelemetrySection()
     replica: ReplicaSection = ReplicaSection()
+    autoscaler: AutoscalerSection = AutoscalerSection()
     replicas: list[ReplicaTable] = Field(default_factory=list)
 
     @classmethod

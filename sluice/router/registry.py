@@ -10,9 +10,15 @@ every policy takes, so a host builds a decision's input in one call::
 
 Config table keys: name, pool (model version; "" serves every model),
 grpc_address (host:port), metrics_url or metrics_port (on the gRPC host),
-block_size (tokens per KV block), kv_capacity_blocks, long_context. The block
+block_size (tokens per KV block), kv_capacity_blocks, long_context, state. The block
 size and capacity a replica reports in its metrics win over the configured
 ones once scraped: the replica knows its own KV pool.
+
+State (written by the autoscaler, sluice/autoscaler): only a ``serving`` replica
+takes new runs. A ``warm`` one is loaded and registered (health-checked and
+scraped) but routed nothing until promoted; a ``draining`` one takes no new run
+while the runs it holds finish. Neither appears in ``views``, so neither a first
+choice nor a retry lands on it; a run already streaming from it is untouched.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ DEFAULT_KV_CAPACITY_BLOCKS = 4096
 MISSING_KEY = "replica table {index} lacks {key!r}"
 DUPLICATE_NAME = "replica {name!r} is configured twice"
 BAD_VALUE = "replica {name!r}: {key} must be a positive integer, got {value!r}"
+BAD_STATE = "replica {name!r}: state must be one of {states}, got {value!r}"
+SERVING, WARM, DRAINING = "serving", "warm", "draining"
+STATES = (SERVING, WARM, DRAINING)
 
 
 class RegistryError(ValueError):
@@ -47,6 +56,7 @@ class ReplicaSpec:
     # Its tensorrt_llm model declares the trust scope's cache_salt_id input (Sluice's replica does;
     # tensorrtllm_backend's does not: deploy/triton/README.md). False: requests go unsalted.
     cache_salt_id: bool = True
+    state: str = SERVING                # SERVING takes new runs; WARM and DRAINING do not
 
     @classmethod
     def from_table(cls, table: Mapping[str, object], index: int = 0) -> ReplicaSpec:
@@ -66,7 +76,15 @@ class ReplicaSpec:
             kv_capacity_blocks=_positive(table, "kv_capacity_blocks", DEFAULT_KV_CAPACITY_BLOCKS, name),
             long_context=bool(table.get("long_context", False)),
             cache_salt_id=bool(table.get("cache_salt_id", True)),
+            state=_state(table, name),
         )
+
+
+def _state(table: Mapping[str, object], name: str) -> str:
+    value = str(table.get("state") or SERVING)
+    if value not in STATES:
+        raise RegistryError(BAD_STATE.format(name=name, states=", ".join(STATES), value=value))
+    return value
 
 
 def _positive(table: Mapping[str, object], key: str, default: int, name: str) -> int:
@@ -135,6 +153,8 @@ class ReplicaRegistry:
         cache = self._views
         for spec in self._members.get(pool) or self.members(pool):
             name = spec.name
+            if spec.state != SERVING:
+                continue
             if health is not None and not health.is_healthy(name, now):
                 continue
             version = loads.version(name) if loads is not None else -1

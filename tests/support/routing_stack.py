@@ -298,9 +298,10 @@ async def routing_api(worker: RoutingWorker) -> AsyncIterator[routing_pb2_grpc.R
         await server.stop(None)
 
 
-@pytest.fixture
-async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
-                replicas: list[ReplicaProcess], replica_logs: Path) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def open_stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
+                     replicas: list[ReplicaProcess], log_dir: Path) -> AsyncIterator[Stack]:
+    """The stack over `replicas` (none: a test that brings its own, e.g. through the autoscaler)."""
     config = test_config(database_dsn, replicas)
     async with sessionmaker() as session, session.begin():
         await add_model(session, TOKENIZER, MODEL)
@@ -317,7 +318,7 @@ async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
     built = Stack(config=config, sessionmaker=sessionmaker, channel=channel, address=address, events=events,
-                  tenant=tenant, other=other, log_dir=replica_logs)
+                  tenant=tenant, other=other, log_dir=log_dir)
     built._servers.append(server)
     built._closers.extend([runs_service.close, events.close])
     try:
@@ -326,6 +327,13 @@ async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession
         await built.close()
         await channel.close()
         await replica_client.close_channels()
+
+
+@pytest.fixture
+async def stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
+                replicas: list[ReplicaProcess], replica_logs: Path) -> AsyncIterator[Stack]:
+    async with open_stack(database_dsn, sessionmaker, replicas, replica_logs) as built:
+        yield built
 
 
 __all__ = ["MODEL", "ReplicaProcess", "Stack", "free_ports", "kill_replica", "start_replica", "stop_replica"]

@@ -1,0 +1,32 @@
+"""`python -m sluice.autoscaler --pool POOL`: one pool's autoscaler (sluice.autoscaler.app)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from sluice.autoscaler.app import pool_table, scaler_config, serve
+from sluice.config.bootstrap import EXIT_BAD_CONFIG, start_process
+from sluice.config.settings import ConfigError
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sluice.autoscaler", description=__doc__)
+    parser.add_argument("--pool", required=True, help="the worker pool to scale ([autoscaler.pools.POOL])")
+    args = parser.parse_args(argv)
+    run(args.pool)
+
+
+def run(pool: str) -> None:
+    """Bootstrap and serve; a pool without a table stops the process like any bad config."""
+    config = start_process("autoscaler")
+    try:
+        scaler_config(config, pool_table(config, pool))
+    except (ConfigError, ValueError) as exc:
+        print(f"sluice autoscaler: refusing to start: {exc}", flush=True)
+        raise SystemExit(EXIT_BAD_CONFIG) from None
+    asyncio.run(serve(config, pool))
+
+
+if __name__ == "__main__":
+    main()
