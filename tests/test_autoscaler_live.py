@@ -7,9 +7,9 @@ One scenario, seed 000's in miniature: a pool at its floor (1 serving + 1 warm) 
 runs; the warm replica is promoted first and a cold one started for the third slot (max 3, so the
 warm pool is not refilled); the cold one is promoted only after the scale-out cool-down. Then each
 serving replica takes one long run, the step's runs end, and the pool drains one replica WHILE it
-streams its run: the run completes with every token, and only then the replica goes back to the
-warm pool. When the long runs end, one more replica drains (a scale-in cool-down later) and, the
-warm pool being full, stops.
+streams its run: the run completes with every token, and only then does the replica leave the
+draining state. Fewer runs then want the floor, so one more replica drains a scale-in cool-down
+later; of the two drained, one refills the warm pool and the other stops.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ STEP_RUNS, STEP_TOKENS = 7, 500       # 7 runs wanted at 3 a replica: 3 replicas
                                       #   the step outlasts a cold start plus the cool-down on a busy box
 LONG_TOKENS = 500                     # 25 s: they outlast the step by the ~10 s the third replica took
 WAIT_S = 90.0
+TERMINAL = {RunStatus.COMPLETED.value, RunStatus.INTERRUPTED.value, RunStatus.FAILED.value,
+            RunStatus.CANCELLED.value, RunStatus.EXPIRED.value}
 TRACE: list[Callable[[], str]] = [lambda: ""]
 
 
@@ -141,17 +143,18 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
         assert states(scaled)[drained] == DRAINING
         await until(lambda: drained not in routable(scaled), "the drain applied by routing",
                     timeout_s=LOOP.drain_settle_s)
-        # It stays out of the warm pool (and alive) until its run has ended.
-        await until(lambda: states(scaled).get(drained) == WARM, "the drained replica back in the warm pool")
-        row = await stack.run_row(its_run)
+        # Until its run has ended it stays draining, alive, routed nothing; the run completes in full.
+        while (row := await stack.run_row(its_run)).status not in TERMINAL:
+            assert states(scaled).get(drained) == DRAINING and drained not in routable(scaled)
+            assert drained in {handle.name for handle in scaled.provider.list(MODEL.version)}
+            await asyncio.sleep(0.05)
         assert row.status == RunStatus.COMPLETED.value and row.output_tokens == LONG_TOKENS
-        assert drained in {handle.name for handle in scaled.provider.list(MODEL.version)}
 
-        # The long runs end: 0 runs want the floor; one more drains after the scale-in cool-down and,
-        # the warm pool being full, stops.
-        await until(lambda: len(named(scaled, SERVING)) == 1 and len(actions(scaled, "drained, stop")) == 1,
-                    "back at the floor")
-        assert len(named(scaled, WARM)) == 1
+        # With the step over, 2 (then 0) runs want the floor: one more replica drains a scale-in
+        # cool-down later. Of the two drained, one refills the warm pool and the other stops.
+        await until(lambda: len(named(scaled, SERVING)) == 1 and not named(scaled, DRAINING)
+                    and len(actions(scaled, "drained, stop")) == 1, "back at the floor")
+        assert len(named(scaled, WARM)) == 1 and len(actions(scaled, "drained to warm")) == 1
         stopped = actions(scaled, "drained, stop")[0][1]
         await until(lambda: stopped not in {h.name for h in scaled.provider.list(MODEL.version)},
                     "the stopped replica's process gone", timeout_s=15.0)

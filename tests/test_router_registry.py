@@ -9,7 +9,11 @@ from sluice.router.health import HealthBook
 from sluice.router.load import LoadSnapshot, LoadTracker
 from sluice.router.policy import ReplicaView
 from sluice.router.registry import (
+    BAD_STATE,
     BAD_VALUE,
+    DRAINING,
+    SERVING,
+    WARM,
     DUPLICATE_NAME,
     MISSING_KEY,
     RegistryError,
@@ -51,6 +55,19 @@ def test_pools_group_replicas_by_model_version_and_shared_replicas_serve_every_p
                                 ReplicaSpec("any", "", "h:3")])
     assert registry.pools() == {"m1": ["a"], "m2": ["b"], "": ["any"]}
     assert [spec.name for spec in registry.members("m1")] == ["a", "any"]
+
+
+def test_only_serving_replicas_take_new_runs_warm_and_draining_ones_stay_registered():
+    registry = ReplicaRegistry([ReplicaSpec("a", "m", "h:1"), ReplicaSpec("w", "m", "h:2", state=WARM),
+                                ReplicaSpec("d", "m", "h:3", state=DRAINING)])
+    assert [view.name for view in registry.views("m", 0.0)] == ["a"]
+    assert [spec.name for spec in registry.members("m")] == ["a", "d", "w"]     # health-checked, scraped
+    registry.upsert(ReplicaSpec("w", "m", "h:2", state=SERVING))               # promoted
+    assert [view.name for view in registry.views("m", 0.0)] == ["a", "w"]
+    assert ReplicaSpec.from_table({"name": "x", "grpc_address": "h:1", "state": "warm"}).state == WARM
+    with pytest.raises(RegistryError) as bad:
+        ReplicaSpec.from_table({"name": "x", "grpc_address": "h:1", "state": "idle"})
+    assert str(bad.value) == BAD_STATE.format(name="x", states="serving, warm, draining", value="idle")
 
 
 def test_replicas_can_be_added_replaced_and_removed_at_run_time():
