@@ -40,6 +40,7 @@ SLOTS = 16                     # replica slots (GPU nodes) the pool may use
 BASE_SERVING = 5
 COLD_START_S = 90.0
 MINUTE = 60.0
+DEFAULT_SCENARIOS = "2:300,3:60"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,24 +153,39 @@ def plot(reports: dict[int, FleetReport], scenario: Scenario, out: Path) -> Path
     return out
 
 
+def parse_scenarios(text: str, base: Scenario) -> list[Scenario]:
+    """"2:300,3:60" -> traffic x2 over 300 s, then x3 over 60 s (both from base.ramp_start_s)."""
+    scenarios = []
+    for item in text.split(","):
+        step, _, ramp = item.partition(":")
+        scenarios.append(replace(base, step=float(step), ramp_s=float(ramp) if ramp else base.ramp_s))
+    return scenarios
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="600 s, ramp from 120 s over 240 s")
     parser.add_argument("--warm-pools", default="2,0")
-    parser.add_argument("--step", type=float, default=2.0,
-                        help="traffic multiplier over the ramp (seed 000: 2)")
-    parser.add_argument("--plot", default=".sluice/bench/autoscaler.png")
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
+                        help="STEP:RAMP_S,... traffic multiplied by STEP over RAMP_S seconds (seed 000: "
+                             "x2 over 300 s; x3 over 60 s: a step past what the warm pool absorbs)")
+    parser.add_argument("--plot", default=".sluice/bench/autoscaler.png",
+                        help="PNG path; each scenario after the first gets -xSTEP before the suffix")
     args = parser.parse_args(argv)
     quick = replace(Scenario(), duration_s=600.0, ramp_start_s=120.0, ramp_s=240.0)
-    scenario = replace(quick if args.quick else Scenario(), step=args.step)
-    reports = {}
-    for pool in (int(value) for value in args.warm_pools.split(",")):
-        reports[pool] = run(scenario, pool)
-        print(f"  warm pool {pool}: simulated in {reports[pool].sim_cpu_s:.0f} s CPU", flush=True)
-    print_comparison(reports, scenario)
-    if args.plot and (path := plot(reports, scenario, Path(args.plot))) is not None:
-        print(f"plot: {path}")
+    for index, scenario in enumerate(parse_scenarios(args.scenarios, quick if args.quick else Scenario())):
+        reports = {}
+        for pool in (int(value) for value in args.warm_pools.split(",")):
+            reports[pool] = run(scenario, pool)
+            print(f"  x{scenario.step:g} over {scenario.ramp_s:.0f} s, warm pool {pool}: simulated in "
+                  f"{reports[pool].sim_cpu_s:.0f} s CPU", flush=True)
+        print_comparison(reports, scenario)
+        out = Path(args.plot)
+        if index:
+            out = out.with_name(f"{out.stem}-x{scenario.step:g}{out.suffix}")
+        if args.plot and (path := plot(reports, scenario, out)) is not None:
+            print(f"plot: {path}")
 
 
 if __name__ == "__main__":

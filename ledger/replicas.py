@@ -19,7 +19,8 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-FIELDS = ("name", "pool", "grpc_address", "metrics_url", "block_size", "kv_capacity_blocks", "long_context", "state")
+FIELDS = ("name", "pool", "grpc_address", "metrics_url", "block_size", "kv_capacity_blocks", "long_context",
+          "state")
 
 
 class ReplicaFields(Protocol):

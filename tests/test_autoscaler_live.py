@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from sluice.autoscaler.control import ScalerConfig
-from sluice.autoscaler.local import LocalProcessProvider
-from sluice.autoscaler.service import LoopSettings, PoolAutoscaler
 from sluice.ledger.models import RunStatus
 from sluice.services.routing.registry_sync import follow_durable_registry
 from sluice.services.routing.worker import RoutingWorker
 from sluice_client.sdk import SluiceClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.autoscaler.control import ScalerConfig
+from sluice.autoscaler.local import LocalProcessProvider
+from sluice.autoscaler.service import LoopSettings, PoolAutoscaler
 from sluice.router.registry import DRAINING, SERVING, WARM
 from tests.support.routing_stack import MODEL, Stack, open_stack
 
@@ -118,7 +118,8 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
     await until(lambda: routable(scaled) == {first}, "the warm replica registered but not routed")
 
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
-        step = [(await sdk.submit(f"step {i}", max_output_tokens=STEP_TOKENS)).run_id for i in range(STEP_RUNS)]
+        step = [(await sdk.submit(f"step {i}", max_output_tokens=STEP_TOKENS)).run_id
+                for i in range(STEP_RUNS)]
         # The warm replica serves within a tick or two; the cold one is started for the third slot.
         await until(lambda: warm in named(scaled, SERVING), "the warm replica promoted", timeout_s=10.0)
         promoted_at = actions(scaled, "promote")[0][0]
@@ -165,7 +166,8 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
         assert row.output_tokens == (STEP_TOKENS if run_id in step else LONG_TOKENS)
 
     ticks = list(autoscaler.history)
-    # max: never more than 3 replicas held (serving + warm + starting + draining); min: never under 1 serving once up
+    # max: never more than 3 replicas held (serving + warm + starting + draining);
+    # min: never under 1 serving once up
     assert max(t.signals.serving + t.signals.warm + t.signals.starting + t.signals.draining
                for t in ticks) == SCALER.max_replicas
     assert min(t.signals.serving for t in ticks if t.at > promoted_at) >= SCALER.min_replicas

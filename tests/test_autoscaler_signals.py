@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sluice.ledger.pool_load import PoolLoad
 
 from sluice.autoscaler.signals import ArrivalTrend, Members, pool_signals, predicted_wait_s
-from sluice.ledger.pool_load import PoolLoad
 from sluice.router.load import LoadSnapshot
 
 WINDOW_S = 30.0

@@ -49,6 +49,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def _spawn(name: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """The replica host in its own session (its tritonserver joins the group), output to its log."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 @dataclass(frozen=True, slots=True)
 class _Process:
     handle: ReplicaHandle
@@ -82,9 +89,7 @@ class LocalProcessProvider:
         env = {**os.environ, "SLUICE_REPLICAS": json.dumps([entry])}
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"replica-{name}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = _spawn(name, env, log_path)
         workspace = self._config.data_dir() / "replicas" / f"{name}-{grpc_port}"
         started = _Process(handle, process, log_path, workspace)
         self._processes[name] = started
@@ -115,9 +120,8 @@ class LocalProcessProvider:
         process = started.process
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self._stop_grace_s
-            while process.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(process.wait, self._stop_grace_s)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         await asyncio.to_thread(process.wait)

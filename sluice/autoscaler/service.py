@@ -28,8 +28,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -85,7 +86,7 @@ class PoolAutoscaler:
         self.clock = clock
         self.members: dict[str, Member] = {}
         self.history: deque[Tick] = deque(maxlen=HISTORY)
-        self.actions: list[tuple[float, str, str]] = []     # (time, action, replica): the audit of what it did
+        self.actions: list[tuple[float, str, str]] = []     # (time, action, replica): what it did
         self._starting: set[asyncio.Task[None]] = set()
         self._stopping: set[asyncio.Task[None]] = set()
         self._trend = ArrivalTrend(loop.window_s, loop.interval_s, loop.slope_windows)
@@ -197,8 +198,8 @@ class PoolAutoscaler:
             await ReplicaRepository(session).put(spec, removed=removed)
         member.state = state
 
-    def _spawn(self, tasks: set[asyncio.Task[None]], work: object) -> None:
-        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+    def _spawn(self, tasks: set[asyncio.Task[None]], work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
@@ -215,8 +216,8 @@ class PoolAutoscaler:
         async with self.sessions() as session, session.begin():
             replicas = ReplicaRepository(session)
             for row in await replicas.all():
-                if row.pool == self.pool and not row.removed and row.name.startswith(self.pool + OWNED_INFIX) \
-                        and row.name not in ours:
+                owned = row.name.startswith(self.pool + OWNED_INFIX)
+                if row.pool == self.pool and owned and not row.removed and row.name not in ours:
                     await replicas.put(row, removed=True)
                     log.info("autoscaler %s: removed %s, left by a previous autoscaler", self.pool, row.name)
 
