@@ -1,6 +1,7 @@
 """One pool's load as the ledger knows it, for the autoscaler (sluice/autoscaler/signals.py).
 
-Everything the control loop needs from the runs table, in two statements on the database's clock:
+Everything the control loop needs from the runs table, in two statements on the database's clock.
+A run belongs to the pool its routing decision recorded (runs.worker_pool), else its model's:
 
     accepted      runs admitted and not yet claimed by a routing worker (the pool's queue)
     in_flight     runs QUEUED on or RUNNING on a replica of the pool
@@ -38,8 +39,8 @@ SELECT count(*) FILTER (WHERE r.status = {_WAITING}) AS accepted,
        count(*) FILTER (WHERE r.finished_at > now() - make_interval(secs => :window_s)) AS completions,
        percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM r.started_at - r.created_at))
            FILTER (WHERE r.started_at > now() - make_interval(secs => :window_s)) AS ttft_p95_s
-FROM runs r
-WHERE r.model_version IN (SELECT version FROM models WHERE worker_pool = :pool)
+FROM runs r JOIN models m ON m.version = r.model_version
+WHERE coalesce(r.worker_pool, m.worker_pool) = :pool
   AND (r.status IN ({_WAITING}, '{RunStatus.QUEUED.value}', '{RunStatus.RUNNING.value}')
        OR r.created_at > now() - make_interval(secs => :lookback_s))
 """).bindparams(bindparam("window_s", type_=Float), bindparam("lookback_s", type_=Float),
