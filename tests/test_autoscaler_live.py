@@ -6,7 +6,8 @@ shortened (0.5 s ticks, 5 s windows, seconds of cool-down) and the replicas are 
 One scenario, seed 000's in miniature: a pool at its floor (1 serving + 1 warm) takes a step of 7
 runs; the warm replica is promoted first and a cold one started for the third slot (max 3, so the
 warm pool is not refilled); the cold one is promoted only after the scale-out cool-down. Then each
-serving replica takes one long run, the step's runs end, and the pool drains one replica WHILE it
+serving replica takes one long run, the step's runs end (the test cancels them: a slow cold start on
+a busy box then cannot outlast them), and the pool drains one replica WHILE it
 streams its run: the run completes with every token, and only then does the replica leave the
 draining state. Fewer runs then want the floor, so one more replica drains a scale-in cool-down
 later; of the two drained, one refills the warm pool and the other stops.
@@ -44,9 +45,9 @@ SCALER = ScalerConfig(
     ttft_slo_s=60.0,                  # out of the way: this test drives the pool by its runs
     cold_start_s=6.0, scale_out_cooldown_s=5.0, scale_in_cooldown_s=4.0)
 LOOP = LoopSettings(interval_s=0.5, window_s=5.0, slope_windows=3, drain_settle_s=1.0)
-STEP_RUNS, STEP_TOKENS = 7, 500       # 7 runs wanted at 3 a replica: 3 replicas; each 25 s long, so
-                                      #   the step outlasts a cold start plus the cool-down on a busy box
-LONG_TOKENS = 500                     # 25 s: they outlast the step by the ~10 s the third replica took
+STEP_RUNS, STEP_TOKENS = 7, 2000      # 7 runs wanted at 3 a replica: 3 replicas. 100 s long: they last
+                                      #   until the test cancels them, however slow a cold start is here
+LONG_TOKENS = 600                     # 30 s: outlasts the window after which their arrival stops counting
 WAIT_S = 90.0
 TERMINAL = {RunStatus.COMPLETED.value, RunStatus.INTERRUPTED.value, RunStatus.FAILED.value,
             RunStatus.CANCELLED.value, RunStatus.EXPIRED.value}
@@ -136,12 +137,14 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
         on = {(await stack.run_row(run_id)).replica: run_id for run_id in long}
         assert set(on) == {first, warm, cold}
 
-        # The step's runs end; 3 runs in flight want 2 replicas: one drains while it streams.
+        # The step ends (its runs cancelled); 3 runs in flight want 2 replicas: one drains while it streams.
+        for run_id in step:
+            await sdk.cancel(run_id)
         await until(lambda: bool(actions(scaled, "drain")), "a replica drained")
         drained_at, drained = actions(scaled, "drain")[0]
         its_run = on[drained]
         assert (await stack.run_row(its_run)).status == RunStatus.RUNNING.value   # drained mid-run
-        assert states(scaled)[drained] == DRAINING
+        assert states(scaled)[drained] == DRAINING, TRACE[0]()
         await until(lambda: drained not in routable(scaled), "the drain applied by routing",
                     timeout_s=LOOP.drain_settle_s)
         # Until its run has ended it stays draining, alive, routed nothing; the run completes in full.
@@ -160,10 +163,11 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
         await until(lambda: stopped not in {h.name for h in scaled.provider.list(MODEL.version)},
                     "the stopped replica's process gone", timeout_s=15.0)
 
-    for run_id in step + long:
+    for run_id in step:
+        assert (await stack.run_row(run_id)).status == RunStatus.CANCELLED.value
+    for run_id in long:
         row = await stack.run_row(run_id)
-        assert row.status == RunStatus.COMPLETED.value, (run_id, row.status, row.detail)
-        assert row.output_tokens == (STEP_TOKENS if run_id in step else LONG_TOKENS)
+        assert row.status == RunStatus.COMPLETED.value and row.output_tokens == LONG_TOKENS, row.detail
 
     ticks = list(autoscaler.history)
     # max: never more than 3 replicas held (serving + warm + starting + draining);
