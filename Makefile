@@ -57,7 +57,7 @@ bench-http: infra-up         ## HTTP edge vs gRPC, the same requests side by sid
 bench-routing: setup         ## every routing policy (Sluice's and its peers') on every workload, simulated; tables + PNGs
 	$(PY) -m bench.bench_routing
 
-bench-autoscaler: setup      ## seed 000's traffic step on the simulator, with and without a warm pool; table + PNG
+bench-autoscaler: setup      ## seed 000: traffic x2 in 5 min and x3 in 1 min, simulated, with and without a warm pool; tables + PNGs
 	$(PY) -m bench.bench_autoscaler
 
 bench-host-tier: setup       ## seed 003's chat (3-minute thinks) with and without the host KV tier; hit rate, TTFT

@@ -1,7 +1,8 @@
 """Seed 000's traffic step on the simulator: the autoscaler with and without a warm pool.
 
-    .venv/bin/python -m bench.bench_autoscaler            # make bench-autoscaler (~ a few minutes)
+    .venv/bin/python -m bench.bench_autoscaler            # make bench-autoscaler: x2 and x3 (~4 min CPU)
     .venv/bin/python -m bench.bench_autoscaler --quick    # shorter, smaller
+    .venv/bin/python -m bench.bench_autoscaler --scenarios 3:60 --warm-pools 2,1,0
 
 "Traffic doubles in five minutes: the autoscaler is a minute behind, the warm pool absorbs the first
 step, and beyond that the gateway rejects with a retry-after." (seed 000)
@@ -9,13 +10,16 @@ step, and beyond that the gateway rejects with a retry-after." (seed 000)
 Fleet: seed 000's replicas, Llama-3-70B bf16 on 8 x H100 (TP8), cold start 90 s (weights and warm-
 up; "a minute or more"), promotion of a warm replica 5 s. Workload: chat with seed 000's shape
 (1,000-token system prompt, ~500-token messages, ~300-token answers, 45 s to read and type), new
-conversations Poisson at ~24 requests/s, doubling linearly over five minutes from t = 300 s. Each
+conversations Poisson at ~24 requests/s, doubling linearly over five minutes from t = 300 s
+(scenario "2:300"), then tripling over one minute (scenario "3:60": a step faster than a cold start,
+which a warm pool absorbs or the gateway sheds). Each
 replica takes 16 sequences (max_num_seqs): that keeps the simulation cheap on a small machine and
 scales every count down together; the shape (the scaler a cold start behind, the warm pool absorbing
 the first step, shedding beyond it) does not depend on it. The control loop
 (sluice/autoscaler/control.py) runs every 5 s on 30 s windows; the gateway sheds when the predicted
 queue wait passes 5 s. Each configuration starts with the replicas the base load needs and runs to
-900 s; the table gives p95 TTFT per minute, serving replicas and runs shed.
+900 s; each scenario prints a table (p95 TTFT per minute, serving replicas, runs shed) and writes a
+PNG (the first to --plot, the others beside it as autoscaler-x3.png, ...).
 """
 
 from __future__ import annotations
@@ -128,23 +132,27 @@ def plot(reports: dict[int, FleetReport], scenario: Scenario, out: Path) -> Path
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (ttft_axis, serving_axis) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (ttft_axis, serving_axis, shed_axis) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     for pool, report in reports.items():
         times = [sample.at_s for sample in report.scaling]
         ttft_axis.plot(times, [sample.ttft_p95_s * 1e3 for sample in report.scaling],
                        label=f"warm pool {pool}")
         serving_axis.step(times, [sample.serving for sample in report.scaling], where="post",
                           label=f"serving, warm pool {pool}")
+        shed_axis.step(times, [sample.shed_in_interval for sample in report.scaling], where="post",
+                       label=f"warm pool {pool}: {report.requests_shed:,} in all")
     ttft_axis.set_yscale("log")
     ttft_axis.set_ylabel("p95 TTFT, last 30 s (ms)")
     ttft_axis.axhline(500, color="grey", linestyle="--", linewidth=0.8)
     ttft_axis.legend()
     serving_axis.set_ylabel("serving replicas")
-    ramp_end = scenario.ramp_start_s + scenario.ramp_s
-    serving_axis.set_xlabel(f"simulated seconds (traffic x{scenario.step:g} from "
-                            f"{scenario.ramp_start_s:.0f} s to {ramp_end:.0f} s)")
     serving_axis.legend()
-    fig.suptitle(f"Seed 000: traffic x{scenario.step:g} in {scenario.ramp_s / 60:.0f} minutes, 70B bf16 TP8, "
+    shed_axis.set_ylabel("runs shed per 5 s\n(retry-after)")
+    ramp_end = scenario.ramp_start_s + scenario.ramp_s
+    shed_axis.set_xlabel(f"simulated seconds (traffic x{scenario.step:g} from "
+                         f"{scenario.ramp_start_s:.0f} s to {ramp_end:.0f} s)")
+    shed_axis.legend()
+    fig.suptitle(f"Seed 000: traffic x{scenario.step:g} in {scenario.ramp_s:.0f} s, 70B bf16 TP8, "
                  f"cold start {COLD_START_S:.0f} s")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
