@@ -116,6 +116,7 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
     # The floor: the first replica ready serves (min 1), the second waits warm (warm pool 1).
     await until(lambda: len(named(scaled, SERVING)) == 1 and len(named(scaled, WARM)) == 1, "at the floor")
     first, warm = named(scaled, SERVING)[0], named(scaled, WARM)[0]
+    assert len(actions(scaled, "ready serving")) == 1     # two starts ready together fill the floor once
     await until(lambda: routable(scaled) == {first}, "the warm replica registered but not routed")
 
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:

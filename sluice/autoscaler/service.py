@@ -163,16 +163,17 @@ class PoolAutoscaler:
             log.error("autoscaler %s: cold start failed: %s", self.pool, exc)
             return
         now = self.clock()
-        member = Member(handle, WARM, now)
         serving = sum(1 for m in self.members.values() if m.state == SERVING)
         # The pool's floor is not a scaling decision: below min_replicas a ready replica serves at once.
+        # Counted and held before the first await: two starts that finish together fill it once.
         state = SERVING if serving < self.scaler.config.min_replicas else WARM
+        member = self.members[handle.name] = Member(handle, state, now)
         try:
             await self._write(member, state)
         except BaseException:
+            del self.members[handle.name]
             await self.provider.stop(handle.name)      # never a process the registry does not know
             raise
-        self.members[handle.name] = member
         self.actions.append((now, "ready " + state, handle.name))
         log.info("autoscaler %s: replica %s ready (%s)", self.pool, handle.name, state)
 
