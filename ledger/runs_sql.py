@@ -17,7 +17,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import BigInteger, Integer, bindparam, text
+from sluice.ledger.pg import Executor, Statement, rows_of
+from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import UUID
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -30,7 +31,7 @@ LEFT JOIN runs r ON r.id = :run_id AND r.tenant_id = k.tenant_id
 WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL
 """).bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
 
-_MARK_RUNNING = text("""
+_MARK_RUNNING = Statement.of("""
 UPDATE runs
    SET status = 'RUNNING', started_at = COALESCE(started_at, now()),
        event_partition = COALESCE(event_partition, :partition),
@@ -38,11 +39,9 @@ UPDATE runs
        last_sequence = GREATEST(last_sequence, :last_sequence)
  WHERE id = :run_id AND lease_epoch = :epoch AND status IN ('QUEUED', 'RUNNING')
 RETURNING pg_notify(:channel, :payload)
-""").bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("epoch", type_=BigInteger),
-                bindparam("partition", type_=Integer), bindparam("first_offset", type_=BigInteger),
-                bindparam("last_sequence", type_=BigInteger))
+""")
 
-_MARK_PUBLISHED = text("""
+_MARK_PUBLISHED = Statement.of("""
 UPDATE runs
    SET terminal_published = true, lease_expires_at = NULL,
        last_sequence = GREATEST(last_sequence, :sequence),
@@ -50,8 +49,7 @@ UPDATE runs
        event_first_offset = COALESCE(event_first_offset, :first_offset)
  WHERE id = :run_id
 RETURNING pg_notify(:channel, :payload)
-""").bindparams(bindparam("run_id", type_=UUID(as_uuid=True)), bindparam("sequence", type_=BigInteger),
-                bindparam("partition", type_=Integer), bindparam("first_offset", type_=BigInteger))
+""")
 
 _START = text("""
 SELECT event_partition, event_first_offset, terminal_sequence FROM runs WHERE id = :run_id
@@ -87,22 +85,22 @@ async def event_start(connection: AsyncConnection, run_id: uuid.UUID) -> EventSt
     return EventStart(row.event_partition, row.event_first_offset, row.terminal_sequence)
 
 
-async def mark_running(connection: AsyncConnection, run_id: str, epoch: int, first: LogPosition,
+async def mark_running(connection: Executor, run_id: str, epoch: int, first: LogPosition,
                        last_sequence: int, channel: str) -> bool:
     """QUEUED → RUNNING with where the run's events start; False if the lease of `epoch` is gone.
     Idempotent (a retry after a lost acknowledgment finds it RUNNING under the same epoch). Streams
     waiting for the run's first event are notified on `channel` when it commits."""
-    row = (await connection.execute(_MARK_RUNNING, {
+    row = await rows_of(connection).row(_MARK_RUNNING, {
         "run_id": uuid.UUID(run_id), "epoch": epoch, "partition": first.partition,
         "first_offset": first.offset, "last_sequence": last_sequence, "channel": channel,
-        "payload": run_id})).first()
+        "payload": run_id})
     return row is not None
 
 
-async def mark_published(connection: AsyncConnection, run_id: str, sequence: int, position: LogPosition,
-                         channel: str) -> None:
+async def mark_published(connection: Executor, run_id: str, sequence: int,
+                         position: LogPosition, channel: str) -> None:
     """The TERMINAL event (`sequence`, at `position`) is durable: record it, end the publisher's lease.
     A run whose only event is its terminal one starts where that event sits."""
-    await connection.execute(_MARK_PUBLISHED, {
+    await rows_of(connection).row(_MARK_PUBLISHED, {
         "run_id": uuid.UUID(run_id), "sequence": sequence, "partition": position.partition,
         "first_offset": position.offset, "channel": channel, "payload": run_id})

@@ -21,12 +21,11 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus, UsageEntry
+from sluice.ledger.pg import Executor, Statement, rows_of
 from sluice.ledger.pricing import cost_micros
-from sqlalchemy import BigInteger, BindParameter, Float, Integer, bindparam, select, text
-from sqlalchemy.dialects.postgresql import UUID as PgUUID
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 
@@ -100,10 +99,9 @@ LEFT JOIN price_cards c ON c.id = r.price_card_id
 WHERE r.id = :run_id {owned}
 FOR UPDATE OF r
 """
-_READ_ANY = text(_READ_RUN.format(owned="")).bindparams(bindparam("run_id", type_=PgUUID(as_uuid=True)))
-_READ_OWNED = text(_READ_RUN.format(
-    owned=f"AND r.lease_epoch = :epoch AND r.status IN {_RUN_STATUSES_OWNED}")).bindparams(
-    bindparam("run_id", type_=PgUUID(as_uuid=True)), bindparam("epoch", type_=BigInteger))
+_READ_ANY = Statement.of(_READ_RUN.format(owned=""))
+_READ_OWNED = Statement.of(_READ_RUN.format(
+    owned=f"AND r.lease_epoch = :epoch AND r.status IN {_RUN_STATUSES_OWNED}"))
 
 # The settlement in one statement. The usage entry goes first (ON CONFLICT (run_id) DO NOTHING: the
 # exactly-once guard); the run and the budget change only when it was inserted. The budget row is the
@@ -144,19 +142,12 @@ _TERMINAL_SET = """,
            lease_owner = :lease_owner, lease_expires_at = now() + make_interval(secs => :lease_seconds),
            event_partition = COALESCE(event_partition, :first_partition),
            event_first_offset = COALESCE(event_first_offset, :first_offset)"""
-_UUIDS = ("entry_id", "run_id", "tenant_id", "api_key_id")
-_BIGINTS = ("price_card_id", "cost_micros", "used_tokens")
-_WRITE_BINDS: tuple[BindParameter[Any], ...] = (
-    *(bindparam(name, type_=PgUUID(as_uuid=True)) for name in _UUIDS),
-    *(bindparam(name, type_=BigInteger) for name in _BIGINTS))
-_SETTLE = text(_WRITE.format(terminal="")).bindparams(*_WRITE_BINDS)
-_SETTLE_TERMINAL = text(_WRITE.format(terminal=_TERMINAL_SET)).bindparams(
-    *_WRITE_BINDS, bindparam("lease_seconds", type_=Float), bindparam("first_partition", type_=Integer),
-    bindparam("first_offset", type_=BigInteger))
+_SETTLE = Statement.of(_WRITE.format(terminal=""))
+_SETTLE_TERMINAL = Statement.of(_WRITE.format(terminal=_TERMINAL_SET))
 
 
 async def settle_run_usage(
-    session: AsyncSession,
+    session: Executor,
     run_id: uuid.UUID | str,
     status: RunStatus | str,
     output_tokens: int,
@@ -172,35 +163,40 @@ async def settle_run_usage(
     then the entry, the run and the budget written at once.
 
     `owned_by_epoch`: settle only while the run is active under that lease epoch (NotOwned otherwise,
-    nothing written). `terminal`: fix the terminal event's sequence and the publisher's lease with it."""
+    nothing written). `terminal`: fix the terminal event's sequence and the publisher's lease with it.
+    `session`: the caller's transaction, a SQLAlchemy session or a hot connection's rows_of (ledger/pg.py)."""
     run_uuid = uuid.UUID(str(run_id))
     final = RunStatus(status)
     if final not in TERMINAL_STATUSES:
         raise SettlementError(f"settle_run needs a terminal status, got {final.value}")
 
+    rows = rows_of(session)
     if owned_by_epoch is None:
-        run = (await session.execute(_READ_ANY, {"run_id": run_uuid})).first()
+        run = await rows.row(_READ_ANY, {"run_id": run_uuid})
         if run is None:
             raise SettlementError(f"no run {run_uuid}")
     else:
-        run = (await session.execute(_READ_OWNED, {"run_id": run_uuid, "epoch": owned_by_epoch})).first()
+        run = await rows.row(_READ_OWNED, {"run_id": run_uuid, "epoch": owned_by_epoch})
         if run is None:
             raise NotOwned(f"run {run_uuid} is not active under lease epoch {owned_by_epoch}")
 
     if input_tokens is None:
-        input_tokens = run.input_tokens if run.replica is not None else 0
+        input_tokens = run["input_tokens"] if run["replica"] is not None else 0
     charged_input = input_tokens
-    _check_counts(run_uuid, run.input_tokens, run.max_output_tokens, charged_input, cached_input_tokens,
+    _check_counts(run_uuid, run["input_tokens"], run["max_output_tokens"], charged_input, cached_input_tokens,
                   output_tokens)
-    cost = cost_micros(run, charged_input, cached_input_tokens, output_tokens)
+    rates = _Rates(run["price_input_per_m_micros"], run["price_cached_input_per_m_micros"],
+                   run["price_output_per_m_micros"])
+    cost = cost_micros(rates, charged_input, cached_input_tokens, output_tokens)
 
     values: dict[str, object] = {
-        "entry_id": uuid.uuid4(), "run_id": run_uuid, "tenant_id": run.tenant_id,
-        "model_version": run.model_version, "input_tokens": charged_input,
+        "entry_id": uuid.uuid4(), "run_id": run_uuid, "tenant_id": run["tenant_id"],
+        "model_version": run["model_version"], "input_tokens": charged_input,
         "cached_input_tokens": cached_input_tokens, "output_tokens": output_tokens, "cost_micros": cost,
-        "api_key_id": run.api_key_id, "price_card_id": run.price_card_id, "route_reason": run.route_reason,
-        "worker_pool": run.worker_pool, "quality_tier": run.quality_tier, "status": final.value,
-        "detail": detail, "used_tokens": charged_input + output_tokens,
+        "api_key_id": run["api_key_id"], "price_card_id": run["price_card_id"],
+        "route_reason": run["route_reason"], "worker_pool": run["worker_pool"],
+        "quality_tier": run["quality_tier"], "status": final.value, "detail": detail,
+        "used_tokens": charged_input + output_tokens,
     }
     statement = _SETTLE
     if terminal is not None:
@@ -208,15 +204,25 @@ async def settle_run_usage(
         values.update(terminal_sequence=terminal.sequence, last_sequence=terminal.last_sequence,
                       lease_owner=terminal.lease_owner, lease_seconds=float(terminal.lease_seconds),
                       first_partition=terminal.first_partition, first_offset=terminal.first_offset)
-    written = (await session.execute(statement, values)).one()
-    if written.settled_at is None:
+    written = await rows.row(statement, values)
+    assert written is not None, "the settlement statement returns one row"
+    if written["settled_at"] is None:
         return None
-    assert written.budgets == 1, (
-        f"no budget row for tenant {run.tenant_id} in the period run {run_uuid} was admitted in:"
+    assert written["budgets"] == 1, (
+        f"no budget row for tenant {run['tenant_id']} in the period run {run_uuid} was admitted in:"
         " a reservation was lost")
     return SettledUsage(run_id=run_uuid, status=final, input_tokens=charged_input,
                         cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
-                        cost_micros=cost, settled_at=written.settled_at)
+                        cost_micros=cost, settled_at=written["settled_at"])
+
+
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    """The price card a run settles at, as the settlement read found it (pricing.PriceCard)."""
+
+    price_input_per_m_micros: int
+    price_cached_input_per_m_micros: int
+    price_output_per_m_micros: int
 
 
 def _check_counts(run_id: uuid.UUID, run_input_tokens: int, max_output_tokens: int, input_tokens: int,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.db import autocommit_engine
 from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.pg import Executor, HotPool
 from sluice.ledger.runs_sql import mark_published
 from sluice.ledger.settlement import SettledUsage, TerminalFix, settle_run_usage, settled_usage
 from sqlalchemy import select
@@ -57,7 +58,7 @@ class TerminalRecord:
     epoch: int = 0               # lease epoch of whoever publishes it (stamped on the event)
 
 
-async def settle_and_fix_terminal(session: AsyncSession, run_id: str, ending: Ending, owner: str,
+async def settle_and_fix_terminal(session: Executor, run_id: str, ending: Ending, owner: str,
                                   lease_seconds: float, epoch: int = 0,
                                   owned: bool = False) -> TerminalRecord | None:
     """Step 1, inside the caller's transaction. None when the run was already settled. `owned`: only
@@ -113,8 +114,13 @@ async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSess
 
 
 async def record_published(sessions: async_sessionmaker[AsyncSession], record: TerminalRecord,
-                           position: LogPosition) -> None:
+                           position: LogPosition, pool: HotPool | None = None) -> None:
     """Step 3: one autocommit statement that also notifies the run's Streams. Idempotent (a retry
-    after a lost acknowledgment writes the same values)."""
+    after a lost acknowledgment writes the same values). On `pool`'s connection when given (the
+    routing worker's hot path, ledger/pg.py)."""
+    if pool is not None:
+        async with pool.connection() as hot:
+            await mark_published(hot, record.run_id, record.sequence, position, EVENTS_CHANNEL)
+        return
     async with autocommit_engine(sessions).connect() as connection:
         await mark_published(connection, record.run_id, record.sequence, position, EVENTS_CHANNEL)

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 import asyncpg
 from sluice.ledger.channels import EVENTS_CHANNEL
-from sluice.ledger.db import autocommit_engine
+from sluice.ledger.pg import HotPool
 from sluice.ledger.runs_sql import mark_running
 from sluice.ledger.settlement import NotOwned
 from sluice.services.finish import (
@@ -30,7 +30,7 @@ from sluice.services.finish import (
 from sluice.services.routing.claims import reassign_replica
 from sluice.services.routing.leases import Lease
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.interface import EventLog, LogPosition
 
@@ -92,6 +92,7 @@ class SqlRunLedger:
     events: EventLog
     owner: str
     lease_seconds: float
+    pool: HotPool                # the process's hot connections for the run path (ledger/pg.py)
 
     async def _retrying(self, lease: Lease, write: Callable[[], Awaitable[T]]) -> T:
         return await _retried(lease.run_id, write, lambda: lease.valid(time.monotonic()))
@@ -102,15 +103,15 @@ class SqlRunLedger:
                 return await write(session)
         return await self._retrying(lease, attempt)
 
-    async def _autocommit(self, lease: Lease, write: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        """A single-statement write: one round trip, no BEGIN/COMMIT."""
+    async def _autocommit(self, lease: Lease, write: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        """A single-statement write on a hot connection: one round trip, no BEGIN/COMMIT."""
         async def attempt() -> T:
-            async with autocommit_engine(self.sessions).connect() as connection:
+            async with self.pool.connection() as connection:
                 return await write(connection)
         return await self._retrying(lease, attempt)
 
     async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
-        async def write(connection: AsyncConnection) -> bool:
+        async def write(connection: asyncpg.Connection) -> bool:
             return await mark_running(connection, lease.run_id, lease.epoch, first, last_sequence,
                                       EVENTS_CHANNEL)
         if not await self._autocommit(lease, write):
@@ -123,12 +124,14 @@ class SqlRunLedger:
             raise LeaseLost("the ledger refused the new replica under this epoch")
 
     async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
-        async def write(session: AsyncSession) -> TerminalRecord | None:
-            # Two statements: the run read row-locked under this epoch, then the settlement.
-            return await settle_and_fix_terminal(session, lease.run_id, ending, self.owner,
-                                                 self.lease_seconds, lease.epoch, owned=True)
+        async def attempt() -> TerminalRecord | None:
+            # Two statements on a hot connection: the run read row-locked under this epoch, then
+            # the settlement.
+            async with self.pool.connection() as connection, connection.transaction():
+                return await settle_and_fix_terminal(connection, lease.run_id, ending, self.owner,
+                                                     self.lease_seconds, lease.epoch, owned=True)
         try:
-            return await self._in_transaction(lease, write)
+            return await self._retrying(lease, attempt)
         except NotOwned as gone:
             raise LeaseLost("the run is no longer active under this epoch") from gone
 
@@ -137,7 +140,7 @@ class SqlRunLedger:
         # within it, so a blip does not leave a reaper to republish (a harmless copy, but late).
         until = time.monotonic() + self.lease_seconds
         position = await self.events.append(terminal_event_of(record))
-        await _retried(record.run_id, lambda: record_published(self.sessions, record, position),
+        await _retried(record.run_id, lambda: record_published(self.sessions, record, position, self.pool),
                        lambda: time.monotonic() < until)
 
 

@@ -43,6 +43,7 @@ import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import RunStatus
+from sluice.ledger.pg import HotPool
 from sluice.ledger.settlement import NotOwned
 from sluice.services import replica_client
 from sluice.services.admission_rules import Sampling
@@ -177,7 +178,10 @@ class RoutingWorker:
         self.registry = registry
         self.replicas = replicas
         self._dsn = dsn                 # for LISTEN (fast claim and cancel); polling is the fallback
-        self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds)
+        # The driver's ledger statements (RUNNING, settlement, terminal published) on raw asyncpg
+        # connections (ledger/pg.py); opened on first use, closed when serve() ends.
+        self.pool = HotPool(dsn or _dsn_of(sessions))
+        self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
         self.keeper = LeaseKeeper(dsn or _dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
         self.drivers: dict[str, RunDriver] = {}
@@ -240,6 +244,7 @@ class RoutingWorker:
             if self._http is not None:
                 await self._http.close()
                 self._http = None
+            await self.pool.close()
 
     def stop(self) -> None:
         self._stopping.set()

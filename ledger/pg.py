@@ -1,0 +1,146 @@
+"""The run path's hot statements on raw asyncpg connections (issue 9: the ledger's cost per run).
+
+SQLAlchemy costs ~230 us of client CPU per statement on top of asyncpg's ~60 us, and ~350 us more
+per pool checkout (events, reset-on-return); a session transaction of one statement ~900 us. The
+routing worker's claim, RUNNING, settlement and terminal writes run here instead: each statement
+is written once with :name parameters (`Statement`) and runs either through a SQLAlchemy session
+(`rows_of(session)`: the rare callers, Runs.Cancel and the reaper, inside their transactions) or on
+a `HotPool` connection (`rows_of(connection)`), where asyncpg prepares it once per connection.
+
+    pool = HotPool(dsn)                                  # one per process and event loop
+    async with pool.connection() as connection, connection.transaction():
+        row = await rows_of(connection).row(STATEMENT, {"run_id": run_id})
+    await pool.close()
+
+A released connection is not reset with a round trip (asyncpg's default runs RESET ALL and
+friends): these statements leave no session state behind, and an open transaction is still rolled
+back by asyncpg on release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias, cast
+
+import asyncpg
+from sqlalchemy import TextClause, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+# :name, but not a ::cast and not inside a word (a time literal such as '12:30' does not occur here).
+_PARAMETER = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+POOL_SIZE = 8    # hot connections per process; a driver waits for one rather than opening more
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One SQL statement with :name parameters, in both drivers' forms."""
+
+    named: str                   # as written (SQLAlchemy text)
+    positional: str              # $1, $2, ... (asyncpg), a name used twice is one parameter
+    names: tuple[str, ...]       # the parameter of each $n, in order
+    clause: TextClause = field(compare=False)
+
+    @classmethod
+    def of(cls, sql: str) -> Statement:
+        names: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in names:
+                names.append(name)
+            return f"${names.index(name) + 1}"
+        return cls(sql, _PARAMETER.sub(number, sql), tuple(names), text(sql))
+
+    def arguments(self, values: Mapping[str, object]) -> list[object]:
+        return [values[name] for name in self.names]
+
+
+class Rows(Protocol):
+    """Runs a Statement and returns its first row by column name (None: no row)."""
+
+    async def row(self, statement: Statement, values: Mapping[str, object]) -> Mapping[str, Any] | None: ...
+
+    async def rows(self, statement: Statement, values: Mapping[str, object]) -> list[Mapping[str, Any]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _SessionRows:
+    session: AsyncSession | AsyncConnection
+
+    async def row(self, statement: Statement, values: Mapping[str, object]) -> Mapping[str, Any] | None:
+        return cast(Mapping[str, Any] | None,
+                    (await self.session.execute(statement.clause, dict(values))).mappings().first())
+
+    async def rows(self, statement: Statement, values: Mapping[str, object]) -> list[Mapping[str, Any]]:
+        found = (await self.session.execute(statement.clause, dict(values))).mappings().all()
+        return cast(list[Mapping[str, Any]], list(found))
+
+
+@dataclass(frozen=True, slots=True)
+class _ConnectionRows:
+    connection: asyncpg.Connection
+
+    async def row(self, statement: Statement, values: Mapping[str, object]) -> Mapping[str, Any] | None:
+        found: Mapping[str, Any] | None = await self.connection.fetchrow(statement.positional,
+                                                                          *statement.arguments(values))
+        return found
+
+    async def rows(self, statement: Statement, values: Mapping[str, object]) -> list[Mapping[str, Any]]:
+        return list(await self.connection.fetch(statement.positional, *statement.arguments(values)))
+
+
+Executor: TypeAlias = AsyncSession | AsyncConnection | asyncpg.Connection | Rows
+"""What the run path's statements run on: the caller's SQLAlchemy transaction or a hot connection."""
+
+
+def rows_of(executor: Executor) -> Rows:
+    """The statement runner of a SQLAlchemy session or connection, or of a raw asyncpg connection."""
+    if isinstance(executor, asyncpg.Connection):
+        return _ConnectionRows(executor)
+    if isinstance(executor, (AsyncSession, AsyncConnection)):
+        return _SessionRows(executor)
+    return executor
+
+
+async def _keep_session_state(connection: asyncpg.Connection) -> None:
+    """Pool reset hook: nothing to reset (see the module doc)."""
+
+
+async def _decode_json(connection: asyncpg.Connection) -> None:
+    """json/jsonb columns as Python values, as SQLAlchemy's asyncpg dialect returns them."""
+    for name in ("json", "jsonb"):
+        await connection.set_type_codec(name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+class HotPool:
+    """A small asyncpg pool, opened on first use on the running event loop; close() it on that loop."""
+
+    def __init__(self, dsn: str, size: int = POOL_SIZE) -> None:
+        self.dsn = make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+        self.size = size
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def _open(self) -> asyncpg.Pool:
+        async with self._opening:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.size,
+                                                       init=_decode_json, reset=_keep_session_state)
+            return self._pool
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        pool = self._pool or await self._open()
+        async with pool.acquire() as connection:
+            yield connection
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
