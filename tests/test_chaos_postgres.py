@@ -127,4 +127,5 @@ async def test_postgresql_restarts_under_load_lose_and_interrupt_nothing(
     assert result.passed, "\n".join(result.violations[:10])
     expect_no_healthy_run_interrupted(result)
     assert result.statuses == {RunStatus.COMPLETED: RESTARTS * RUNS_PER_RESTART}, result.note
-    assert len(outages) == RESTARTS, f"the probe saw {len(outages)} outages for {RESTARTS} restarts"
+    # Every restart was felt; on a loaded box a probe's connect may also time out between restarts.
+    assert len(outages) >= RESTARTS, f"the probe saw {len(outages)} outages for {RESTARTS} restarts"

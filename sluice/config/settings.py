@@ -94,6 +94,12 @@ class KafkaSection(Section):
     cluster_bootstrap: str = "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"
     cluster_controller_ports: str = "19112,19122,19132"
 
+    @field_validator("brokers", mode="before")
+    @classmethod
+    def _brokers_from_text(cls, value: object) -> object:
+        # The environment gives text ("3"), which a Literal of ints never equals.
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
 
 class ListenSection(Section):
     listen: str
