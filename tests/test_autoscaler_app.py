@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from sluice.autoscaler.app import ERR_NO_POOL, loop_settings, pool_table, scaler_config
 from sluice.autoscaler.control import BAD_HYSTERESIS
 from sluice.config import load_settings
+from sluice.config.bootstrap import EXIT_BAD_CONFIG
 from sluice.config.settings import ConfigError
 
 
@@ -33,3 +37,11 @@ def test_a_pool_without_a_table_or_with_crossed_thresholds_is_refused():
     assert str(bad.value) == BAD_HYSTERESIS.format(low=0.6, high=0.5)
     with pytest.raises(ValueError, match="replica.engine"):   # checked like [replica]
         config.updated(autoscaler={"pools": {"m-v1": {"replica": {"engine": "warp"}}}})
+
+
+def test_the_process_refuses_to_start_for_a_pool_it_has_no_table_for():
+    for command in (["-m", "sluice.autoscaler", "--pool", "nope"],
+                    ["-m", "sluice.services.main", "--role", "autoscaler", "--pool", "nope"]):
+        done = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == EXIT_BAD_CONFIG
+        assert ERR_NO_POOL.format(pool="nope", known="none") in done.stdout + done.stderr
