@@ -16,6 +16,7 @@
     sluice admin replicas upsert NAME --grpc-address HOST:PORT [--pool P] [--metrics-url U] [--block-size N]
                                  [--kv-capacity-blocks N] [--long-context]
     sluice admin audit [--limit N] [--action ACTION]
+    sluice admin fallbacks … | canary …   (clients/admin_traffic_cli.py)
 
 Each prints the response as JSON. A created or rotated key's secret is printed once, with a
 reminder on stderr: it cannot be shown again. KEY is a key id or its public prefix (sk-…).
@@ -31,6 +32,7 @@ from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+from sluice_client.admin_traffic_cli import TRAFFIC_REQUESTS, add_traffic_parsers
 from sluice_client.sdk import SluiceClient
 
 from sluice.v1 import admin_pb2, routing_pb2
@@ -140,6 +142,8 @@ def add_admin_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     upsert.add_argument("--long-context", action="store_true")
     verb(replicas, "remove", "remove a replica (also a configured one)").add_argument("name")
 
+    add_traffic_parsers(areas, verb)
+
     audit = areas.add_parser("audit", help="recent admin changes, newest first", parents=[common])
     audit.add_argument("--limit", type=int, default=0)
     audit.add_argument("--action", default="")
@@ -238,6 +242,7 @@ REQUESTS: dict[tuple[str, str | None], tuple[str, Callable[[argparse.Namespace],
     ),
     ("replicas", "remove"): ("RemoveReplica", lambda a: routing_pb2.RemoveReplicaRequest(name=a.name)),
     ("audit", None): ("ListAudit", lambda a: admin_pb2.ListAuditRequest(limit=a.limit, action=a.action)),
+    **TRAFFIC_REQUESTS,
 }
 
 
