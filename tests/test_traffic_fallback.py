@@ -24,7 +24,15 @@ from sluice.services.errors import RETRY_AFTER_MS_KEY
 from sqlalchemy import select
 
 from sluice.traffic.fallback import Condition, FallbackRule
-from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
+from sluice.v1 import (
+    admission_pb2,
+    admission_pb2_grpc,
+    common_pb2,
+    runs_pb2,
+    runs_pb2_grpc,
+    usage_pb2,
+    usage_pb2_grpc,
+)
 from tests.support.ledger_factories import ModelSpec, add_model
 from tests.support.routing_stack import MODEL, TOKENIZER, Stack, collect
 
@@ -136,6 +144,14 @@ async def test_a_fallback_is_taken_only_with_permission_recorded_on_the_run_and_
     assert entry.cost_micros == ceil_div(charged, TOKENS_PER_PRICE_UNIT)
 
     await stack.wait_for_published(waiting.run_id)
+    # Finance's export groups settled usage by the decision.
+    query = usage_pb2.QueryUsageRequest(to="2100-01-01", group_by=["route", "pool", "tier"])
+    setattr(query, "from", "2000-01-01")   # `from` is a Python keyword
+    usage = usage_pb2_grpc.UsageServiceStub(stack.channel)
+    page = await usage.QueryUsage(query, metadata=(("x-api-key", key),))
+    assert {(g.route, g.pool, g.tier): (g.runs, g.settled.cost_micros) for g in page.groups} == {
+        ("alias", MODEL.version, "standard"): (1, (await usage_entry(stack, waiting.run_id)).cost_micros),
+        ("fallback", SMALL.version, "standard"): (1, entry.cost_micros)}
     registry = worker.metrics.registry
     assert registry.get_sample_value("sluice_run_routes_total", {
         "model_version": SMALL.version, "pool": SMALL.version, "tier": "standard", "reason": "fallback"}) == 1
