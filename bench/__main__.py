@@ -12,6 +12,7 @@ import time
 
 BENCHES = [
     ("admission Submit latency (real PostgreSQL)", ["-m", "bench.bench_submit", "-n", "1000"]),
+    ("what tracing and metrics add per Submit and per run", ["-m", "bench.bench_telemetry"]),
     ("routing policies on the fleet simulator + decision cost", ["-m", "bench.bench_router"]),
     ("replica: engine core behind real Triton", ["bench/bench_replica.py", "--concurrency", "1,8"]),
     ("fleet simulator: seed 003's fleet, 10 simulated minutes", ["-m", "sim", "--preset", "seed003"]),
