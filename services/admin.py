@@ -321,6 +321,8 @@ class AdminService:
                 {"alias": alias, "version": holder.version if holder else None},
                 {"alias": alias, "version": version},
             )
+            # A canary compares its candidate with the baseline it started on: moved by hand, it ends.
+            await traffic.end_canary_on_move(session, actor, alias, version)
         return after
 
     async def retire_model(self, metadata: Metadata, version: str) -> ModelRecord:

@@ -34,6 +34,7 @@ CANARY_NONE = "alias {alias!r} has no active canary: ListCanaries shows them"
 SHARE_OUT_OF_RANGE = "share_bp must be within {low}..{high} basis points (got {value})"
 STOPPED_BY_ADMIN = "stopped by an admin"
 PROMOTED = "promoted: alias {alias!r} moved to {version!r}"
+MOVED_BY_HAND = "ended: an admin moved alias {alias!r} to {version!r} (MoveAlias)"
 
 
 def fallback_rules(rules: Sequence[tuple[str, str, Sequence[str]]]) -> list[FallbackRule]:
@@ -137,6 +138,18 @@ async def stop_canary(session: AsyncSession, actor: Actor, alias: str, reason: s
     await audit.record(session, actor, "canary.stop", alias, before, after)
     assert after is not None
     return after
+
+
+async def end_canary_on_move(session: AsyncSession, actor: Actor, alias: str, version: str) -> None:
+    """MoveAlias ended the baseline the alias's active canary compares against: the canary ends too,
+    PROMOTED when the alias went to its candidate, else rolled back. Nothing when none is active."""
+    canaries = CanaryRepository(session)
+    before = await canaries.get(alias, lock=True)
+    if before is None or before.state is not CanaryState.ACTIVE:
+        return
+    state = CanaryState.PROMOTED if version == before.candidate_version else CanaryState.ROLLED_BACK
+    await canaries.end(alias, state, MOVED_BY_HAND.format(alias=alias, version=version))
+    await audit.record(session, actor, "canary.end_on_move", alias, before, await canaries.get(alias))
 
 
 async def promote_canary(session: AsyncSession, actor: Actor, alias: str) -> CanaryRecord:

@@ -122,3 +122,17 @@ async def test_canary_admin_checks_and_a_manual_stop_records_its_reason(gateway:
         "rolled_back", 0, admin_traffic.STOPPED_BY_ADMIN)
     again = await start("big", "big-v2", 500)                       # an ended canary is replaced
     assert (again.state, again.share_bp, again.reason) == ("active", 500, "")
+
+
+async def test_moving_the_alias_by_hand_ends_its_canary(gateway: Gateway):
+    await gateway.model("big-v1", alias="big")
+    await gateway.model("big-v2")
+    await gateway.model("big-v3")
+    await gateway.admin.StartCanary(admin_pb2.StartCanaryRequest(alias="big", candidate_version="big-v2",
+                                                                 share_bp=2_000), metadata=gateway.as_admin)
+    await gateway.admin.MoveAlias(admin_pb2.MoveAliasRequest(alias="big", version="big-v3"),
+                                  metadata=gateway.as_admin)
+    listed = await gateway.admin.ListCanaries(admin_pb2.ListCanariesRequest(), metadata=gateway.as_admin)
+    (canary,) = listed.canaries
+    assert (canary.state, canary.share_bp, canary.reason) == (
+        "rolled_back", 0, admin_traffic.MOVED_BY_HAND.format(alias="big", version="big-v3"))
