@@ -32,6 +32,16 @@ def tls_replica(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     stop_replica(replica)
 
 
+@pytest.fixture(scope="module")
+def mutual_tls_replica(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
+    env = env_overrides("replica_tls", {"cert_file": str(pki / "server.pem"),
+                                        "key_file": str(pki / "server.key"),
+                                        "client_ca_file": str(pki / "ca.pem")})
+    replica = start_replica("mtls", tmp_path_factory.mktemp("replica-mtls"), REPLICA_SETTINGS, extra_env=env)
+    yield replica
+    stop_replica(replica)
+
+
 @pytest.fixture
 async def plaintext_afterwards() -> Iterator[None]:
     yield
@@ -58,6 +68,21 @@ async def test_a_tls_replica_refuses_plaintext_and_serves_a_run_with_the_ca(
     await replica_client.close_channels()
 
     replica_client.use_tls(replica_credentials(ReplicaTlsSection(ca_file=str(pki / "ca.pem"))))
+    assert await replica_client.is_ready(address, timeout_s=10)
+    assert len(await generate(address)) == TOKENS
+
+
+@pytest.mark.integration
+async def test_a_mutual_tls_replica_serves_only_a_client_with_a_certificate_the_ca_signed(
+        mutual_tls_replica: ReplicaProcess, pki: Path, plaintext_afterwards: None):
+    address = mutual_tls_replica.grpc_address
+    replica_client.use_tls(replica_credentials(ReplicaTlsSection(ca_file=str(pki / "ca.pem"))))
+    assert not await replica_client.is_ready(address, timeout_s=3)
+    await replica_client.close_channels()
+
+    replica_client.use_tls(replica_credentials(ReplicaTlsSection(
+        ca_file=str(pki / "ca.pem"), client_cert_file=str(pki / "client.pem"),
+        client_key_file=str(pki / "client.key"))))
     assert await replica_client.is_ready(address, timeout_s=10)
     assert len(await generate(address)) == TOKENS
 
