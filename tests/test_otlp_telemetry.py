@@ -10,9 +10,11 @@ are real processes (`python -m sluice.services.main --role gateway|routing`) wit
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -27,6 +29,9 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from sluice.ledger.models import Run
+from sluice.services import telemetry
+from sluice.services.gateway_metrics import GatewayMetrics
+from sluice.services.telemetry import TelemetrySettings
 from sqlalchemy import select
 
 from sluice.config.settings import env_overrides
@@ -239,3 +244,46 @@ def submit_count(sink: Collector, service: str) -> int:
               if KeyValue(key="code", value=AnyValue(string_value="OK")) in point.attributes]
     assert counts, f"no sluice_submit_seconds from {service}"
     return counts[-1]
+
+
+def test_http_protobuf_sends_spans_and_metrics_to_the_collectors_v1_paths():
+    """[telemetry].protocol = "http/protobuf": POST <endpoint>/v1/traces and /v1/metrics, protobuf."""
+    received: list[tuple[str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        metrics = GatewayMetrics()
+        metrics.submitted(0.004)
+        settings = TelemetrySettings("otlp", f"http://127.0.0.1:{server.server_address[1]}",
+                                     protocol="http/protobuf", metrics_interval_s=60)
+        telemetry.setup_telemetry(settings, "sluice-test", [metrics.registry])
+        telemetry.tracer().start_span("admission.submit").end()
+        telemetry.shutdown_tracing()        # flushes the span, pushes the metrics once more
+    finally:
+        server.shutdown()
+    paths = {path for path, _ in received}
+    assert paths == {"/v1/traces", "/v1/metrics"}
+    [traces] = [body for path, body in received if path == "/v1/traces"]
+    request = trace_service_pb2.ExportTraceServiceRequest.FromString(traces)
+    assert [span.name for resource in request.resource_spans for scope in resource.scope_spans
+            for span in scope.spans] == ["admission.submit"]
+    pushed = metrics_service_pb2.ExportMetricsServiceRequest.FromString(
+        next(body for path, body in received if path == "/v1/metrics"))
+    [histogram] = [metric.histogram for resource in pushed.resource_metrics
+                   for scope in resource.scope_metrics for metric in scope.metrics
+                   if metric.name == "sluice_submit_seconds"]
+    [point] = histogram.data_points
+    assert (point.count, point.sum) == (1, 0.004)
+    # 0.004 s falls in the bucket (0.002, 0.005]: the per-bucket counts, not Prometheus' cumulative ones.
+    assert list(point.bucket_counts) == [0, 0, 0, 1] + [0] * (len(point.explicit_bounds) - 3)
