@@ -19,7 +19,7 @@ Workloads (fixed seeds, open-loop arrivals of new conversations):
            less than the fleet's), one short question each, short answers
   agent    2,000-token tool preamble, ~12 steps of tool output (~400 tokens) and short calls, 2 s think
   bursty   chat shape, arrivals on for 15 s at twice the rate, off for 15 s
-  restart  chat, replica r3 dies at 1/2 of the run and comes back cold 10 s later
+  restart  chat, replica r3 dies at 1/2 of the run (runs of at least 90 s) and comes back cold 10 s later
   slow     chat, replica r0's GPUs throttled to 60% (seed 000's slow replica)
 Load: 50% and 80% of the fleet's capacity for that workload, capacity being the
 oracle's highest completed request rate as the offered rate grows by 1.5x steps
@@ -68,6 +68,9 @@ CAPACITY_STEP = 1.5
 SATURATED_TTFT_S = 2.0               # p95 TTFT this far past seed 000's 500 ms SLO: the queue is growing
 SATURATED_COMPLETION = 0.8
 RESTART_REPLICA, RESTART_DOWN_S = 3, 10.0
+# The restart happens at half the run, after a third of warm-up: under 90 s there are too few
+# 5-second hit-rate windows before it for a baseline, or after it to see the recovery.
+RESTART_MIN_DURATION_S = 90.0
 SLOW_REPLICA, SLOW_SPEED = 0, 0.6
 RECOVERED_AT = 0.95                  # of the hit rate before the restart
 DEFAULT_SEEDS = (11, 12, 13)
@@ -236,8 +239,12 @@ def make_row(workload: Workload, load: float, policy: str, rate: float, duration
 def format_row(row: Row, width: int) -> str:
     extra = ""
     if row.recovery_s is not None:
-        recovered = math.isfinite(row.recovery_s)
-        extra = f"  hit recovered in {row.recovery_s:.0f} s" if recovered else "  never recovered"
+        if math.isnan(row.recovery_s):
+            extra = "  no baseline before the restart"
+        elif math.isfinite(row.recovery_s):
+            extra = f"  hit recovered in {row.recovery_s:.0f} s"
+        else:
+            extra = "  never recovered"
     if row.slow_share is not None and row.fair_share is not None:
         extra = f"  slow replica {row.slow_share:.1%} of requests (fair {row.fair_share:.1%})"
     low, high = row.ttft_p95_range_s
@@ -371,8 +378,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         workload = replace(workload, fleet=replace(workload.fleet, replicas=args.replicas))
         measured = (Capacity(args.capacity, args.arrival_ratio) if args.capacity is not None
                     else capacity(workload, args.duration))
+        duration = max(args.duration, RESTART_MIN_DURATION_S) if name == "restart" else args.duration
         for load in (float(value) for value in args.loads.split(",")):
-            at_load = [make_row(workload, load, policy, measured.rate_for(load), args.duration, seeds)
+            at_load = [make_row(workload, load, policy, measured.rate_for(load), duration, seeds)
                        for policy in policies]
             print_table(at_load, name, load, measured.requests_per_s)
             rows += at_load
