@@ -29,6 +29,8 @@ class TenantRecord:
     tokens_per_minute: int | None
     suspended_at: dt.datetime | None
     created_at: dt.datetime
+    kv_token_budget: int | None = None   # None = no cap
+    batch_allowed: bool = False
 
     @classmethod
     def of(cls, row: Tenant) -> TenantRecord:
@@ -40,6 +42,8 @@ class TenantRecord:
             tokens_per_minute=row.tokens_per_minute,
             suspended_at=row.suspended_at,
             created_at=row.created_at,
+            kv_token_budget=row.kv_token_budget,
+            batch_allowed=bool(row.batch_allowed),
         )
 
 
@@ -50,6 +54,8 @@ class Limits:
     max_concurrent_runs: int | None = None
     tokens_per_minute: int | None = None
     allowed_tiers: tuple[str, ...] | None = None
+    kv_token_budget: int | None = None   # 0 = no cap
+    batch_allowed: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +181,10 @@ class TenantAdmin:
             row.tokens_per_minute = limits.tokens_per_minute or None
         if limits.allowed_tiers is not None:
             row.allowed_tiers = list(limits.allowed_tiers)
+        if limits.kv_token_budget is not None:
+            row.kv_token_budget = limits.kv_token_budget or None
+        if limits.batch_allowed is not None:
+            row.batch_allowed = limits.batch_allowed
         await self._session.flush()
         return before, TenantRecord.of(row)
 

@@ -189,6 +189,7 @@ class AdminService:
             _not_negative(
                 max_concurrent_runs=limits.max_concurrent_runs or 0,
                 tokens_per_minute=limits.tokens_per_minute or 0,
+                kv_token_budget=limits.kv_token_budget or 0,
             )
             changed = await TenantAdmin(session).set_limits(_named("tenant", name), limits)
             if changed is None:

@@ -36,6 +36,8 @@ def tenant_message(tenant: TenantRecord, budget: BudgetState | None = None) -> a
         tokens_per_minute=tenant.tokens_per_minute or 0,
         suspended=tenant.suspended_at is not None,
         created_at=_time(tenant.created_at),
+        kv_token_budget=tenant.kv_token_budget or 0,
+        batch_allowed=tenant.batch_allowed,
     )
     if budget is not None:
         message.budget.CopyFrom(budget_message(budget))
@@ -182,6 +184,8 @@ class AdminServicer(TrafficAdminMethods, admin_pb2_grpc.AdminServicer):
             max_concurrent_runs=_optional(request, "max_concurrent_runs"),
             tokens_per_minute=_optional(request, "tokens_per_minute"),
             allowed_tiers=tuple(request.allowed_tiers) or None,
+            kv_token_budget=_optional(request, "kv_token_budget"),
+            batch_allowed=request.batch_allowed if request.HasField("batch_allowed") else None,
         )
         return tenant_message(
             await self._service.set_limits(context.invocation_metadata(), request.name, limits)

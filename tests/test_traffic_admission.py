@@ -9,6 +9,7 @@ and sheds interactive at 3; at most 5 batch runs may wait; the configured drain 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -18,11 +19,11 @@ import grpc.aio
 import pytest
 from sluice.ledger.models import Run, RunStatus, Tenant
 from sluice.services import errors
-from sqlalchemy import func, update
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings, load_settings
-from sluice.v1 import common_pb2
+from sluice.v1 import admin_pb2, common_pb2
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, count_runs
 from tests.support.ledger_services import serve_ledger
 
@@ -188,3 +189,30 @@ async def test_a_run_larger_than_the_whole_kv_budget_is_refused_with_the_cap_tha
         advice=errors.CONTEXT_ADVICE_LOWER_CAP.format(fit=5))
     assert dict(error.trailing_metadata() or ())[errors.MAX_OUTPUT_TOKENS_THAT_FIT_KEY] == "5"
     assert await count_runs(tight.sessionmaker) == 2
+
+
+# --- the Admin API sets both per tenant ----------------------------------------------------------
+
+
+async def test_an_admin_sets_a_tenants_kv_budget_and_batch_permission_audited(gateway):
+    admin, as_admin = gateway.admin, gateway.as_admin
+    await admin.CreateTenant(admin_pb2.CreateTenantRequest(name="acme", token_budget=100,
+                                                           cost_budget_micros=10), metadata=as_admin)
+
+    shown = await admin.SetLimits(admin_pb2.SetLimitsRequest(name="acme", kv_token_budget=4_096,
+                                                             batch_allowed=True), metadata=as_admin)
+    untouched = await admin.SetLimits(admin_pb2.SetLimitsRequest(name="acme", tokens_per_minute=500),
+                                      metadata=as_admin)
+    cleared = await admin.SetLimits(admin_pb2.SetLimitsRequest(name="acme", kv_token_budget=0,
+                                                               batch_allowed=False), metadata=as_admin)
+
+    assert (shown.kv_token_budget, shown.batch_allowed) == (4_096, True)
+    assert (untouched.kv_token_budget, untouched.batch_allowed) == (4_096, True)   # fields not sent: kept
+    assert (cleared.kv_token_budget, cleared.batch_allowed) == (0, False)         # 0 = no cap
+    async with gateway.sessionmaker() as session:
+        row = await session.scalar(select(Tenant).where(Tenant.name == "acme"))
+    assert row is not None and (row.kv_token_budget, row.batch_allowed) == (None, False)
+    log = (await admin.ListAudit(admin_pb2.ListAuditRequest(), metadata=as_admin)).entries
+    first = [entry for entry in reversed(log) if entry.action == "tenant.set_limits"][0]
+    assert json.loads(first.after_json)["kv_token_budget"] == 4_096
+    assert json.loads(first.after_json)["batch_allowed"] is True

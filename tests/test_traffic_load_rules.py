@@ -47,7 +47,7 @@ def test_pool_load_sums_replicas_and_derives_depth_and_utilizations() -> None:
                 ReplicaLoad(waiting=0, running=14, kv_used_blocks=50, kv_capacity_blocks=100, max_slots=32))
     assert load.queue_depth == 0.5               # 1 waiting over 2 replicas
     assert load.kv_utilization == 0.4           # 80 / 200
-    assert load.slot_utilization == 24 / 64     # 0.375
+    assert load.slot_utilization == 25 / 64     # (24 running + 1 waiting) / 64 slots
 
 
 def test_slots_unknown_on_any_replica_leaves_slot_use_out_of_the_rule() -> None:

@@ -66,13 +66,14 @@ from sluice.sim.metrics import (
     meets_slo,
 )
 from sluice.sim.scaling import Autoscaling, ScalingHost
+from sluice.sim.traffic import TrafficHost, TrafficPolicy
 from sluice.sim.workload import END_ID, Conversation, Turn, Workload, WorkloadConfig
 
 UNKNOWN_REPLICA = "the policy chose {name!r}, which is not a replica of this fleet"
 DOWN_REPLICA = "the policy chose {name!r}, which is down and was not among the candidates"
 
-_WAKE, _ARRIVAL, _DOWN, _UP, _SCALE, _READY, _PROMOTED = range(7)
-_CONTROL_KINDS = {"scale": _SCALE, "ready": _READY, "promoted": _PROMOTED}
+_WAKE, _ARRIVAL, _DOWN, _UP, _SCALE, _READY, _PROMOTED, _TRAFFIC = range(8)
+_CONTROL_KINDS = {"scale": _SCALE, "ready": _READY, "promoted": _PROMOTED, "traffic": _TRAFFIC}
 _CONTROL_NAMES = {code: name for name, code in _CONTROL_KINDS.items()}
 
 
@@ -108,6 +109,8 @@ class FleetConfig:
     autoscaling: Autoscaling | None = None
     # A canary split between two groups of replicas, under guardrails (sim/canary.py); None: no split.
     canary: CanaryReplay | None = None
+    # Batch work and the degradation ladder (sim/traffic.py); None: interactive traffic only.
+    traffic: TrafficPolicy | None = None
 
     def cost_model(self, replica: int | None = None) -> CostModel:
         speed = dict(self.slow_replicas).get(replica, 1.0) if replica is not None else 1.0
@@ -238,6 +241,8 @@ class _Run:
         self.scaling = ScalingHost(self, settings) if settings is not None else None
         replay = fleet.config.canary
         self.canary = CanaryHost(replay, [r.name for r in fleet.replicas]) if replay is not None else None
+        traffic = fleet.config.traffic
+        self.traffic = TrafficHost(self, traffic) if traffic is not None else None
 
     # --- event plumbing ---------------------------------------------------------------------
 
@@ -271,6 +276,8 @@ class _Run:
             self.push_restart(restart)
         if self.scaling is not None:
             self.scaling.place_initial(self.fleet.replicas)
+        if self.traffic is not None:
+            self.traffic.start()
         end = self.config.duration_s
         heap = self.heap
         while heap and heap[0][0] <= end:
@@ -280,6 +287,8 @@ class _Run:
                 turn = arriving if isinstance(arriving, Turn) else self.draw_turn(arriving)
                 if turn is not None:
                     self.arrive(turn, at)
+            elif kind == _TRAFFIC and self.traffic is not None:
+                self.traffic.on_batch_arrival(at)
             elif kind in _CONTROL_NAMES and self.scaling is not None:
                 self.scaling.on_control(_CONTROL_NAMES[kind], replica, at)
             elif replica is None:
@@ -313,8 +322,9 @@ class _Run:
                                conversation_id=turn.conversation.conversation_id)
         if self.scaling is not None and self.scaling.shed(turn, at):
             return
-        views = [replica.view(self.pool) for replica in self.fleet.replicas
-                 if not replica.down and replica.state == SERVING]
+        if self.traffic is not None and not self.traffic.admit_interactive(turn, at):
+            return
+        views = [replica.view(self.pool) for replica in self.serving()]
         if self.canary is not None:
             views = self.canary.views(turn.request_id, turn.conversation.conversation_id, views, at)
         decision = self.policy.choose(request, views, at)
@@ -344,6 +354,9 @@ class _Run:
         self.turns[turn.request_id] = (turn, request, replica)
         if not replica.busy:
             self.start(replica, at)
+
+    def serving(self) -> list[SimReplica]:
+        return [replica for replica in self.fleet.replicas if not replica.down and replica.state == SERVING]
 
     def reject(self, turn: Turn, at: float) -> None:
         self.rejected += 1
@@ -418,6 +431,8 @@ class _Run:
         for output in outputs:
             self.deliver(replica, output, at)
         self.start(replica, at)
+        if self.traffic is not None:
+            self.traffic.pump(at)
 
     def start(self, replica: SimReplica, at: float) -> None:
         engine = replica.engine
@@ -462,8 +477,13 @@ class _Run:
         self.itl.add_run(durations, batch, last)
 
     def deliver(self, replica: SimReplica, output: RequestOutput, at: float) -> None:
+        if self.traffic is not None and self.traffic.owns(output.request_id):
+            self.traffic.deliver(replica, output, at)
+            return
         record = self.records[output.request_id]
         if output.first_token:
+            if self.traffic is not None:
+                self.traffic.interactive_first_token(at)
             record.first_token_s = at
             record.cached_tokens = output.num_cached_tokens
             if self.scaling is not None:
@@ -523,6 +543,7 @@ class _Run:
             requests_shed=self.scaling.shed_total if self.scaling is not None else 0,
             scaling=tuple(self.scaling.samples) if self.scaling is not None else (),
             canary=self.canary.outcome() if self.canary is not None else None,
+            traffic=self.traffic.summary() if self.traffic is not None else None,
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

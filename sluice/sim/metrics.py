@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sluice.sim.scaling import ScalingSample
+from sluice.sim.traffic import TrafficSummary
 
 if TYPE_CHECKING:
     from sluice.sim.canary import CanaryOutcome  # sim/canary.py reads this module's RequestRecord
@@ -167,6 +168,7 @@ class FleetReport:
     requests_shed: int = 0           # refused by the gateway with a retry-after (autoscaling runs)
     scaling: tuple[ScalingSample, ...] = ()   # the autoscaler's view at each control tick
     canary: CanaryOutcome | None = None       # the canary's guard passes (FleetConfig.canary)
+    traffic: TrafficSummary | None = None     # batch work and the degradation ladder (sim/traffic.py)
 
     def format(self) -> str:
         slo = self.slo

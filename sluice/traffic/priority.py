@@ -45,7 +45,7 @@ class Headroom:
 
     max_queue_depth: float = 1.0          # requests waiting per serving replica (1.0: nothing waits)
     max_kv_utilization: float = 0.7       # used / total KV blocks over the pool
-    max_slot_utilization: float = 0.75    # running / batch slots over the pool (where slots are known)
+    max_slot_utilization: float = 0.75    # (running + waiting) / batch slots over the pool (where known)
 
     def __post_init__(self) -> None:
         if self.max_queue_depth <= 0:
@@ -97,7 +97,9 @@ class PoolLoad:
 
     @property
     def slot_utilization(self) -> float:
-        return self.running / self.slots if self.slots else 0.0
+        """(running + waiting) / slots: what will hold a batch slot at the replicas' next steps (a run
+        just sent is still waiting; counting only the running ones would let each burst overshoot)."""
+        return (self.running + self.waiting) / self.slots if self.slots else 0.0
 
 
 def has_headroom(pool: PoolLoad, headroom: Headroom) -> bool:
