@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler bench-host-tier sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-http bench-routing bench-autoscaler bench-traffic bench-host-tier sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -59,6 +59,9 @@ bench-routing: setup         ## every routing policy (Sluice's and its peers') o
 
 bench-autoscaler: setup      ## seed 000: traffic x2 in 5 min and x3 in 1 min, simulated, with and without a warm pool; tables + PNGs
 	$(PY) -m bench.bench_autoscaler
+
+bench-traffic: setup         ## batch filling a trough (interactive p95 TTFT alone vs with batch) and the ladder under a traffic step; QUICK=1
+	$(PY) -m bench.bench_traffic $(if $(QUICK),--quick,)
 
 bench-host-tier: setup       ## seed 003's chat (3-minute thinks) with and without the host KV tier; hit rate, TTFT
 	$(PY) -m bench.bench_host_tier

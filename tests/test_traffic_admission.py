@@ -23,6 +23,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings, load_settings
+from sluice.traffic.ladder import Step
 from sluice.v1 import admin_pb2, common_pb2
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, count_runs
 from tests.support.ledger_services import serve_ledger
@@ -139,6 +140,11 @@ async def test_one_interactive_run_waiting_sheds_batch_but_not_interactive(tight
     assert retry_after(error) == "100"
     await tight.submit(tenant, "alpha", 5)                           # interactive still admitted (2 < 3)
     assert await count_runs(tight.sessionmaker) == 3
+    assert tight.service is not None
+    metrics = tight.service.ladder_metrics        # each step visible: the refusal counted, the step shown
+    assert metrics.count(POOL, Step.SHED_BATCH) == 1
+    # The last submit found 1 interactive run waiting: step 2 (shed batch), not yet 3 (fallbacks at 2).
+    assert metrics.registry.get_sample_value("sluice_ladder_step", {"pool": POOL}) == Step.SHED_BATCH
 
 
 async def test_batch_runs_have_their_own_backlog_and_never_count_against_interactive(tight):
@@ -169,6 +175,7 @@ async def test_interactive_shedding_tells_the_retry_after_of_the_measured_drain_
     assert error.details() == errors.POOL_BACKLOG_FULL.format(model=POOL, pool=POOL, backlog=3, limit=3,
                                                               retry_after_ms=3000)
     assert retry_after(error) == "3000"
+    assert tight.service is not None and tight.service.ladder_metrics.count(POOL, Step.SHED_INTERACTIVE) == 1
 
 
 # --- GPU-memory budget at admission --------------------------------------------------------------

@@ -2,9 +2,10 @@
 PostgreSQL, Kafka, one routing worker and one Triton replica running the engine core (timing
 executor: Llama-3-8B bf16 on one H100, in real time, a decode step >= 6.9 ms) with 8 batch slots.
 
-With the default [traffic] thresholds a batch run is dispatched only while the pool is below
-0.75 slot use: at most 6 of the 8 slots (dispatch while running/8 < 0.75, i.e. running <= 5, so the
-sixth is the last), and at most one batch run is sent per scrape (queue depth 1 per replica).
+The batch test raises [traffic].batch_max_slot_utilization to 0.75 so that batch can saturate the
+replica's share: a batch run is dispatched only while (running + waiting) / 8 < 0.75, i.e. with at
+most 5 in the replica, so 6 of the 8 slots is its most, and at most one batch run is sent per scrape
+(queue depth below 1 per replica).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ async def runs(stack: Stack, ids: list[str]) -> list[Run]:
 
 async def test_batch_saturating_the_pool_never_delays_an_interactive_runs_first_token(stack: Stack):
     await allow(stack, batch_allowed=True)
+    stack.config = stack.config.updated(traffic={"batch_max_slot_utilization": 0.75})
     async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         batch = [(await sdk.submit(PROMPT, max_output_tokens=BATCH_CAP, batch=True)).run_id
                  for _ in range(20)]

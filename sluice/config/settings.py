@@ -206,7 +206,7 @@ class TrafficSection(Section):
 
     batch_max_queue_depth: Positive = 1.0
     batch_max_kv_utilization: Annotated[float, Field(gt=0, le=1)] = 0.7
-    batch_max_slot_utilization: Annotated[float, Field(gt=0, le=1)] = 0.75
+    batch_max_slot_utilization: Annotated[float, Field(gt=0, le=1)] = 0.1
     max_batch_backlog_per_pool: PositiveInt = 10_000
     default_batch_deadline_ms: PositiveInt = 21_600_000
     max_batch_deadline_ms: PositiveInt = 259_200_000

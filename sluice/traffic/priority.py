@@ -45,7 +45,7 @@ class Headroom:
 
     max_queue_depth: float = 1.0          # requests waiting per serving replica (1.0: nothing waits)
     max_kv_utilization: float = 0.7       # used / total KV blocks over the pool
-    max_slot_utilization: float = 0.75    # (running + waiting) / batch slots over the pool (where known)
+    max_slot_utilization: float = 0.1     # (running + waiting) / batch slots over the pool (where known)
 
     def __post_init__(self) -> None:
         if self.max_queue_depth <= 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from sluice.services.admission import add_admission_servicer
+from sluice.services.admission import AdmissionService, add_admission_servicer
 from sluice.services.usage import add_usage_servicer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -35,6 +35,7 @@ class Services:
     admission: admission_pb2_grpc.AdmissionStub
     usage: usage_pb2_grpc.UsageServiceStub
     tokenizer: str                   # path of the word-level test tokenizer
+    service: AdmissionService | None = None   # the in-process service behind `admission` (its metrics)
 
     async def submit(
         self,
@@ -84,7 +85,7 @@ async def serve_ledger(sessionmaker: async_sessionmaker[AsyncSession], word_toke
                        config: Settings) -> AsyncIterator[Services]:
     """Admission + Usage on a free loopback port with `config` (e.g. tighter [admission] keys)."""
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    service = add_admission_servicer(server, sessionmaker, config)
     add_usage_servicer(server, sessionmaker, config)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -95,6 +96,7 @@ async def serve_ledger(sessionmaker: async_sessionmaker[AsyncSession], word_toke
             admission=admission_pb2_grpc.AdmissionStub(channel),
             usage=usage_pb2_grpc.UsageServiceStub(channel),
             tokenizer=word_tokenizer,
+            service=service,
         )
     finally:
         await channel.close()
