@@ -69,6 +69,7 @@ class InferenceBody(_Strict):
     deadlineMs: Annotated[int, Field(ge=1)] | None = None   # or relative, ms from now
     sampling: SamplingBody = SamplingBody()
     conversationId: str | None = None
+    priority: Literal["interactive", "batch"] = "interactive"   # batch: the tenant must be permitted it
 
 
 # --- OpenAI: chat completions, completions, responses --------------------------------------------

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from sluice.traffic.priority import Priority
 from sluice.v1 import runs_pb2
 
 CSV_MEDIA_TYPE = "text/csv"
@@ -102,7 +103,7 @@ async def inference(request: Request) -> Response:
         deadline_ms=deadline_ms(body, time.time()),
         sampling=Sampling(temperature=normalize_float(body.sampling.temperature),
                           top_p=normalize_float(body.sampling.topP), seed=body.sampling.seed),
-        conversation_id=body.conversationId)
+        conversation_id=body.conversationId, priority=Priority(body.priority))
     admitted = await edge.admission.submit(metadata, intent)
     run_id = str(admitted.run_id)
     location = {"location": f"/v1/runs/{run_id}"}

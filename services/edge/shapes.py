@@ -63,7 +63,8 @@ def admitted_json(admitted: Admitted) -> dict[str, Any]:
     run_id = str(admitted.run_id)
     return {"runId": run_id, "status": admitted.status.value, "modelVersion": admitted.model_version,
             "inputTokens": admitted.input_tokens, "maxOutputTokens": admitted.max_output_tokens,
-            "deduplicated": admitted.deduplicated, "urls": run_urls(run_id)}
+            "deduplicated": admitted.deduplicated, "priority": admitted.priority.value,
+            "urls": run_urls(run_id)}
 
 
 def _ms_or_none(ms: int) -> int | None:
