@@ -280,9 +280,14 @@ class AdmissionService:
                 model, priority, rung, context))
         except Unavailable as refusal:
             if priority is Priority.BATCH:
+                self.ladder_metrics.acted(model.worker_pool, Step.SHED_BATCH)
                 raise
-            fallback = await self._fall_back(tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
-                                             f"backlog {context.backlog} >= {pace.max_backlog}", refusal)
+            try:
+                fallback = await self._fall_back(tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
+                                                 f"backlog {context.backlog} >= {pace.max_backlog}", refusal)
+            except Unavailable:
+                self.ladder_metrics.acted(model.worker_pool, Step.SHED_INTERACTIVE)
+                raise
             retry = False
         if fallback is None and not retry and priority is Priority.INTERACTIVE and allows_fallback(rung):
             fallback = await self._fall_back_if_permitted(
@@ -386,13 +391,10 @@ class AdmissionService:
         return rung
 
     def _check_ladder(self, model: ModelInfo, priority: Priority, rung: Rung, context: SubmitContext) -> None:
-        try:
-            check_ladder(model.version, model.worker_pool, priority, rung, context.backlog,
-                         context.batch_backlog, self._settings.traffic)
-        except SluiceError:
-            self.ladder_metrics.acted(model.worker_pool, Step.SHED_BATCH if priority is Priority.BATCH
-                                      else Step.SHED_INTERACTIVE)
-            raise
+        """What the ladder sheds (counted by the caller, once it is sure: a fallback may still take
+        a shed interactive submit)."""
+        check_ladder(model.version, model.worker_pool, priority, rung, context.backlog,
+                     context.batch_backlog, self._settings.traffic)
 
     async def _unless_a_retry(self, tenant: TenantInfo, intent: SubmitIntent,
                               check: Callable[[], None]) -> bool:

@@ -20,22 +20,11 @@ from sluice.traffic.ladder import (
 from sluice.traffic.priority import (
     Headroom,
     PoolLoad,
-    Priority,
     ReplicaLoad,
-    claim_order,
     has_headroom,
 )
 
-INTER, B = Priority.INTERACTIVE, Priority.BATCH
-
-
-# --- priority: claim order and headroom ---------------------------------------------------------------
-
-
-def test_interactive_runs_are_claimed_before_older_batch_runs_and_each_class_oldest_first() -> None:
-    waiting = [(B, 1.0), (INTER, 5.0), (B, 0.5), (INTER, 3.0)]
-    # interactive by age: index 3 (t=3), index 1 (t=5); then batch by age: index 2 (t=0.5), index 0 (t=1)
-    assert claim_order(waiting) == [3, 1, 2, 0]
+# --- priority: headroom ----------------------------------------------------------------------------------
 
 
 def pool(*loads: ReplicaLoad) -> PoolLoad:

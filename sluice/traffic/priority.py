@@ -29,16 +29,6 @@ class Priority(enum.StrEnum):
     BATCH = "batch"
 
 
-# Claim order: lower first. Interactive runs are always taken before batch runs waiting with them.
-CLAIM_RANK: dict[Priority, int] = {Priority.INTERACTIVE: 0, Priority.BATCH: 1}
-
-
-def claim_order(waiting: Sequence[tuple[Priority, float]]) -> list[int]:
-    """Indexes of `waiting` (priority, submitted at) in the order a routing worker claims them:
-    by class, then oldest first within a class."""
-    return sorted(range(len(waiting)), key=lambda i: (CLAIM_RANK[waiting[i][0]], waiting[i][1]))
-
-
 @dataclass(frozen=True, slots=True)
 class Headroom:
     """Thresholds a pool must be strictly below for a batch run to be dispatched ([traffic])."""
