@@ -27,6 +27,7 @@ from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 
 from sluice.v1 import common_pb2, routing_pb2, runs_pb2
+from tests.support.admin_services import make_admin_key
 from tests.support.routing_stack import MODEL, Stack, collect, deltas_tokens, routing_api
 
 pytestmark = pytest.mark.integration
@@ -115,19 +116,21 @@ async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_r
 
 async def test_the_routing_api_lists_edits_and_explains_the_registry_of_its_process(stack: Stack):
     worker = await stack.start_worker()
+    admin = (("x-api-key", await make_admin_key(stack.sessionmaker)),)
     async with routing_api(worker) as routing:
-        listed = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+        listed = await routing.ListReplicas(routing_pb2.ListReplicasRequest(), metadata=admin)
         explained = await routing.Explain(routing_pb2.ExplainRequest(model_version=MODEL.version,
                                                                      token_ids=[5, 6, 7]),
                                           metadata=(("x-api-key", stack.tenant.api_key),))
         added = await routing.UpsertReplica(routing_pb2.Replica(name="r7", pool=MODEL.version,
-                                                                grpc_address="127.0.0.1:1"))
-        relisted = await routing.ListReplicas(routing_pb2.ListReplicasRequest())
+                                                                grpc_address="127.0.0.1:1"), metadata=admin)
+        relisted = await routing.ListReplicas(routing_pb2.ListReplicasRequest(), metadata=admin)
         after_add = [r.name for r in relisted.replicas]
-        removed = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
-        removed_again = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"))
+        removed = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"), metadata=admin)
+        removed_again = await routing.RemoveReplica(routing_pb2.RemoveReplicaRequest(name="r7"),
+                                                    metadata=admin)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await routing.UpsertReplica(routing_pb2.Replica(grpc_address="127.0.0.1:1"))
+            await routing.UpsertReplica(routing_pb2.Replica(grpc_address="127.0.0.1:1"), metadata=admin)
     assert listed.policy == "round_robin"
     assert [(r.name, r.pool, r.healthy) for r in listed.replicas] == [
         ("r0", MODEL.version, True), ("r1", MODEL.version, True)]
@@ -182,3 +185,24 @@ async def test_sluice_runs_cancel_and_a_strangers_get_is_not_found(stack: Stack,
 async def collect_run_ids(stack: Stack) -> list[str]:
     async with stack.sessionmaker() as session:
         return [str(run_id) for run_id in (await session.scalars(select(Run.id))).all()]
+
+
+async def test_the_routing_api_edits_its_registry_only_for_an_admin_key(stack: Stack):
+    """DESIGN.md "Keys and scopes": replicas are admin's. Without the check, anyone reaching the
+    port could add a replica of their own and receive other tenants' prompts."""
+    worker = await stack.start_worker()
+    rogue = routing_pb2.Replica(name="rogue", pool=MODEL.version, grpc_address="127.0.0.1:1")
+    tenant = (("x-api-key", stack.tenant.api_key),)
+    remove = routing_pb2.RemoveReplicaRequest(name="r0")
+    async with routing_api(worker) as routing:
+        codes = []
+        for call in (lambda: routing.UpsertReplica(rogue),
+                     lambda: routing.UpsertReplica(rogue, metadata=tenant),
+                     lambda: routing.RemoveReplica(remove, metadata=tenant),
+                     lambda: routing.ListReplicas(routing_pb2.ListReplicasRequest())):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call()
+            codes.append(caught.value.code())
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED]
+    assert [spec.name for spec in worker.registry.specs()] == ["r0", "r1"]

@@ -1,8 +1,9 @@
 """Routing gRPC API: the replica registry of the routing process that serves it, and Explain.
 
 Served by a routing worker process (`python -m sluice.services.routing --listen ...`),
-so an edit changes where that process routes from its next claim on. Explain takes a tenant API key
-and predicts within that tenant's trust scope (services/trust_scope.py).
+so an edit changes where that process routes from its next claim on. The registry RPCs take an
+admin-scoped key (DESIGN.md "Keys and scopes": replicas are admin's); Explain takes a tenant API
+key and predicts within that tenant's trust scope (services/trust_scope.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import time
 
 import grpc
 import grpc.aio
-from sluice.ledger.models import Model
-from sluice.services.auth import authenticate
+from sluice.ledger.models import KeyScope, Model
+from sluice.services.auth import authenticate, identify, require_scope
 from sluice.services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
 from sluice.services.routing.claims import in_flight_by_replica
 from sluice.services.routing.worker import RoutingWorker
@@ -33,9 +34,16 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     def __init__(self, worker: RoutingWorker) -> None:
         self.worker = worker
 
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+        """Anyone who reaches this port could otherwise send runs to a replica of their own."""
+        async with self.worker.sessions() as session:
+            caller = await identify(session, context.invocation_metadata())
+        require_scope(caller, "the replica registry", KeyScope.ADMIN)
+
     @grpc_errors
     async def ListReplicas(self, request: routing_pb2.ListReplicasRequest,
                            context: grpc.aio.ServicerContext) -> routing_pb2.ListReplicasResponse:
+        await self._require_admin(context)
         async with self.worker.sessions() as session:
             in_flight = await in_flight_by_replica(session)
         now = time.time()
@@ -47,6 +55,7 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     @grpc_errors
     async def UpsertReplica(self, request: routing_pb2.Replica,
                             context: grpc.aio.ServicerContext) -> routing_pb2.Replica:
+        await self._require_admin(context)
         if not request.name:
             raise InvalidArgument(REPLICA_NAME_MISSING)
         if not request.grpc_address:
@@ -69,6 +78,7 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     @grpc_errors
     async def RemoveReplica(self, request: routing_pb2.RemoveReplicaRequest,
                             context: grpc.aio.ServicerContext) -> routing_pb2.RemoveReplicaResponse:
+        await self._require_admin(context)
         if not request.name:
             raise InvalidArgument(REPLICA_NAME_MISSING)
         removed = self.worker.registry.remove(request.name) is not None
