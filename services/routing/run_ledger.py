@@ -69,6 +69,12 @@ _CONNECTION_ERRORS = (OSError, ConnectionError, asyncio.TimeoutError, asyncpg.In
                       asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.CrashShutdownError)
 
 
+# asyncpg's protocol left mid-operation by a connection the server terminated (a PostgreSQL
+# restart): "cannot switch to state 15; another operation (2) is in progress" on the COMMIT. Seen
+# crashing a driver's settlement in the chaos suite's restarts, so the run ended INTERRUPTED.
+_BROKEN_PROTOCOL = "cannot switch to state"
+
+
 def transient(error: BaseException | None) -> bool:
     """A database error worth retrying: the connection (or the server's availability), not the
     statement, failed. SQLAlchemy wraps the driver's error: the whole cause chain is looked at."""
@@ -79,6 +85,8 @@ def transient(error: BaseException | None) -> bool:
         if error is None:
             continue
         if isinstance(error, _CONNECTION_ERRORS):
+            return True
+        if isinstance(error, asyncpg.exceptions.InternalClientError) and _BROKEN_PROTOCOL in str(error):
             return True
         if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
             return True
