@@ -69,7 +69,7 @@ _FIELDS = {REQUEST_METRIC: _REQUEST_FIELDS, KV_METRIC: _KV_FIELDS, HOST_TIER_MET
 def parse_metrics(text: str) -> LoadSnapshot:
     """Read a replica's /metrics text. Samples of several models on one server are summed.
 
-    A line scan for the four metric names used, not a full exposition parser: the routing
+    A line scan for the metric names used, not a full exposition parser: the routing
     process scrapes every replica a few times a second, and prometheus_client's parser took
     ~270 us per replica (17 ms of the event loop per round at 64 replicas), this ~20 us.
     """
@@ -141,10 +141,10 @@ def step_time_between(previous: LoadSnapshot, previous_at: float,
 
     Only while the replica was busy at both scrapes: an idle engine does not step, so a gap with
     idle time in it would read as slow steps. The scrape times are the router's own clock, not
-    TensorRT-LLM's iteration timestamp (whole seconds in its exposition, too coarse for steps of
-    tens of milliseconds). A step is longer with a bigger batch, so this is a per-step time at the
-    replica's own load: a throttled replica reads slower at the same batch, and a replica with a
-    bigger batch reads slower too, which pushes the same way (send it less)."""
+    TensorRT-LLM's iteration timestamp gauge, whose unit and resolution are not the same in every
+    version (deploy/triton/CONTRACT.md). A step is longer with a bigger batch, so this is a
+    per-step time at the replica's own load: a throttled replica reads slower at the same batch,
+    and a replica with a bigger batch reads slower too, which pushes the same way (send it less)."""
     if previous.iterations is None or current.iterations is None:
         return None
     steps = current.iterations - previous.iterations
