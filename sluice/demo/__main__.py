@@ -28,7 +28,10 @@ from sluice.v1 import runs_pb2
 MODEL = "chat-small"
 PROMPT = "Explain in one paragraph why a stream must be resumable by cursor."
 LONG_CAP = 400          # long enough to interrupt mid-stream
-DROP_AFTER = 10
+# Event 2 is the first token's delta, always its own event (the first token is published at once);
+# later deltas are coalesced (up to 200 ms or 32 tokens by default), so a short answer may end
+# within a handful of events and a later cursor might never be reached.
+DROP_AFTER = 2
 ANSWER_CAP = 40
 
 
