@@ -48,8 +48,8 @@ lint: setup                  ## ruff everywhere; mypy (strict on engine, planner
 bench: infra-up              ## benchmarks print figures and ratios; they never fail on timing
 	$(PY) -m bench
 
-bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small
-	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,)
+bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small; PHASES=ttft,runs,...
+	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,) $(if $(PHASES),--phases $(PHASES),)
 
 bench-http: infra-up         ## HTTP edge vs gRPC, the same requests side by side: added p50/p95 (issue 11: <= 3 ms p95)
 	$(PY) -m bench.bench_http_edge

@@ -391,6 +391,9 @@ def top_functions(collapsed: Path, count: int = 5) -> list[str]:
     return [f"{samples / max(total, 1):6.1%}  {frame}" for frame, samples in ranked]
 
 
+PHASES = ("ttft", "runs", "stream64", "stream256", "interrupt", "submit")
+
+
 async def bench(args: argparse.Namespace) -> None:
     plan = QUICK if args.quick else FULL
     config = load_settings()
@@ -419,12 +422,16 @@ async def bench(args: argparse.Namespace) -> None:
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
-        for line in await phase_ttft(client, stack.replica_addresses, plan, dsn):
-            print(line, flush=True)
-        outcomes, spent = await phase_runs(meter, client, plan.cost_runs, 16, 2)
-        print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent; {outcome_counts(outcomes)}):"
-              f" {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
-        for width, runs in ((64, plan.stream_runs_64), (256, plan.stream_runs_256)):
+        phases = set(args.phases.split(","))
+        if "ttft" in phases:
+            for line in await phase_ttft(client, stack.replica_addresses, plan, dsn):
+                print(line, flush=True)
+        if "runs" in phases:
+            outcomes, spent = await phase_runs(meter, client, plan.cost_runs, 16, 2)
+            print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent;"
+                  f" {outcome_counts(outcomes)}): {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
+        widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
+        for width, runs in ((w, r) for w, r in widths if f"stream{w}" in phases):
             profiles = start_profiles(stack, args.py_spy, log_dir) if args.py_spy and width == 64 else []
             print(f"[{load()}]", flush=True)
             outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
@@ -437,17 +444,19 @@ async def bench(args: argparse.Namespace) -> None:
             label = f"{width} concurrent {plan.stream_tokens}-token streams"
             for line in stream_lines(label, outcomes, spent, background):
                 print(line, flush=True)
-        outcomes, spent = await phase_runs(meter, client, plan.interrupt_runs, 256, plan.interrupt_tokens)
-        interrupted = sum(1 for o in outcomes if o.status == "INTERRUPTED")
-        print(f"INTERRUPTED: {interrupted} of {len(outcomes)} runs ({plan.interrupt_tokens} tokens each, 256"
-              f" concurrent, {spent.wall_s:.0f} s); outcomes: {outcome_counts(outcomes)}"
-              + (f"; e.g. {interrupted_details(outcomes)}" if len(outcomes) > completed(outcomes) else ""),
-              flush=True)
+        if "interrupt" in phases:
+            outcomes, spent = await phase_runs(meter, client, plan.interrupt_runs, 256, plan.interrupt_tokens)
+            interrupted = sum(1 for o in outcomes if o.status == "INTERRUPTED")
+            print(f"INTERRUPTED: {interrupted} of {len(outcomes)} runs ({plan.interrupt_tokens} tokens each,"
+                  f" 256 concurrent, {spent.wall_s:.0f} s); outcomes: {outcome_counts(outcomes)}"
+                  + (f"; e.g. {interrupted_details(outcomes)}"
+                     if len(outcomes) > completed(outcomes) else ""), flush=True)
         print(f"[{load()}]", flush=True)
-        await asyncio.to_thread(stack.stop_workers)
-        lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
-        for line in lines:
-            print(line, flush=True)
+        if "submit" in phases:
+            await asyncio.to_thread(stack.stop_workers)
+            lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
+            for line in lines:
+                print(line, flush=True)
     finally:
         # The processes go first: nothing that fails below may leave them running.
         await asyncio.to_thread(stack.stop)
@@ -471,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--submit-rate", type=float, default=500.0)
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
                         help="profile a gateway and the routing worker this long during stream-64")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     asyncio.run(bench(parser.parse_args(argv)))
 
 
