@@ -49,3 +49,20 @@ def test_a_terminal_republished_at_another_time_and_epoch_is_a_copy_and_a_change
     changed.usage.output_tokens = 5
     assert _event_problems(_run(), [_delta(1), _delta(2), _terminal(3), changed]) == [
         f"run {RUN_ID}: 1 events after its terminal (first seq 3)"]
+
+
+def _fenced(event: runs_pb2.RunEvent, epoch: int) -> runs_pb2.RunEvent:
+    event.lease_epoch = epoch
+    return event
+
+
+def test_a_reaped_run_reads_past_its_fence_and_the_lost_owners_late_event_but_a_real_gap_does_not():
+    # Owner of epoch 1 wrote 1 and 2; a reaper (epoch 2) fenced, read 1..2 and ended the run at 3; the
+    # old owner's delayed 3 landed after the fence. A reader sees 1, 2, 3 (the reaper's terminal).
+    fence = runs_pb2.RunEvent(run_id=str(RUN_ID), sequence=0, type=runs_pb2.EVENT_TYPE_STATUS, lease_epoch=2)
+    interrupted = common_pb2.RUN_STATUS_INTERRUPTED
+    reaped = [_fenced(_delta(1), 1), _fenced(_delta(2), 1), fence, _fenced(_delta(3), 1),
+              _fenced(_terminal(3, interrupted), 2)]
+    assert _event_problems(_run("INTERRUPTED"), reaped) == []
+    gap = [_fenced(_delta(1), 1), fence, _fenced(_terminal(3, interrupted), 2)]
+    assert _event_problems(_run("INTERRUPTED"), gap) == [f"run {RUN_ID}: sequences [1, 3] are not 1..n"]
