@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import sluice.services.replica_client as rc
 
+from sluice.autoscaler.local import free_ports as free_ports  # re-exported: tests import it from here
 from sluice.config.settings import env_overrides
 from sluice.replica.engine_api import GenerationRequest
 from sluice.replica.engine_core_adapter import CoreEngine, CoreSettings
@@ -67,17 +67,6 @@ class LevelResult:
                 f"{self.predicted_step_s * 1e3:>11.2f}{mean / self.predicted_step_s:>8.2f}"
                 f"{self.cpu_s / max(self.tokens, 1) * 1e3:>12.3f}"
                 f"{self.core_cpu_s / max(self.tokens, 1) * 1e6:>15.1f}")
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def group_cpu_seconds(session: int) -> float:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,25 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.autoscaler.local import free_ports as free_ports  # re-exported: tests import it from here
 from sluice.config import load_settings
 from sluice.config.settings import env_overrides
 from tests.support import REPO_ROOT
 
 READY_MARKER = "ready model=tensorrt_llm"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free right now (the OS picks them; held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass(frozen=True, slots=True)
