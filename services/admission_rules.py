@@ -31,13 +31,11 @@ from sluice.services.errors import (
     MAX_OUTPUT_TOKENS_THAT_FIT_KEY,
     MIN_DEADLINE_MS_KEY,
     OUTPUT_CAP_NOT_POSITIVE,
-    POOL_BACKLOG_FULL,
     REQUEST_KEY_MISSING,
     REQUEST_KEY_TOO_LONG,
     SAMPLING_OUT_OF_RANGE,
     DeadlineExceeded,
     InvalidArgument,
-    Unavailable,
 )
 
 from sluice.traffic.fallback import NO_NARROWING, Narrowing
@@ -246,23 +244,6 @@ class PoolPace:
     def queue_wait_ms(self, backlog: int) -> int:
         """How long the runs waiting now take to leave the queue, in whole ms (rounded up)."""
         return math.ceil(backlog * 1000 / self.drain_runs_per_s)
-
-
-def check_backlog(model_version: str, worker_pool: str, backlog: int, pace: PoolPace) -> None:
-    """Shed the submit (UNAVAILABLE) when the model already has `max_backlog` runs waiting.
-
-    Retry-after is the time the pool needs to drain the backlog it holds now at the configured
-    rate: a caller retrying then finds the queue it would have joined gone, rather than coming
-    back at once to a pool that is still full.
-    """
-    if backlog < pace.max_backlog:
-        return
-    wait_ms = max(1, pace.queue_wait_ms(backlog))
-    raise Unavailable(
-        POOL_BACKLOG_FULL.format(model=model_version, pool=worker_pool, backlog=backlog,
-                                 limit=pace.max_backlog, retry_after_ms=wait_ms),
-        retry_after_ms=wait_ms, reason="POOL_BACKLOG_FULL",
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ from sluice.services.admission_rules import (
     PoolPace,
     Sampling,
     SubmitIntent,
-    check_backlog,
     check_context,
     check_deadline,
     check_request_shape,
@@ -138,20 +137,6 @@ def test_retry_after_waits_for_just_enough_of_the_oldest_admissions_to_age_out()
 # --- load shedding and the deadline floor ---------------------------------------------------------
 
 PACE = PoolPace(max_backlog=100, drain_runs_per_s=50.0, ms_per_prompt_token=0.5, ms_per_output_token=7.0)
-
-
-def test_a_backlog_below_the_bound_is_admitted():
-    check_backlog("m-v1", "m-pool", 99, PACE)
-
-
-def test_a_full_backlog_is_shed_with_the_time_the_pool_needs_to_drain_it():
-    with pytest.raises(errors.Unavailable) as caught:
-        check_backlog("m-v1", "m-pool", 100, PACE)
-    assert caught.value.retry_after_ms == 2_000  # 100 runs at 50 runs/s
-    assert caught.value.metadata == ((errors.RETRY_AFTER_MS_KEY, "2000"),)
-    assert caught.value.message == errors.POOL_BACKLOG_FULL.format(
-        model="m-v1", pool="m-pool", backlog=100, limit=100, retry_after_ms=2_000)
-    assert caught.value.message.endswith("(at most 100 may wait): retry after 2000 ms")
 
 
 def test_the_floor_is_queue_wait_plus_prefill_plus_the_whole_cap_each_rounded_up():
