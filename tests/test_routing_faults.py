@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 
 import pytest
@@ -21,10 +20,17 @@ from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from sluice.v1 import common_pb2, runs_pb2
+from sluice.v1 import common_pb2
 from tests.support.ledger_factories import budget_row
 from tests.support.replica_proc import kill_replica, start_replica
-from tests.support.routing_stack import REPLICA_SETTINGS, Stack, collect, deltas_tokens, replica_tables
+from tests.support.routing_stack import (
+    REPLICA_SETTINGS,
+    Stack,
+    collect,
+    deltas_tokens,
+    replica_tables,
+    stream_with_fault,
+)
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -41,14 +47,9 @@ async def test_a_sigstopped_replica_ends_its_run_interrupted_within_5_s_with_exa
         await stack.start_worker()
         async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
             run = await sdk.submit(PROMPT, max_output_tokens=500)
-            events: list[runs_pb2.RunEvent] = []
-            stopped_at = 0.0
-            async for event in sdk.stream(run.run_id):
-                events.append(event)
-                if len(events) == 15:
-                    os.killpg(frozen.process.pid, signal.SIGSTOP)   # alive, silent: host, tritonserver, stub
-                    stopped_at = time.monotonic()
-            ended_s = time.monotonic() - stopped_at
+            # Alive and silent: the host, its tritonserver and the model stub all stopped.
+            events, ended_s = await stream_with_fault(
+                sdk.stream(run.run_id), 15, lambda: os.killpg(frozen.process.pid, signal.SIGSTOP))
     finally:
         os.killpg(frozen.process.pid, signal.SIGCONT)
         await asyncio.to_thread(kill_replica, frozen)

@@ -30,6 +30,7 @@ from tests.support.routing_stack import (
     collect,
     deltas_tokens,
     replica_tables,
+    stream_with_fault,
 )
 
 pytestmark = pytest.mark.integration
@@ -58,14 +59,8 @@ async def test_seed_002_a_replica_killed_mid_stream_ends_the_run_interrupted_wit
         await stack.start_worker()
         async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
             run = await sdk.submit(PROMPT, max_output_tokens=500)
-            events: list[runs_pb2.RunEvent] = []
-            killed_at = 0.0
-            async for event in sdk.stream(run.run_id):
-                events.append(event)
-                if len(events) == 15:
-                    await asyncio.to_thread(kill_replica, doomed)
-                    killed_at = time.monotonic()
-            ended_s = time.monotonic() - killed_at
+            events, ended_s = await stream_with_fault(sdk.stream(run.run_id), 15,
+                                                      lambda: kill_replica(doomed))
     finally:
         await asyncio.to_thread(stop_replica, doomed)
     terminal = events[-1]

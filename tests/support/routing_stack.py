@@ -78,6 +78,20 @@ async def collect(stream: AsyncIterator[runs_pb2.RunEvent],
     return received
 
 
+async def stream_with_fault(stream: AsyncIterator[runs_pb2.RunEvent], after_events: int,
+                            fault: Callable[[], Any]) -> tuple[list[runs_pb2.RunEvent], float]:
+    """Read a whole stream, calling `fault` (in a thread: it may block) once `after_events` have
+    arrived. Returns the events and the seconds from the fault to the stream's end."""
+    events: list[runs_pb2.RunEvent] = []
+    faulted_at = 0.0
+    async for event in stream:
+        events.append(event)
+        if len(events) == after_events:
+            await asyncio.to_thread(fault)
+            faulted_at = time.monotonic()
+    return events, time.monotonic() - faulted_at
+
+
 def deltas_tokens(events: list[runs_pb2.RunEvent]) -> int:
     """Output tokens carried by the DELTA events among `events`."""
     return sum(len(e.token_ids) for e in events if e.type == runs_pb2.EVENT_TYPE_DELTA)
