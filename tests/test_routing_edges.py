@@ -10,6 +10,7 @@ import json
 import grpc
 import grpc.aio
 import pytest
+from sluice.ledger import audit
 from sluice.ledger.models import Run, RunStatus
 from sluice.services.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing import worker as routing_worker
@@ -139,6 +140,15 @@ async def test_the_routing_api_lists_edits_and_explains_the_registry_of_its_proc
     assert (removed.removed, removed_again.removed) == (True, False)
     assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
                                                              REPLICA_NAME_MISSING)
+    # Each edit left one audit row naming the admin key and this process; the no-op removal none.
+    async with stack.sessionmaker() as session:
+        rows = list(reversed(await audit.recent(session, 10)))
+    admin_prefix = admin[0][1].split("_")[0]     # a key is "<prefix>_<secret>" (ledger/keys.py)
+    where = f"r7 @ {worker.settings.owner}"
+    assert [(r.action, r.target, r.actor) for r in rows] == [
+        ("routing.replica.upsert", where, admin_prefix), ("routing.replica.remove", where, admin_prefix)]
+    assert rows[0].before is None and rows[0].after["grpc_address"] == "127.0.0.1:1"
+    assert rows[1].before["name"] == "r7" and rows[1].after is None
 
 
 # --- the sluice CLI -------------------------------------------------------------------------------
@@ -206,3 +216,5 @@ async def test_the_routing_api_edits_its_registry_only_for_an_admin_key(stack: S
     assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                      grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED]
     assert [spec.name for spec in worker.registry.specs()] == ["r0", "r1"]
+    async with stack.sessionmaker() as session:
+        assert await audit.recent(session, 10) == []

@@ -12,6 +12,8 @@ import time
 
 import grpc
 import grpc.aio
+from sluice.ledger import audit
+from sluice.ledger.audit import Actor
 from sluice.ledger.models import KeyScope, Model
 from sluice.services.auth import authenticate, identify, require_scope
 from sluice.services.errors import InvalidArgument, NotFound, Unavailable, grpc_errors
@@ -28,17 +30,29 @@ REPLICA_NAME_MISSING = "replica name is empty: name the replica to add, replace 
 REPLICA_ADDRESS_MISSING = "replica {name!r} has no grpc_address: send the Triton gRPC host:port"
 UNKNOWN_MODEL_VERSION = "unknown model version {version!r}: Explain takes an exact model version"
 NO_REPLICA = "no healthy replica serves model {version!r} now"
+ROUTING_UPSERT = "routing.replica.upsert"   # audit actions: one routing process's own registry
+ROUTING_REMOVE = "routing.replica.remove"
 
 
 class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     def __init__(self, worker: RoutingWorker) -> None:
         self.worker = worker
 
-    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> Actor:
         """Anyone who reaches this port could otherwise send runs to a replica of their own."""
         async with self.worker.sessions() as session:
             caller = await identify(session, context.invocation_metadata())
         require_scope(caller, "the replica registry", KeyScope.ADMIN)
+        return Actor(caller.key_id, caller.key_prefix)
+
+    async def _audited(self, actor: Actor, action: str, name: str, before: ReplicaSpec | None,
+                       after: ReplicaSpec | None) -> None:
+        """The audit row is committed before the edit is applied, as the Admin service's edits
+        commit with theirs: no edit without its row. The target names this process, since the edit
+        changes only its registry (the Admin service's replica edits are the fleet-wide ones)."""
+        async with self.worker.sessions() as session, session.begin():
+            target = f"{name} @ {self.worker.settings.owner}"
+            await audit.record(session, actor, action, target, before, after)
 
     @grpc_errors
     async def ListReplicas(self, request: routing_pb2.ListReplicasRequest,
@@ -55,7 +69,7 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     @grpc_errors
     async def UpsertReplica(self, request: routing_pb2.Replica,
                             context: grpc.aio.ServicerContext) -> routing_pb2.Replica:
-        await self._require_admin(context)
+        actor = await self._require_admin(context)
         if not request.name:
             raise InvalidArgument(REPLICA_NAME_MISSING)
         if not request.grpc_address:
@@ -71,6 +85,7 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
             spec = ReplicaSpec.from_table(table)
         except RegistryError as exc:
             raise InvalidArgument(str(exc)) from exc
+        await self._audited(actor, ROUTING_UPSERT, spec.name, self.worker.registry.get(spec.name), spec)
         self.worker.registry.upsert(spec)
         self.worker.replicas_changed()
         return self._message(spec, 0, True)
@@ -78,9 +93,12 @@ class RoutingServicer(routing_pb2_grpc.RoutingServicer):
     @grpc_errors
     async def RemoveReplica(self, request: routing_pb2.RemoveReplicaRequest,
                             context: grpc.aio.ServicerContext) -> routing_pb2.RemoveReplicaResponse:
-        await self._require_admin(context)
+        actor = await self._require_admin(context)
         if not request.name:
             raise InvalidArgument(REPLICA_NAME_MISSING)
+        before = self.worker.registry.get(request.name)
+        if before is not None:
+            await self._audited(actor, ROUTING_REMOVE, request.name, before, None)
         removed = self.worker.registry.remove(request.name) is not None
         self.worker.replicas_changed()
         return routing_pb2.RemoveReplicaResponse(removed=removed)
