@@ -60,6 +60,15 @@ class SamplingBody(_Strict):
     seed: Seed = 0
 
 
+class FallbackBody(_Strict):
+    """Narrows the fallback the tenant's administrator permits (never widens it), as Submit's
+    FallbackRequest: `refuse`, or only these models / conditions (empty: all permitted)."""
+
+    refuse: bool = False
+    models: list[str] = []
+    conditions: list[Literal["backlog", "deadline"]] = []
+
+
 class InferenceBody(_Strict):
     model: str
     input: str
@@ -70,6 +79,7 @@ class InferenceBody(_Strict):
     sampling: SamplingBody = SamplingBody()
     conversationId: str | None = None
     priority: Literal["interactive", "batch"] = "interactive"   # batch: the tenant must be permitted it
+    fallback: FallbackBody = FallbackBody()
 
 
 # --- OpenAI: chat completions, completions, responses --------------------------------------------

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from sluice.traffic.fallback import Condition, Narrowing
 from sluice.traffic.priority import Priority
 from sluice.v1 import runs_pb2
 
@@ -103,7 +104,10 @@ async def inference(request: Request) -> Response:
         deadline_ms=deadline_ms(body, time.time()),
         sampling=Sampling(temperature=normalize_float(body.sampling.temperature),
                           top_p=normalize_float(body.sampling.topP), seed=body.sampling.seed),
-        conversation_id=body.conversationId, priority=Priority(body.priority))
+        conversation_id=body.conversationId, priority=Priority(body.priority),
+        fallback=Narrowing(refuse=body.fallback.refuse,
+                           models=frozenset(name for name in body.fallback.models if name),
+                           conditions=frozenset(Condition(c) for c in body.fallback.conditions)))
     admitted = await edge.admission.submit(metadata, intent)
     run_id = str(admitted.run_id)
     location = {"location": f"/v1/runs/{run_id}"}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.services.admission import Admitted
+from sluice.services.routes import route_message
 
 from sluice.eventlog.events import status_name
 from sluice.v1 import common_pb2, runs_pb2
@@ -48,6 +49,8 @@ def event_json(event: runs_pb2.RunEvent) -> dict[str, Any]:
         out["tokenIds"] = list(event.token_ids)
     else:
         out["status"] = status_name(event.status)
+    if event.HasField("route"):              # the run's first STATUS event carries the decision
+        out["route"] = route_json(event.route)
     if event.type == runs_pb2.EVENT_TYPE_TERMINAL:
         out["usage"] = usage_json(event.usage)
         out["detail"] = event.detail
@@ -59,12 +62,23 @@ def run_urls(run_id: str) -> dict[str, str]:
             "cancel": f"/v1/runs/{run_id}"}
 
 
+def route_json(route: common_pb2.RouteDecision) -> dict[str, Any] | None:
+    """Where the run went and why (a fallback is never silent); None for a run admitted before
+    decisions were recorded."""
+    if route.reason == common_pb2.ROUTE_REASON_UNSPECIFIED:
+        return None
+    return {"modelVersion": route.model_version, "pool": route.pool, "tier": route.tier,
+            "reason": common_pb2.RouteReason.Name(route.reason).removeprefix("ROUTE_REASON_").lower(),
+            "requestedModel": route.requested_model, "fallbackFrom": route.fallback_from or None,
+            "detail": route.detail}
+
+
 def admitted_json(admitted: Admitted) -> dict[str, Any]:
     run_id = str(admitted.run_id)
     return {"runId": run_id, "status": admitted.status.value, "modelVersion": admitted.model_version,
             "inputTokens": admitted.input_tokens, "maxOutputTokens": admitted.max_output_tokens,
             "deduplicated": admitted.deduplicated, "priority": admitted.priority.value,
-            "urls": run_urls(run_id)}
+            "route": route_json(route_message(admitted.route)), "urls": run_urls(run_id)}
 
 
 def _ms_or_none(ms: int) -> int | None:
@@ -78,7 +92,8 @@ def run_json(run: runs_pb2.Run) -> dict[str, Any]:
             "maxOutputTokens": run.max_output_tokens, "usage": usage_json(run.usage),
             "createdAtMs": _ms_or_none(run.created_at_ms), "startedAtMs": _ms_or_none(run.started_at_ms),
             "finishedAtMs": _ms_or_none(run.finished_at_ms), "deadlineAtMs": _ms_or_none(run.deadline_at_ms),
-            "lastSequence": run.last_sequence, "detail": run.detail or None, "urls": run_urls(run.run_id)}
+            "lastSequence": run.last_sequence, "detail": run.detail or None, "route": route_json(run.route),
+            "urls": run_urls(run.run_id)}
 
 
 # --- OpenAI: chat completions and completions -------------------------------------------------
