@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sluice.eventlog.interface import LogPosition
 
 _LOOKUP = text("""
-SELECT r.id, r.event_partition, r.event_first_offset, r.terminal_sequence
+SELECT r.id, r.event_partition, r.event_first_offset, r.terminal_sequence, r.traceparent
 FROM api_keys k
 LEFT JOIN runs r ON r.id = :run_id AND r.tenant_id = k.tenant_id
 WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL
@@ -70,6 +70,7 @@ class StreamLookup:
     authenticated: bool              # the key is known and not revoked
     run_id: uuid.UUID | None         # None: no such run for this key's tenant
     start: EventStart
+    traceparent: str | None = None   # the run's trace (admission's span), for the stream's span
 
 
 async def stream_lookup(connection: AsyncConnection, key_hash: str, run_id: uuid.UUID | None) -> StreamLookup:
@@ -77,7 +78,7 @@ async def stream_lookup(connection: AsyncConnection, key_hash: str, run_id: uuid
     if row is None:
         return StreamLookup(False, None, EventStart(None, None, None))
     return StreamLookup(True, row.id, EventStart(row.event_partition, row.event_first_offset,
-                                                 row.terminal_sequence))
+                                                 row.terminal_sequence), row.traceparent)
 
 
 async def event_start(connection: AsyncConnection, run_id: uuid.UUID) -> EventStart:

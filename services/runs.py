@@ -33,7 +33,7 @@ from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
 from sluice.ledger.pricing import cost_micros
 from sluice.ledger.repositories import RunRepository, hash_api_key
 from sluice.ledger.routes import route_of
-from sluice.ledger.runs_sql import EventStart, event_start, stream_lookup
+from sluice.ledger.runs_sql import EventStart, StreamLookup, event_start, stream_lookup
 from sluice.ledger.settlement import settled_usage
 from sluice.services.auth import Metadata, api_key_from_metadata, authenticate
 from sluice.services.errors import (
@@ -48,7 +48,7 @@ from sluice.services.errors import (
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
 from sluice.services.notify import ChannelListener, notify
 from sluice.services.routes import route_message
-from sluice.services.telemetry import tracer
+from sluice.services.telemetry import context_of, tracer
 from sluice.services.traffic import priority_to_proto
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func, update
@@ -181,8 +181,24 @@ class RunsService:
             raise Unauthenticated(UNKNOWN_API_KEY)
         if found.run_id is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
+        # One span per Stream call, whichever door (a resumed stream is another span, with its own
+        # `after`), in the run's own trace. Not made the current span: a client that goes away closes
+        # this generator outside its context.
+        span = tracer().start_span("runs.stream", context=context_of(found.traceparent),
+                                   attributes={"sluice.run_id": run_id, "sluice.after": after})
+        sent = last = 0
+        try:
+            async for event in self._events_of(found, after):
+                sent, last = sent + 1, event.sequence
+                yield event
+        finally:
+            span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
+            span.end()
+
+    async def _events_of(self, found: StreamLookup, after: int) -> AsyncIterator[runs_pb2.RunEvent]:
         # The row just read usually has the start already (a resume, a finished run): no second read.
         known = found.run_id
+        assert known is not None
         start = _stream_start(found.start, after)
         if start is None:
             # No events recorded yet (a stream opened right after Submit): the run's first event
@@ -268,19 +284,8 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
     @grpc_errors
     async def Stream(self, request: runs_pb2.StreamRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[runs_pb2.RunEvent]:
-        # One span per Stream call (a resumed stream is another span, with its own `after`). Not made
-        # the current span: a client that goes away closes this generator outside its context.
-        span = tracer().start_span("runs.stream", attributes={"sluice.run_id": request.run_id,
-                                                              "sluice.after": request.after})
-        sent = last = 0
-        try:
-            async for event in self._service.stream(context.invocation_metadata(), request.run_id,
-                                                    request.after):
-                sent, last = sent + 1, event.sequence
-                yield event
-        finally:
-            span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
-            span.end()
+        async for event in self._service.stream(context.invocation_metadata(), request.run_id, request.after):
+            yield event
 
     @grpc_errors
     async def Cancel(self, request: runs_pb2.CancelRequest,

@@ -35,7 +35,7 @@ from sluice.services.telemetry import TelemetrySettings
 from sqlalchemy import select
 
 from sluice.config.settings import env_overrides
-from sluice.v1 import admission_pb2, admission_pb2_grpc
+from sluice.v1 import admission_pb2, admission_pb2_grpc, runs_pb2, runs_pb2_grpc
 from tests.support import REPO_ROOT
 from tests.support.ledger_factories import add_model, add_tenant
 from tests.support.replica_proc import free_ports, start_replica, stop_replica
@@ -175,7 +175,9 @@ async def test_one_run_is_one_trace_across_the_gateway_and_the_worker_exported_o
                 admission_pb2.SubmitRequest(model=MODEL.alias, input=b"hello there", max_output_tokens=CAP,
                                             request_key="traced"),
                 metadata=(("x-api-key", tenant.api_key),))
-        run = await wait_for_end(sessionmaker, submitted.run_id)
+            run = await wait_for_end(sessionmaker, submitted.run_id)
+            streamed = [event async for event in runs_pb2_grpc.RunsStub(channel).Stream(
+                runs_pb2.StreamRequest(run_id=submitted.run_id), metadata=(("x-api-key", tenant.api_key),))]
         assert run.status == "COMPLETED" and run.output_tokens == CAP
         for process in (gateway, worker):
             process.stop()            # flushes the batched spans and pushes the metrics once more
@@ -192,8 +194,13 @@ async def test_one_run_is_one_trace_across_the_gateway_and_the_worker_exported_o
     assert int(flags, 16) & 1
     in_trace = {span.name: (service, span) for service, span in spans if span.trace_id == trace_id}
     stream_name = f"text_completion {MODEL.version}"
-    assert set(in_trace) == {"admission.submit", "run.claim", "run.drive", stream_name, "run.settle"}
-    assert gateway_service == "sluice-gateway"
+    assert set(in_trace) == {"admission.submit", "run.claim", "run.drive", stream_name, "run.settle",
+                             "runs.stream"}
+    assert gateway_service == in_trace["runs.stream"][0] == "sluice-gateway"
+    # The client's Stream call joins the run's trace from the traceparent on the run row.
+    reader = in_trace["runs.stream"][1]
+    assert reader.parent_span_id == submit.span_id
+    assert attributes(reader)["sluice.last_sequence"] == streamed[-1].sequence
     assert {in_trace[name][0] for name in ("run.claim", "run.drive", stream_name, "run.settle")} == {
         "sluice-routing"}
     # The worker's spans hang under the Submit span; the stream and settlement under run.drive.
