@@ -48,10 +48,14 @@ class MemoryLog:
     ack_delay_s: float = 0.0
     events: list[runs_pb2.RunEvent] = field(default_factory=list)
     acked: list[int] = field(default_factory=list)         # sequences, in acknowledgment order
+    at_once: list[int] = field(default_factory=list)       # sequences published to be sent unbatched
 
-    async def publish(self, event: runs_pb2.RunEvent) -> asyncio.Future[LogPosition]:
+    async def publish(self, event: runs_pb2.RunEvent, *,
+                      at_once: bool = False) -> asyncio.Future[LogPosition]:
         position = LogPosition(0, len(self.events))
         self.events.append(event)
+        if at_once:
+            self.at_once.append(event.sequence)
         ack: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
 
         def acknowledge() -> None:
@@ -224,6 +228,16 @@ async def test_the_first_token_does_not_wait_for_its_window():
     await running
     deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
     assert deltas == [[1], [2]]
+
+
+async def test_only_the_first_delta_is_sent_without_waiting_to_be_batched():
+    # The STATUS before it goes with it; every later event may wait for the producer's linger.
+    replicas = ScriptedReplicas({"r0": Script([(1,), (2,), (3,)])})
+    log = MemoryLog()
+    driver, _, _ = driver_for(replicas, log)
+    await driver.run()
+    assert log.shape()[:2] == [(1, STATUS, 0, EPOCH), (2, DELTA, 1, EPOCH)]
+    assert log.at_once == [2]
 
 
 async def test_a_replica_lost_mid_stream_ends_the_run_interrupted_with_exactly_the_tokens_received():

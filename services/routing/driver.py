@@ -416,8 +416,10 @@ class RunDriver:
             first_status.route.CopyFrom(route_message(self.claim.route))
             status = await self.events.publish(first_status)
             self._track(status, sequencer.last_sequence, 0)
+            # Sent at once, the STATUS before it with it: the first token never waits out the
+            # producer's linger either.
             delta = sequencer.delta(tokens, decoder.push(tokens), now_ms)
-            await self._publish(delta, len(tokens))
+            await self._publish(delta, len(tokens), at_once=True)
             first = await status
             self._check_lease()
             await self.ledger.mark_running(self.lease, first, 1)
@@ -427,8 +429,8 @@ class RunDriver:
             self._check_lease()
         await self._publish(sequencer.delta(tokens, decoder.push(tokens), now_ms), len(tokens))
 
-    async def _publish(self, event: runs_pb2.RunEvent, tokens: int) -> None:
-        self._track(await self.events.publish(event), event.sequence, tokens)
+    async def _publish(self, event: runs_pb2.RunEvent, tokens: int, at_once: bool = False) -> None:
+        self._track(await self.events.publish(event, at_once=at_once), event.sequence, tokens)
         self._published_tokens += tokens
 
     def _track(self, ack: asyncio.Future[LogPosition], sequence: int, tokens: int) -> None:

@@ -69,9 +69,11 @@ class LogPosition:
 
 
 class EventLog(Protocol):
-    async def publish(self, event: runs_pb2.RunEvent) -> asyncio.Future[LogPosition]:
+    async def publish(self, event: runs_pb2.RunEvent, *,
+                      at_once: bool = False) -> asyncio.Future[LogPosition]:
         """Enqueue one event (key = its run id) after every event published before it; the future
-        resolves once it is durable. Many may be in flight; a run's order is kept."""
+        resolves once it is durable. Many may be in flight; a run's order is kept. `at_once`: send it,
+        and what waits before it, without waiting to batch it with others (a run's first token)."""
         ...
 
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:

@@ -7,9 +7,11 @@ process and pipelined: `publish` only enqueues a record (linger_ms lets records
 of many runs, produced within a few milliseconds, travel in one request per
 partition) and returns a future that resolves once the broker acknowledged it
 to all in-sync replicas; a run keeps several events in flight and their order
-holds (one partition per run, idempotent producer). `append` = publish and wait,
-for the rare caller that needs the position at once. A position is durable when
-its future resolves, and only then may it be recorded in the ledger.
+holds (one partition per run, idempotent producer). A run's first token is
+published `at_once`: its batch leaves without waiting out the linger (TTFT pays
+no batching). `append` = publish and wait, for the rare caller that needs the
+position at once. A position is durable when its future resolves, and only then
+may it be recorded in the ledger.
 
 Reads: consumers with no group (manual assignment), two per process for every
 stream: one tail (eventlog/tail.py) that fans the end of the topic out to the
@@ -116,7 +118,8 @@ class KafkaEventLog:
             await self._producer.stop()
             self._producer = None
 
-    async def publish(self, event: runs_pb2.RunEvent) -> asyncio.Future[LogPosition]:
+    async def publish(self, event: runs_pb2.RunEvent, *,
+                      at_once: bool = False) -> asyncio.Future[LogPosition]:
         producer = self._producer or await self._ready_producer()
         key = event.run_id.encode()
         partition = self._partitions.get(key)
@@ -126,6 +129,8 @@ class KafkaEventLog:
             partition = self._partitions[key] = await self.partition_of(event.run_id)
         # send() waits only for room in the producer's buffer; the broker's ack resolves `sent`.
         sent = await producer.send(self.topic, value=event.SerializeToString(), key=key, partition=partition)
+        if at_once:
+            _send_without_linger(producer, TopicPartition(self.topic, partition))
         durable: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
         sent.add_done_callback(lambda done: _resolve(durable, done))
         return durable
@@ -315,6 +320,21 @@ class KafkaEventLog:
         if start.offset < beginning:
             raise CursorPastRetention(run_id, after)
         consumer.seek(tp, start.offset)
+
+
+def _send_without_linger(producer: AIOKafkaProducer, tp: TopicPartition) -> None:
+    """Make the partition's open batch (holding the record just sent) ready now rather than when its
+    linger ends, and wake the sender. The batch is closed, exactly as when it fills up: later records
+    go to the next batch, after it, so the partition's order holds. aiokafka has no public call for
+    this (flush() waits the linger out); this reaches into the accumulator of the version pinned in
+    requirements.lock (test_first_token.py fails if that changes under it)."""
+    accumulator = producer._message_accumulator
+    waiting = accumulator._batches.get(tp)
+    if waiting:
+        waiting[-1]._builder.close()
+    wake = accumulator.waiter()
+    if not wake.done():
+        wake.set_result(None)
 
 
 def _resolve(durable: asyncio.Future[LogPosition], sent: asyncio.Future[Any]) -> None:

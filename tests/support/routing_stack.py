@@ -249,6 +249,13 @@ class Stack:
         self._runs_servers.append(handle)
         return handle
 
+    async def publish_through(self, events: KafkaEventLog) -> None:
+        """Workers started afterwards publish through `events` (started here, closed with the stack);
+        Runs keeps reading through its own."""
+        await events.start()
+        self._closers.append(events.close)
+        self.events = events
+
     async def use_topic(self, topic: str) -> None:
         """Publish and read this test's events on another topic (workers started afterwards)."""
         events = KafkaEventLog(self.config.kafka.bootstrap, topic)
