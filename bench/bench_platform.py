@@ -234,16 +234,17 @@ FROM runs WHERE id::text = ANY($1::text[])
 
 
 async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
-    """Median of each leg: Submit → run row committed → claimed (QUEUED) → RUNNING recorded (replica
-    TTFT + the STATUS event's append + the ledger) → first DELTA at the client (the driver appends the
-    DELTA after recording RUNNING, so this leg is that append plus the gateway's delivery)."""
+    """Median of each leg: Submit → run row committed → claimed (QUEUED) → first DELTA at the client
+    (the replica call and its first token, the STATUS and DELTA appended together, the gateway's
+    delivery; compare with the direct call's TTFT). RUNNING is recorded in the ledger once the STATUS
+    is durable, off the first token's path: its lag behind the first DELTA is shown apart."""
     connection = await asyncpg.connect(asyncpg_dsn(dsn))
     try:
         rows = {row["id"]: row for row in await connection.fetch(_LEDGER_TIMES, [o.run_id for o in outcomes])}
     finally:
         await connection.close()
-    legs: dict[str, list[float]] = {name: [] for name in ("submit", "claim", "RUNNING recorded",
-                                                          "delta append + delivery")}
+    legs: dict[str, list[float]] = {name: [] for name in ("submit", "claim", "first DELTA at the client",
+                                                          "(RUNNING recorded after it")}
     for outcome in outcomes:
         row = rows.get(outcome.run_id)
         if row is None or row["started"] is None or row["queued"] is None or not outcome.first_at:
@@ -251,9 +252,9 @@ async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
         created, queued, started = float(row["created"]), float(row["queued"]), float(row["started"])
         legs["submit"].append(created - outcome.submitted_at)
         legs["claim"].append(queued - created)
-        legs["RUNNING recorded"].append(started - queued)
-        legs["delta append + delivery"].append(outcome.first_at - started)
-    return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms (p50)"
+        legs["first DELTA at the client"].append(outcome.first_at - queued)
+        legs["(RUNNING recorded after it"].append(started - outcome.first_at)
+    return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms) (p50)"
 
 
 async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str) -> list[str]:
