@@ -29,8 +29,10 @@ this client are reported apart, never in the platform figure):
 
 Prints every figure with its conditions and the box's load average; never fails on timing.
 --quick shrinks every phase. --py-spy SECONDS samples one gateway process and the routing worker
-with py-spy (installed apart: `pip install py-spy`) during stream-64 and prints each one's top
-five functions by own time.
+with py-spy (installed apart: `pip install py-spy`) during stream-64 (--py-spy-phase runs or idle:
+during the run-cost phase or with the stack idle instead) and prints each one's top five functions
+by own time. --cost-runs N sets the run-cost phase's size (longer phases: steadier figures, room
+for a profile). The line "idle stack" is each component's CPU per second with nothing to do.
 """
 
 from __future__ import annotations
@@ -397,6 +399,22 @@ def top_functions(collapsed: Path, count: int = 5) -> list[str]:
     return [f"{samples / max(total, 1):6.1%}  {frame}" for frame, samples in ranked]
 
 
+async def print_profiles(profiles: list[Profile], during: str) -> None:
+    for label, output, process in profiles:
+        await asyncio.to_thread(process.wait)
+        if output.exists():
+            print(f"  py-spy top 5 by own time, {label} ({during}):")
+            for line in top_functions(output):
+                print(f"    {line}")
+
+
+def idle_line(measurement: tuple[object, Spent]) -> str:
+    """Each component's CPU with nothing to do (pollers, timers, scrapes): paid per second, not per run."""
+    _, spent = measurement
+    parts = ", ".join(f"{name} {spent.cpu[name] / spent.wall_s * 1e3:.1f}" for name in COMPONENTS)
+    return f"{parts} ms CPU/s"
+
+
 PHASES = ("ttft", "runs", "stream64", "stream256", "interrupt", "submit")
 
 
@@ -428,25 +446,31 @@ async def bench(args: argparse.Namespace) -> None:
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
+        profiles = start_profiles(stack, args.py_spy, log_dir) \
+            if args.py_spy and args.py_spy_phase == "idle" else []
+        idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
+        print(f"idle stack: {idle_line(await measured(meter, asyncio.sleep(idle_s)))}", flush=True)
+        await print_profiles(profiles, f"{args.py_spy} s of the idle stack")
         phases = set(args.phases.split(","))
         if "ttft" in phases:
             for line in await phase_ttft(client, stack.replica_addresses, plan, dsn):
                 print(line, flush=True)
         if "runs" in phases:
-            outcomes, spent = await phase_runs(meter, client, plan.cost_runs, 16, 2)
-            print(f"CPU per run of 2 tokens ({plan.cost_runs} runs, 16 concurrent;"
+            cost_runs = args.cost_runs or plan.cost_runs
+            profiles = start_profiles(stack, args.py_spy, log_dir) \
+                if args.py_spy and args.py_spy_phase == "runs" else []
+            outcomes, spent = await phase_runs(meter, client, cost_runs, 16, 2)
+            print(f"CPU per run of 2 tokens ({cost_runs} runs, 16 concurrent;"
                   f" {outcome_counts(outcomes)}): {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
+            print(f"  {spent.wall_s:.1f} s wall, {len(outcomes) / spent.wall_s:.0f} runs/s", flush=True)
+            await print_profiles(profiles, f"{args.py_spy} s of the run-cost phase")
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
         for width, runs in ((w, r) for w, r in widths if f"stream{w}" in phases):
-            profiles = start_profiles(stack, args.py_spy, log_dir) if args.py_spy and width == 64 else []
+            profiles = start_profiles(stack, args.py_spy, log_dir) \
+                if args.py_spy and width == 64 and args.py_spy_phase == "stream64" else []
             print(f"[{load()}]", flush=True)
             outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
-            for label, output, process in profiles:
-                await asyncio.to_thread(process.wait)
-                if output.exists():
-                    print(f"  py-spy top 5 by own time, {label} ({args.py_spy} s of stream-64):")
-                    for line in top_functions(output):
-                        print(f"    {line}")
+            await print_profiles(profiles, f"{args.py_spy} s of stream-64")
             label = f"{width} concurrent {plan.stream_tokens}-token streams"
             for line in stream_lines(label, outcomes, spent, background):
                 print(line, flush=True)
@@ -486,6 +510,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--submit-rate", type=float, default=500.0)
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
                         help="profile a gateway and the routing worker this long during stream-64")
+    parser.add_argument("--py-spy-phase", choices=("stream64", "runs", "idle"), default="stream64",
+                        help="the phase --py-spy samples")
+    parser.add_argument("--cost-runs", type=int, default=0,
+                        help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     asyncio.run(bench(parser.parse_args(argv)))

@@ -11,11 +11,11 @@ import grpc
 import grpc.aio
 import pytest
 from sluice.ledger import audit
+from sluice.ledger.claims_sql import queue_runs
 from sluice.ledger.models import Run, RunStatus
 from sluice.services.finish import Ending, settle_and_fix_terminal
 from sluice.services.routing import worker as routing_worker
 from sluice.services.routing.app import policy_from_config, registry_from_config
-from sluice.services.routing.claims import mark_queued
 from sluice.services.routing.servicer import REPLICA_NAME_MISSING
 from sluice.services.routing.worker import (
     DETAIL_EXPIRED_BEFORE_START,
@@ -97,17 +97,17 @@ async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_r
         runs = [await sdk.submit(PROMPT, max_output_tokens=4) for _ in range(2)]
     queued: list[object] = []
 
-    async def second_one_fails(*args: object, **kwargs: object) -> object:
-        if queued:
-            raise RuntimeError("the ledger went away mid-claim")
-        queued.append(await mark_queued(*args, **kwargs))  # type: ignore[arg-type]
-        return queued[-1]
+    async def fails_once_queued(*args: object, **kwargs: object) -> object:
+        # Both runs are queued by the one statement, then the transaction fails before its COMMIT.
+        queued.append(await queue_runs(*args, **kwargs))  # type: ignore[arg-type]
+        raise RuntimeError("the ledger went away mid-claim")
 
-    monkeypatch.setattr(routing_worker, "mark_queued", second_one_fails)
+    monkeypatch.setattr(routing_worker, "queue_runs", fails_once_queued)
 
     with pytest.raises(RuntimeError):
         await worker.claim_once()
 
+    assert len(queued[0]) == 2                                # queued, then rolled back
     assert [(await stack.run_row(run.run_id)).status for run in runs] == [RunStatus.ACCEPTED] * 2
     assert {name: load.in_flight for name, load in worker.loads.loads().items() if load.in_flight} == {}
 

@@ -1,6 +1,6 @@
-"""Ledger statements of the routing service. Each takes the caller's session; the
-caller owns the transaction (STYLE 7), so every boundary is visible in worker.py,
-driver.py and services/finish.py.
+"""Ledger statements of the routing service. Each takes the caller's session or hot connection
+(ledger/pg.py); the caller owns the transaction (STYLE 7), so every boundary is visible in
+worker.py, driver.py and services/finish.py. The claim's own SQL is in ledger/claims_sql.py.
 
 Ownership of an active run is its lease: `lease_owner` names the routing
 process driving it, `lease_expires_at` says until when, and `lease_epoch` is
@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.ledger.leases import lease_until
-from sluice.ledger.models import Model, Run, RunStatus, Tenant
+from sluice.ledger import claims_sql
+from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.pg import Executor
 from sluice.ledger.routes import route_from_columns
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.errors import DETAIL_EXPIRED_WAITING_HEADROOM, DETAIL_EXPIRED_WAITING_KV_BUDGET
-from sqlalchemy import Float, TextClause, bindparam, func, or_, select, text, update
+from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import aliased
 
 from sluice.eventlog.interface import LogPosition
 from sluice.traffic.gpu_budget import Candidate, claimable, kv_tokens
@@ -83,61 +83,39 @@ class AcceptedRun:
     route: RouteRecord | None    # the routing decision admission recorded (None: before 0008)
     traceparent: str | None      # the Submit span's W3C traceparent (None: not traced)
     priority: str = Priority.INTERACTIVE.value   # interactive | batch
+    kv_token_budget: int | None = None           # its tenant's, as the claim read it (None: no cap)
 
 
-_ACCEPTED_COLUMNS = (Run.id, Run.tenant_id, Run.model_version, Run.prompt_token_ids, Run.input_tokens,
-                     Run.max_output_tokens, Run.conversation_id, Run.deadline_at, Run.created_at,
-                     Run.cache_scope, Run.sampling, Run.lease_epoch, Model.worker_pool, Model.tokenizer,
-                     Model.end_id, Run.traceparent, Run.priority)
-_ROUTE_COLUMNS = (Run.worker_pool.label("route_pool"), Run.quality_tier.label("route_tier"), Run.route_reason,
-                  Run.requested_model, Run.fallback_from, Run.route_detail)
+def accepted_run(row: Mapping[str, Any]) -> AcceptedRun:
+    """An AcceptedRun from a row of ledger/claims_sql.lock_accepted."""
+    return AcceptedRun(
+        id=uuid.UUID(str(row["id"])), tenant_id=uuid.UUID(str(row["tenant_id"])),
+        model_version=row["model_version"], prompt_token_ids=list(row["prompt_token_ids"]),
+        input_tokens=row["input_tokens"], max_output_tokens=row["max_output_tokens"],
+        conversation_id=row["conversation_id"], deadline_at=row["deadline_at"], created_at=row["created_at"],
+        cache_scope=row["cache_scope"], sampling=row["sampling"], lease_epoch=row["lease_epoch"],
+        worker_pool=row["worker_pool"], tokenizer=row["tokenizer"], end_id=row["end_id"],
+        priority=row["priority"], kv_token_budget=row["kv_token_budget"],
+        route=route_from_columns(row["model_version"], row["route_pool"], row["route_tier"],
+                                 row["route_reason"], row["requested_model"], row["fallback_from"],
+                                 row["route_detail"]),
+        traceparent=row["traceparent"])
 
 
-async def lock_accepted(session: AsyncSession, limit: int, priority: Priority = Priority.INTERACTIVE,
+async def lock_accepted(executor: Executor, limit: int,
                         excluding_pools: Collection[str] = ()) -> list[AcceptedRun]:
-    """Oldest ACCEPTED runs of one priority class nobody else is claiming right now, row-locked for
-    this transaction.
+    """Oldest ACCEPTED runs nobody else is claiming right now, interactive before batch, row-locked
+    for this transaction, in one statement (ledger/claims_sql.py).
 
-    SKIP LOCKED lets several routing processes claim concurrently without
-    waiting on each other or taking the same run twice. Columns, not ORM rows: the claim loop
-    builds no identity map.
-
-    Left out, unless their deadline has passed (they are taken to be ended EXPIRED): runs of pools in
-    `excluding_pools` (batch, where the pool has no headroom), and runs that would overflow their
-    tenant's GPU-memory budget given what its claimed runs hold now (sluice/traffic/gpu_budget.py),
-    so a tenant at its cap never fills a claim batch with runs that must wait. This filter is a
-    pre-selection; the exact check is made under the tenant's lock (lock_kv_budgets).
+    SKIP LOCKED lets several routing processes claim concurrently without waiting on each other or
+    taking the same run twice. Batch runs come only with what the interactive ones left of `limit`,
+    and not from `excluding_pools` (no headroom). Left out, unless their deadline has passed (they
+    are taken to be ended EXPIRED): runs that would overflow their tenant's GPU-memory budget given
+    what its claimed runs hold now (sluice/traffic/gpu_budget.py), so a tenant at its cap never fills
+    a claim batch with runs that must wait. This filter is a pre-selection; the exact check is made
+    under the tenant's lock (lock_kv_budgets).
     """
-    held = aliased(Run)
-    holding = (select(func.coalesce(func.sum(held.input_tokens + held.max_output_tokens), 0))
-               .where(held.tenant_id == Run.tenant_id, held.status.in_(ACTIVE_CLAIMED))
-               .scalar_subquery())
-    expired = Run.deadline_at <= func.now()
-    query = (
-        select(*_ACCEPTED_COLUMNS, *_ROUTE_COLUMNS)
-        .join(Model, Model.version == Run.model_version)
-        .join(Tenant, Tenant.id == Run.tenant_id)
-        .where(Run.status == RunStatus.ACCEPTED.value, Run.priority == priority.value)
-        .where(or_(Tenant.kv_token_budget.is_(None), expired,
-                   holding + Run.input_tokens + Run.max_output_tokens <= Tenant.kv_token_budget))
-        .order_by(Run.created_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True, of=Run)
-    )
-    if excluding_pools:
-        query = query.where(or_(Model.worker_pool.not_in(list(excluding_pools)), expired))
-    rows = await session.execute(query)
-    return [AcceptedRun(
-        id=row.id, tenant_id=row.tenant_id, model_version=row.model_version,
-        prompt_token_ids=row.prompt_token_ids, input_tokens=row.input_tokens,
-        max_output_tokens=row.max_output_tokens, conversation_id=row.conversation_id,
-        deadline_at=row.deadline_at, created_at=row.created_at, cache_scope=row.cache_scope,
-        sampling=row.sampling, lease_epoch=row.lease_epoch, worker_pool=row.worker_pool,
-        tokenizer=row.tokenizer, end_id=row.end_id, priority=row.priority,
-        route=route_from_columns(row.model_version, row.route_pool, row.route_tier, row.route_reason,
-                                 row.requested_model, row.fallback_from, row.route_detail),
-        traceparent=row.traceparent)
-        for row in rows]
+    return [accepted_run(row) for row in await claims_sql.lock_accepted(executor, limit, excluding_pools)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,28 +126,16 @@ class KvBudgets:
     held: dict[str, int]                # tenant id → Σ input + output cap over its QUEUED/RUNNING runs
 
 
-async def lock_kv_budgets(session: AsyncSession, tenant_ids: Collection[uuid.UUID]) -> KvBudgets:
-    """Lock the tenants among `tenant_ids` that have a KV token budget (until COMMIT) and read what
-    their claimed runs hold. The lock serializes claims for one tenant across routing processes, so
-    two of them can never each see room and together overshoot the cap. FOR NO KEY UPDATE, as
-    admission's lock: it does not block the FOR KEY SHARE lock inserting a run takes."""
-    if not tenant_ids:
+async def lock_kv_budgets(executor: Executor, runs: Sequence[AcceptedRun]) -> KvBudgets:
+    """Lock the tenants of `runs` that have a KV token budget (until COMMIT) and read what their
+    claimed runs hold. The lock serializes claims for one tenant across routing processes, so two of
+    them can never each see room and together overshoot the cap. No round trip when none of them
+    had a budget as the runs were locked (the common case)."""
+    tenants = {run.tenant_id for run in runs if run.kv_token_budget is not None}
+    if not tenants:
         return KvBudgets({}, {})
-    rows = await session.execute(
-        select(Tenant.id, Tenant.kv_token_budget)
-        .where(Tenant.id.in_(list(tenant_ids)), Tenant.kv_token_budget.is_not(None))
-        .order_by(Tenant.id)
-        .with_for_update(key_share=True)
-    )
-    budgets: dict[str, int | None] = {str(tenant): budget for tenant, budget in rows}
-    if not budgets:
-        return KvBudgets({}, {})
-    sums = await session.execute(
-        select(Run.tenant_id, func.sum(Run.input_tokens + Run.max_output_tokens))
-        .where(Run.tenant_id.in_([uuid.UUID(t) for t in budgets]), Run.status.in_(ACTIVE_CLAIMED))
-        .group_by(Run.tenant_id)
-    )
-    return KvBudgets(budgets, {str(tenant): int(total) for tenant, total in sums})
+    budgets, held = await claims_sql.lock_budgets(executor, tenants)
+    return KvBudgets(budgets, held)
 
 
 def within_kv_budgets(rows: Sequence[AcceptedRun], kv: KvBudgets, now: float) -> set[uuid.UUID]:
@@ -192,21 +158,13 @@ def expiry_detail(priority: str, tenant_id: uuid.UUID, kv: KvBudgets, needed: in
     return DETAIL_EXPIRED_BEFORE_START
 
 
-async def mark_queued(session: AsyncSession, run_id: uuid.UUID, replica: str, owner: str,
+async def mark_queued(executor: Executor, run_id: uuid.UUID, replica: str, owner: str,
                       lease_seconds: float) -> tuple[dt.datetime, int]:
     """ACCEPTED → QUEUED on `replica`, leased to `owner` under a new epoch; returns (queued_at,
-    epoch). Commit before contacting the replica: a crash after the commit leaves a run the reaper
-    will end."""
-    row = (await session.execute(
-        update(Run)
-        .where(Run.id == run_id, Run.status == RunStatus.ACCEPTED.value)
-        .values(status=RunStatus.QUEUED.value, queued_at=func.now(), replica=replica,
-                lease_owner=owner, lease_expires_at=lease_until(lease_seconds),
-                lease_epoch=Run.lease_epoch + 1)
-        .returning(Run.queued_at, Run.lease_epoch)
-    )).one_or_none()
-    assert row is not None, f"run {run_id} was locked as ACCEPTED yet could not be queued"
-    return row.queued_at, int(row.lease_epoch)
+    epoch). One run of claims_sql.queue_runs (the claim loop queues a whole pass at once)."""
+    queued = await claims_sql.queue_runs(executor, {run_id: replica}, owner, lease_seconds)
+    assert run_id in queued, f"run {run_id} was locked as ACCEPTED yet could not be queued"
+    return queued[run_id]
 
 
 async def claims_held(session: AsyncSession, granted: dict[str, int], owner: str) -> dict[str, float]:

@@ -30,18 +30,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
 import functools
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
+from sluice.ledger.claims_sql import queue_runs
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pg import HotPool
 from sluice.ledger.settlement import NotOwned
@@ -64,7 +67,6 @@ from sluice.services.routing.claims import (
     expiry_detail,
     lock_accepted,
     lock_kv_budgets,
-    mark_queued,
     take_expired_leases,
     take_unpublished_terminals,
     within_kv_budgets,
@@ -180,7 +182,8 @@ class RoutingWorker:
         self._dsn = dsn                 # for LISTEN (fast claim and cancel); polling is the fallback
         # The driver's ledger statements (RUNNING, settlement, terminal published) on raw asyncpg
         # connections (ledger/pg.py); opened on first use, closed when serve() ends.
-        self.pool = HotPool(dsn or _dsn_of(sessions))
+        # They reach the ledger as the session factory does (a test's proxy sits in front of both).
+        self.pool = HotPool(_dsn_of(sessions))
         self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
         self.keeper = LeaseKeeper(dsn or _dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
@@ -271,7 +274,12 @@ class RoutingWorker:
     # --- claim --------------------------------------------------------------------------------
 
     async def claim_once(self) -> bool:
-        """Claim up to the free capacity; True when it filled it (more may be waiting)."""
+        """Claim up to the free capacity; True when it filled it (more may be waiting).
+
+        One transaction on a hot connection (ledger/claims_sql.py): BEGIN, the runs locked (both
+        priority classes in one statement), the tenants' GPU-memory budgets only when one of them
+        has one, every run routed in the pass queued in one statement, COMMIT. An idle pass is
+        BEGIN, one SELECT, COMMIT."""
         free = min(CLAIM_BATCH, self.settings.max_runs - len(self.drivers))
         if free <= 0 or self._stopping.is_set():
             return False
@@ -280,30 +288,31 @@ class RoutingWorker:
         # The ledger's lease runs from its transaction's start (now()), after this instant: a deadline
         # counted from here is never later than the ledger's. The keeper renews it as soon as it is held.
         claim_started = time.monotonic()
+        # Batch runs only with what interactive runs left of the pass, and only from pools with
+        # headroom (ladder step 1, "defer batch", for the others).
+        blocked = self._pools_without_headroom(now)
+        decided: list[tuple[AcceptedRun, RouteRequest, RouteDecision]] = []
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
         try:
-            async with self.sessions() as session, session.begin():
-                # Interactive runs first; batch runs only with what is left of the pass, and only from
-                # pools with headroom (ladder step 1, "defer batch", for the others).
-                rows = await lock_accepted(session, free, Priority.INTERACTIVE)
-                deferring = self._pools_without_headroom(now, interactive_waiting=len(rows) >= free)
-                if len(rows) < free:
-                    rows += await lock_accepted(session, free - len(rows), Priority.BATCH, deferring)
+            async with self.pool.connection() as connection, connection.transaction():
+                rows = await lock_accepted(connection, free, blocked)
+                self._record_ladder(blocked, interactive_waiting=sum(
+                    run.priority == Priority.INTERACTIVE for run in rows) >= free)
                 if not rows:
                     return False
                 # Started only once there is something to claim: an idle poll every 50 ms is no span.
                 span = tracer().start_span("routing.claim", start_time=started_ns, attributes={
                     "sluice.owner": self.settings.owner, "sluice.locked": len(rows)})
-                kv = await lock_kv_budgets(session, {run.tenant_id for run in rows})
+                kv = await lock_kv_budgets(connection, rows)
                 fits = within_kv_budgets(rows, kv, now)
                 for run in rows:
                     if run.deadline_at.timestamp() <= now:
                         detail = expiry_detail(run.priority, run.tenant_id, kv,
                                                kv_tokens(run.input_tokens, run.max_output_tokens),
-                                               run.worker_pool in deferring)
+                                               run.worker_pool in blocked)
                         record = await settle_and_fix_terminal(
-                            session, str(run.id), Ending(RunStatus.EXPIRED, 0, 0, detail),
+                            connection, str(run.id), Ending(RunStatus.EXPIRED, 0, 0, detail),
                             self.settings.owner, self.settings.lease_seconds, run.lease_epoch)
                         if record is not None:
                             expired.append(record)
@@ -313,31 +322,38 @@ class RoutingWorker:
                     if run.priority == Priority.BATCH and not self._has_headroom(run.worker_pool, now):
                         self.ladder.acted(run.worker_pool, Step.DEFER_BATCH)
                         continue    # the runs sent in this pass used the pool's headroom up
-                    item = await self._route(session, run, now, claim_started)
-                    if item is not None:
-                        routed.append(item)
+                    choice = self._decide(run, now)
+                    if choice is not None:
+                        decided.append((run, *choice))
                         # Counted at once, so the batch's next decisions see this run's load.
-                        self.loads.on_sent(item.decision.replica)
+                        self.loads.on_sent(choice[1].replica)
+                if decided:
+                    queued = await queue_runs(connection, {run.id: decision.replica
+                                                           for run, _, decision in decided},
+                                              self.settings.owner, self.settings.lease_seconds)
+                    routed = [self._claimed(run, request, decision, queued, claim_started)
+                              for run, request, decision in decided]
         except Exception as error:
             # The claim failed, perhaps only its COMMIT's acknowledgment (connection lost after the
             # COMMIT left): the ledger says which runs are leased to us under the epochs granted.
             committed = await self._committed_claims(routed, error) if routed else []
             kept = {item.claim.run_id for item in committed}
-            for item in routed:
-                if item.claim.run_id not in kept:
-                    self.loads.on_finished(item.decision.replica)
+            for run, _, decision in decided:
+                if str(run.id) not in kept:
+                    self.loads.on_finished(decision.replica)
             if not committed:
                 raise
             routed, expired = committed, []   # an EXPIRED settlement unconfirmed: its reaper republishes
         except BaseException:
-            for item in routed:
-                self.loads.on_finished(item.decision.replica)
+            for _, _, decision in decided:
+                self.loads.on_finished(decision.replica)
             raise
         span.set_attributes({"sluice.routed": len(routed), "sluice.expired": len(expired)})
         link = trace.Link(span.get_span_context())
         span.end()
         claimed_ns = time.time_ns()
         for item in routed:
+            self.metrics.routed(item.claim.route)
             self.policy.on_routed(item.request, item.decision, now)
             # The claim seen from each run's own trace (the batch span above is the worker's).
             claim_span = tracer().start_span("run.claim", context=context_of(item.claim.traceparent),
@@ -380,27 +396,30 @@ class RoutingWorker:
                         " leased to this process", error, len(committed))
         return committed
 
-    async def _route(self, session: AsyncSession, run: AcceptedRun, now: float,
-                     claim_started: float) -> _Routed | None:
+    def _decide(self, run: AcceptedRun, now: float) -> tuple[RouteRequest, RouteDecision] | None:
+        """The policy's replica for `run`; None when no healthy replica serves its pool (the run then
+        stays ACCEPTED for a later pass)."""
         salt = cache_salt(run.cache_scope or scope_of(run.tenant_id, None))
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
                                token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
                                conversation_id=run.conversation_id, cache_salt=salt)
         views = self.registry.views(run.worker_pool, now, self.health, self.loads)
         decision = self._choose(request, views, now)
-        if decision is None:
-            return None  # no healthy replica in the pool: the run stays ACCEPTED for a later pass
-        queued_at, epoch = await mark_queued(session, run.id, decision.replica, self.settings.owner,
-                                             self.settings.lease_seconds)
+        return None if decision is None else (request, decision)
+
+    @staticmethod
+    def _claimed(run: AcceptedRun, request: RouteRequest, decision: RouteDecision,
+                 queued: dict[uuid.UUID, tuple[dt.datetime, int]], claim_started: float) -> _Routed:
+        assert run.id in queued, f"run {run.id} was locked as ACCEPTED yet could not be queued"
+        queued_at, epoch = queued[run.id]
         claim = ClaimedRun(
             run_id=str(run.id), tenant_id=run.tenant_id, model_version=run.model_version,
             worker_pool=run.worker_pool, tokenizer=run.tokenizer, end_id=run.end_id,
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at, cache_salt=salt, epoch=epoch,
+            created_at=run.created_at, cache_salt=request.cache_salt, epoch=epoch,
             sampling=Sampling.from_json(run.sampling), route=run.route, traceparent=run.traceparent)
-        self.metrics.routed(claim.route)
         return _Routed(claim, request, decision, claim_started)
 
     def _has_headroom(self, pool: str, now: float) -> bool:
@@ -418,18 +437,18 @@ class RoutingWorker:
                                          max_slots=snapshot.max_requests if snapshot is not None else 0))
         return has_headroom(PoolLoad.of(loads), self.settings.headroom)
 
-    def _pools_without_headroom(self, now: float, interactive_waiting: bool) -> list[str]:
-        """The registry's pools where batch must wait this pass; each pool's ladder gauge is set (step 1
-        where batch waits, for want of headroom or behind interactive runs that filled the pass)."""
-        deferring = []
+    def _pools_without_headroom(self, now: float) -> list[str]:
+        """The registry's pools where batch must wait this pass for want of headroom."""
+        # Replicas serving every model (pool "") are judged per run (_has_headroom).
+        return [pool for pool in self.registry.pools() if pool and not self._has_headroom(pool, now)]
+
+    def _record_ladder(self, blocked: Collection[str], interactive_waiting: bool) -> None:
+        """Each pool's ladder gauge: step 1 where batch waits, for want of headroom or behind
+        interactive runs that filled the pass."""
         for pool in self.registry.pools():
-            if not pool:
-                continue      # replicas serving every model: judged per run (_has_headroom)
-            blocked = not self._has_headroom(pool, now)
-            if blocked:
-                deferring.append(pool)
-            self.ladder.decided(pool, Step.DEFER_BATCH if blocked or interactive_waiting else Step.NORMAL)
-        return deferring
+            if pool:
+                self.ladder.decided(pool, Step.DEFER_BATCH if pool in blocked or interactive_waiting
+                                    else Step.NORMAL)
 
     def _choose(self, request: RouteRequest, views: list[ReplicaView], now: float) -> RouteDecision | None:
         started = time.perf_counter()
