@@ -141,6 +141,7 @@ async def serve_and_measure(sessions: async_sessionmaker[AsyncSession], config: 
     finally:
         await edge.stop()
         await server.stop(None)
+        await admission.close()
         await runs.close()
 
 

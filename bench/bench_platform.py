@@ -30,9 +30,10 @@ this client are reported apart, never in the platform figure):
 Prints every figure with its conditions and the box's load average; never fails on timing.
 --quick shrinks every phase. --py-spy SECONDS samples one gateway process and the routing worker
 with py-spy (installed apart: `pip install py-spy`) during stream-64 (--py-spy-phase runs or idle:
-during the run-cost phase or with the stack idle instead) and prints each one's top five functions
-by own time. --cost-runs N sets the run-cost phase's size (longer phases: steadier figures, room
-for a profile). The line "idle stack" is each component's CPU per second with nothing to do.
+during the run-cost phase or with the stack idle instead; submit: the gateway alone during the
+submit phase) and prints each one's top five functions by own time. --cost-runs N sets the
+run-cost phase's size (longer phases: steadier figures, room for a profile). The line "idle
+stack" is each component's CPU per second with nothing to do.
 """
 
 from __future__ import annotations
@@ -371,11 +372,13 @@ def load() -> str:
 Profile = tuple[str, Path, "subprocess.Popen[bytes]"]
 
 
-def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path) -> list[Profile]:
-    """py-spy record on gateway 0 and routing worker 0 (their main Python process), raw collapsed stacks."""
+def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: bool = True) -> list[Profile]:
+    """py-spy record on gateway 0 and (with `workers`) routing worker 0 (their main Python process),
+    raw collapsed stacks."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     started = []
-    for label, service in (("gateway", stack.gateways[0]), ("routing worker", stack.workers[0])):
+    services = [("gateway", stack.gateways[0])] + ([("routing worker", stack.workers[0])] if workers else [])
+    for label, service in services:
         output = out_dir / f"{label.replace(' ', '-')}.txt"
         command = [py_spy, "record", "--pid", str(service.process.pid), "--duration", str(seconds),
                    "--format", "raw", "--output", str(output), "--nonblocking"]
@@ -484,9 +487,12 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"[{load()}]", flush=True)
         if "submit" in phases:
             await asyncio.to_thread(stack.stop_workers)
+            profiles = start_profiles(stack, args.py_spy, log_dir, workers=False) \
+                if args.py_spy and args.py_spy_phase == "submit" else []
             lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
             for line in lines:
                 print(line, flush=True)
+            await print_profiles(profiles, f"{args.py_spy} s of the submit phase")
     finally:
         # The processes go first: nothing that fails below may leave them running.
         await asyncio.to_thread(stack.stop)
@@ -510,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--submit-rate", type=float, default=500.0)
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
                         help="profile a gateway and the routing worker this long during stream-64")
-    parser.add_argument("--py-spy-phase", choices=("stream64", "runs", "idle"), default="stream64",
+    parser.add_argument("--py-spy-phase", choices=("stream64", "runs", "idle", "submit"), default="stream64",
                         help="the phase --py-spy samples")
     parser.add_argument("--cost-runs", type=int, default=0,
                         help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")

@@ -95,7 +95,7 @@ async def _main(args: argparse.Namespace) -> None:
         events = KafkaEventLog.from_config(config)
         await events.start()
         server = grpc.aio.server()
-        add_admission_servicer(server, sessions, config)
+        admission = add_admission_servicer(server, sessions, config)
         runs_service = add_runs_servicer(server, sessions, config, events)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -113,6 +113,7 @@ async def _main(args: argparse.Namespace) -> None:
                 print(short.render(), flush=True)
         finally:
             await server.stop(None)
+            await admission.close()
             await runs_service.close()
             await events.close()
             await engine.dispose()

@@ -180,7 +180,7 @@ async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
             claimer = asyncio.create_task(_claim_backlog(dsn, claim_interval_ms / 1000, stop_claiming))
         engine = make_engine(dsn, pool_size=max(4, concurrency), max_overflow=0)
         server = grpc.aio.server()
-        add_admission_servicer(server, make_sessionmaker(engine), config)
+        admission = add_admission_servicer(server, make_sessionmaker(engine), config)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -193,6 +193,7 @@ async def run(count: int, concurrency: int, warmup: int, limits: bool = False,
                 return figures
         finally:
             await server.stop(None)
+            await admission.close()
             await engine.dispose()
     finally:
         stop_claiming.set()

@@ -36,6 +36,13 @@ def autocommit_engine(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncEn
     return engine.execution_options(isolation_level="AUTOCOMMIT")
 
 
+def dsn_of(sessionmaker: async_sessionmaker[AsyncSession]) -> str:
+    """The database URL a session factory is bound to, password included (for a raw asyncpg pool)."""
+    engine = sessionmaker.kw.get("bind")
+    assert isinstance(engine, AsyncEngine), "expected a sessionmaker bound to an AsyncEngine"
+    return engine.url.render_as_string(hide_password=False)
+
+
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     # expire_on_commit=False: objects read in a transaction stay usable after it commits, so a
     # service can commit first and build its response afterwards without lazy-loading I/O.

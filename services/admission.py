@@ -72,9 +72,10 @@ import grpc.aio
 from opentelemetry import trace
 from sluice.ledger.admission_sql import SubmitContext, drained_runs, insert_reserving, read_submit_context
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
-from sluice.ledger.db import autocommit_engine
+from sluice.ledger.db import autocommit_engine, dsn_of
 from sluice.ledger.fallbacks import read_candidates, read_rules
 from sluice.ledger.models import RunStatus
+from sluice.ledger.pg import HotPool
 from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import (
     BudgetRepository,
@@ -142,7 +143,6 @@ from sluice.services.traffic import (
 from sluice.services.trust_scope import scope_of
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import func
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
@@ -224,8 +224,14 @@ class AdmissionService:
         self._sessionmaker = sessionmaker
         self._settings = settings
         self._autocommit = autocommit_engine(sessionmaker)
+        # The hot path's two statements run on raw asyncpg connections of the same database
+        # (ledger/admission_sql.py); opened on the first Submit, closed by close().
+        self.hot = HotPool(dsn_of(sessionmaker))
         self.metrics = metrics or GatewayMetrics()
         self.ladder_metrics = ladder_metrics or LadderMetrics(self.metrics.registry)
+
+    async def close(self) -> None:
+        await self.hot.close()
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         """Admit or refuse, timed and counted (GatewayMetrics) under the Submit span, whose
@@ -257,7 +263,7 @@ class AdmissionService:
         pace, traffic = self._settings.pace, self._settings.traffic
         # Sticky per conversation: every run of one conversation lands on the same side of a split.
         point = split_point(intent.model, intent.conversation_id or intent.request_key)
-        async with self._autocommit.connect() as connection:
+        async with self.hot.connection() as connection:
             context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
                                                 traffic.max_batch_backlog)
         if context.caller is None:
@@ -415,16 +421,12 @@ class AdmissionService:
 
     async def _insert_reserving(self, prepared: _Prepared) -> Admitted | None:
         """The one-statement write; None when it wrote nothing (the transactional path decides why)."""
-        values = self._run_values(prepared)
-        run = {name: values[name] for name in _WRITTEN_COLUMNS}
-        try:
-            async with self._autocommit.connect() as connection:
-                reserved = await insert_reserving(connection, run, prepared.deadline_ms,
-                                                  (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
-        except IntegrityError:
-            return None          # the request key is taken: the idempotent answer comes from the other path
+        async with self.hot.connection() as connection:
+            reserved = await insert_reserving(connection, self._written_values(prepared),
+                                              prepared.deadline_ms,
+                                              (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
         if reserved is None:
-            return None
+            return None          # the transactional path tells why (key taken, no fit, no period) and answers
         self.metrics.budget_left(prepared.tenant.name, reserved.tokens_left, reserved.cost_left_micros)
         return Admitted(run_id=reserved.run_id, status=RunStatus.ACCEPTED,
                         model_version=prepared.model.version,
@@ -482,6 +484,17 @@ class AdmissionService:
 
     @staticmethod
     def _run_values(prepared: _Prepared) -> dict[str, Any]:
+        return {
+            **AdmissionService._written_values(prepared),
+            "status": RunStatus.ACCEPTED.value,
+            # On the database clock, like created_at, so routing compares like with like.
+            "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
+        }
+
+    @staticmethod
+    def _written_values(prepared: _Prepared) -> dict[str, Any]:
+        """The runs columns the one-statement write binds (the status, created_at and deadline_at
+        are the statement's own, on the database clock)."""
         intent = prepared.intent
         return {
             "id": uuid.uuid4(),
@@ -489,15 +502,12 @@ class AdmissionService:
             "request_key": intent.request_key,
             "payload_hash": prepared.payload_hash,
             "model_version": prepared.model.version,
-            "status": RunStatus.ACCEPTED.value,
             "prompt_token_ids": prepared.prompt_token_ids,
             "input_tokens": len(prepared.prompt_token_ids),
             "max_output_tokens": intent.max_output_tokens,
             "sampling": intent.sampling.as_json(),
             "conversation_id": intent.conversation_id,
             "cache_scope": scope_of(prepared.tenant.id, prepared.tenant.shared_cache_scope),
-            # On the database clock, like created_at, so routing compares like with like.
-            "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
             "reserved_tokens": prepared.reserved_tokens,
             "reserved_cost_micros": prepared.reserved_cost_micros,
             "api_key_id": prepared.tenant.api_key_id,
@@ -529,14 +539,6 @@ class _NoFallback(SluiceError):
 
 
 _NO_FALLBACK = _NoFallback("no permitted fallback")
-
-
-# The runs columns the one-statement write binds (the rest are literals or database defaults).
-_WRITTEN_COLUMNS = ("id", "tenant_id", "request_key", "payload_hash", "model_version", "prompt_token_ids",
-                    "input_tokens", "max_output_tokens", "sampling", "conversation_id", "cache_scope",
-                    "reserved_tokens", "reserved_cost_micros", "api_key_id", "price_card_id",
-                    "requested_model", "route_reason", "worker_pool", "quality_tier", "fallback_from",
-                    "route_detail", "traceparent", "priority")
 
 
 def _prepared(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,

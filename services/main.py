@@ -139,6 +139,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     await events.start()
     servers: list[grpc.aio.Server] = []
     runs_service = None
+    admission = None
     edge: EdgeServer | None = None
     worker = build_worker(config, events, sessions, new_owner_id(label)) if "routing" in roles else None
     gateway_metrics = GatewayMetrics() if "gateway" in roles else None
@@ -219,6 +220,8 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             await server.stop(grace=1.0)
         if runs_service is not None:
             await runs_service.close()
+        if admission is not None:
+            await admission.close()
         await events.close()
         await replica_client.close_channels()
         await engine.dispose()

@@ -4,9 +4,13 @@ test_admission_* files, which run through the same code."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 import pytest
+from sluice.ledger.pg import HotPool
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -20,7 +24,8 @@ pytestmark = pytest.mark.integration
 
 
 def record_statements(engine: AsyncEngine) -> list[tuple[str, Any]]:
-    """(first words of the SQL, the connection's isolation level) of every statement from now on."""
+    """(first words of the SQL, the connection's isolation level) of every SQLAlchemy statement
+    from now on."""
     seen: list[tuple[str, Any]] = []
 
     def before(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
@@ -31,19 +36,52 @@ def record_statements(engine: AsyncEngine) -> list[tuple[str, Any]]:
     return seen
 
 
+class RecordingPool:
+    """The service's raw asyncpg pool, recording the first words of every statement run on it
+    (BEGIN and COMMIT included: asyncpg sends them as statements too)."""
+
+    def __init__(self, pool: HotPool) -> None:
+        self.pool = pool
+        self.seen: list[str] = []
+
+    def _logged(self, query: asyncpg.connection.LoggedQuery) -> None:
+        self.seen.append(" ".join(query.query.split()[:2]))
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self.pool.connection() as connection:
+            connection.add_query_logger(self._logged)
+            try:
+                yield connection
+            finally:
+                connection.remove_query_logger(self._logged)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+def record_hot_statements(api: Services) -> RecordingPool:
+    assert api.service is not None
+    recording = RecordingPool(api.service.hot)
+    api.service.hot = recording   # type: ignore[assignment]
+    return recording
+
+
 async def setup(api: Services, **tenant: Any):  # type: ignore[no-untyped-def]
     async with api.sessionmaker() as session, session.begin():
         await add_model(session, api.tokenizer, DEFAULT_MODEL)
         return await add_tenant(session, "acme", **tenant)
 
 
-async def test_a_submit_without_tenant_limits_is_two_autocommit_statements(api: Services,
-                                                                           engine: AsyncEngine):
+async def test_a_submit_without_tenant_limits_is_two_statements_on_the_raw_pool(api: Services,
+                                                                                engine: AsyncEngine):
     tenant = await setup(api)
-    await api.submit(tenant, prompt_of(10), 5)           # warm: pool, prepared statements
-    seen = record_statements(engine)
+    await api.submit(tenant, prompt_of(10), 5)           # warm: pool, prepared statements, type codecs
+    orm = record_statements(engine)
+    hot = record_hot_statements(api)
     await api.submit(tenant, prompt_of(10), 5)
-    assert seen == [("SELECT t.id", "AUTOCOMMIT"), ("WITH reserved", "AUTOCOMMIT")]
+    assert hot.seen == ["SELECT t.id", "WITH reserved"]   # no BEGIN/COMMIT: each is its own transaction
+    assert orm == []
     budget = await budget_row(api.sessionmaker, tenant.id)
     assert budget.reserved_tokens == 2 * (10 + 5)
 
@@ -52,9 +90,10 @@ async def test_a_retry_of_an_accepted_submit_falls_back_to_the_transaction_and_r
         api: Services, engine: AsyncEngine):
     tenant = await setup(api)
     first = await api.submit(tenant, prompt_of(10), 5, request_key="k1")
-    seen = record_statements(engine)
+    orm = record_statements(engine)
+    hot = record_hot_statements(api)
     again = await api.submit(tenant, prompt_of(10), 5, request_key="k1")
     assert again.run_id == first.run_id and again.deduplicated
-    assert seen[1][0] == "WITH reserved"                 # tried, refused by the unique index, rolled back
-    assert all(isolation is None for _, isolation in seen[2:])   # then the transactional path
+    assert hot.seen == ["SELECT t.id", "WITH reserved"]   # tried, refused by the unique index, rolled back
+    assert orm and all(isolation is None for _, isolation in orm)   # then the transactional path
     assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 10 + 5

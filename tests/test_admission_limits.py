@@ -46,7 +46,7 @@ async def second_instance(api: Services, database_dsn: str) -> AsyncIterator[Ser
     """Another Admission server with its own engine and pool on the same database."""
     engine = make_engine(database_dsn, pool_size=20, max_overflow=0)
     server = grpc.aio.server()
-    add_admission_servicer(server, make_sessionmaker(engine), load_settings())
+    admission = add_admission_servicer(server, make_sessionmaker(engine), load_settings())
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -55,6 +55,7 @@ async def second_instance(api: Services, database_dsn: str) -> AsyncIterator[Ser
     finally:
         await channel.close()
         await server.stop(None)
+        await admission.close()
         await engine.dispose()
 
 

@@ -98,7 +98,7 @@ async def seconds_until(channel: grpc.aio.Channel, service: str, wanted: int, li
 async def test_health_follows_postgresql_stopping_and_returning(throwaway_postgres: ThrowawayPostgres):
     engine = make_engine(throwaway_postgres.dsn)
     server = grpc.aio.server()
-    add_admission_servicer(server, make_sessionmaker(engine), load_settings())
+    admission = add_admission_servicer(server, make_sessionmaker(engine), load_settings())
     monitor = DependencyMonitor({"postgresql": postgres_probe(engine),
                                  "kafka": kafka_probe(configured_bootstrap(load_settings().kafka))})
     operability = add_operability(server, GATEWAY_SERVICES)
@@ -127,6 +127,7 @@ async def test_health_follows_postgresql_stopping_and_returning(throwaway_postgr
         await monitor.stop()
         await channel.close()
         await server.stop(None)
+        await admission.close()
         await engine.dispose()
 
 

@@ -81,13 +81,14 @@ async def admission(sessionmaker: async_sessionmaker[AsyncSession], word_tokeniz
     async with sessionmaker() as session, session.begin():
         await add_model(session, word_tokenizer)
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    admission = add_admission_servicer(server, sessionmaker, config)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
+        await admission.close()
 
 
 async def tenant_key(sessionmaker: async_sessionmaker[AsyncSession], **kwargs: Any) -> str:

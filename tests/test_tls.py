@@ -7,9 +7,10 @@ certificate for 127.0.0.1 and a client certificate, all signed by that CA.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -37,18 +38,24 @@ def tls_settings(pki: Path, mutual: bool) -> Settings:
                                         "client_ca_file": str(pki / "ca.pem") if mutual else ""})
 
 
+@contextlib.asynccontextmanager
 async def serve_admission(sessionmaker, word_tokenizer: str, config: Settings,
-                          also: Callable[..., object] | None = None) -> tuple[grpc.aio.Server, str]:
+                          also: Callable[..., object] | None = None) -> AsyncIterator[str]:
+    """Admission (and `also`'s service) bound with `config`'s [tls]; yields the address."""
     async with sessionmaker() as session, session.begin():
         await add_model(session, word_tokenizer)
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    admission = add_admission_servicer(server, sessionmaker, config)
     if also is not None:
         also(server, sessionmaker, config)
     address = f"127.0.0.1:{free_ports(1)[0]}"
     _bind(server, [address], config.tls)
     await server.start()
-    return server, address
+    try:
+        yield address
+    finally:
+        await server.stop(None)
+        await admission.close()
 
 
 @pytest.fixture
@@ -67,8 +74,7 @@ def credentials(pki: Path, client_certificate: bool) -> grpc.ChannelCredentials:
 @pytest.mark.integration
 async def test_a_tls_only_gateway_refuses_plaintext_and_serves_the_sdk_with_the_ca(
         sessionmaker, word_tokenizer, api_key, pki):
-    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=False))
-    try:
+    async with serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=False)) as address:
         async with SluiceClient(address, api_key, credentials=credentials(pki, False)) as client:
             run = await client.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
             assert run.run_id
@@ -76,23 +82,18 @@ async def test_a_tls_only_gateway_refuses_plaintext_and_serves_the_sdk_with_the_
             with pytest.raises(SluiceError) as refused:
                 await plaintext.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        await server.stop(None)
 
 
 @pytest.mark.integration
 async def test_mutual_tls_admits_only_clients_with_a_certificate_the_ca_signed(
         sessionmaker, word_tokenizer, api_key, pki):
-    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=True))
-    try:
+    async with serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual=True)) as address:
         async with SluiceClient(address, api_key, credentials=credentials(pki, True)) as client:
             assert (await client.submit(prompt_of(10), model=MODEL, max_output_tokens=4)).run_id
         async with SluiceClient(address, api_key, credentials=credentials(pki, False)) as anonymous:
             with pytest.raises(SluiceError) as refused:
                 await anonymous.submit(prompt_of(10), model=MODEL, max_output_tokens=4)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        await server.stop(None)
 
 
 def test_plaintext_is_refused_off_loopback_unless_accepted():
@@ -114,17 +115,14 @@ async def test_the_cli_talks_to_a_tls_gateway_with_ca_and_a_mutual_one_with_cert
         sessionmaker, word_tokenizer, api_key, pki, capsys, mutual):
     with_ca = ("--ca", str(pki / "ca.pem"))
     client_certificate = ("--cert", str(pki / "client.pem"), "--key", str(pki / "client.key"))
-    server, address = await serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual),
-                                            also=add_usage_servicer)
-    try:
+    async with serve_admission(sessionmaker, word_tokenizer, tls_settings(pki, mutual),
+                               also=add_usage_servicer) as address:
         assert await asyncio.to_thread(run_cli, address, api_key) == cli.EXIT_RPC_ERROR   # plaintext
         assert "UNAVAILABLE" in capsys.readouterr().err
         ca_only = await asyncio.to_thread(run_cli, address, api_key, *with_ca)
         assert ca_only == (cli.EXIT_RPC_ERROR if mutual else cli.EXIT_OK)
         both = await asyncio.to_thread(run_cli, address, api_key, *with_ca, *client_certificate)
         assert both == cli.EXIT_OK
-    finally:
-        await server.stop(None)
 
 
 def test_the_cli_takes_its_tls_files_from_the_environment_and_refuses_a_cert_without_a_key(monkeypatch, pki):

@@ -85,7 +85,7 @@ async def canaried(stack: Stack, slow_replica: ReplicaProcess) -> AsyncIterator[
         {"name": slow_replica.name, "pool": CANDIDATE.version, "grpc_address": slow_replica.grpc_address,
          "metrics_port": slow_replica.metrics_port}])
     server = grpc.aio.server()
-    add_admission_servicer(server, stack.sessionmaker, stack.config)
+    admission = add_admission_servicer(server, stack.sessionmaker, stack.config)
     add_admin_servicer(server, stack.sessionmaker, stack.config)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -96,6 +96,7 @@ async def canaried(stack: Stack, slow_replica: ReplicaProcess) -> AsyncIterator[
     finally:
         await channel.close()
         await server.stop(None)
+        await admission.close()
 
 
 async def test_a_20_percent_canary_routes_a_binomial_share_sticky_per_conversation_and_promotion_moves_it(

@@ -79,7 +79,7 @@ async def door(stack: Stack) -> AsyncIterator[Door]:
     tables[0]["pool"], tables[1]["pool"] = MODEL.version, SMALL.version
     stack.config = stack.config.updated(admission={"max_backlog_per_pool": 1}, replicas=tables)
     server = grpc.aio.server()
-    add_admission_servicer(server, stack.sessionmaker, stack.config)
+    admission = add_admission_servicer(server, stack.sessionmaker, stack.config)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -88,6 +88,7 @@ async def door(stack: Stack) -> AsyncIterator[Door]:
     finally:
         await channel.close()
         await server.stop(None)
+        await admission.close()
 
 
 async def permit(stack: Stack, tenant_id: uuid.UUID, *rules: FallbackRule) -> None:

@@ -101,7 +101,7 @@ async def gateway(
 ) -> AsyncIterator[Gateway]:
     config = load_settings()
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    admission = add_admission_servicer(server, sessionmaker, config)
     add_usage_servicer(server, sessionmaker, config)
     add_admin_servicer(server, sessionmaker, config)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -121,3 +121,4 @@ async def gateway(
     finally:
         await channel.close()
         await server.stop(None)
+        await admission.close()

@@ -105,7 +105,8 @@ async def edge(stack: Stack) -> AsyncIterator[Edge]:
     config = stack.config
     settings = HttpSettings.from_config(config.updated(http={"listen": "127.0.0.1:0"}))
     runs = RunsService(stack.sessionmaker, stack.events, EDGE_LEASE_SECONDS, dsn=config.database.url)
-    services = EdgeServices(AdmissionService(stack.sessionmaker, AdmissionSettings.from_config(config)), runs,
+    admission = AdmissionService(stack.sessionmaker, AdmissionSettings.from_config(config))
+    services = EdgeServices(admission, runs,
                             UsageQueryService(stack.sessionmaker), stack.sessionmaker,
                             ModelCards(stack.sessionmaker, settings.model_card_ttl_s), settings)
     server = EdgeServer(services)
@@ -117,3 +118,4 @@ async def edge(stack: Stack) -> AsyncIterator[Edge]:
         await http.close()
         await server.stop()
         await runs.close()
+        await admission.close()

@@ -120,7 +120,7 @@ async def serve_everything(sessionmaker: async_sessionmaker[AsyncSession],
                            policy_from_config(config), registry_from_config(config),
                            dsn=config.database.url)
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    admission = add_admission_servicer(server, sessionmaker, config)
     runs = add_runs_servicer(server, sessionmaker, config, events)
     add_usage_servicer(server, sessionmaker, config)
     add_routing_servicer(server, worker)
@@ -135,5 +135,6 @@ async def serve_everything(sessionmaker: async_sessionmaker[AsyncSession],
         logging.getLogger().removeHandler(recorder)
         target.channel.close()
         await server.stop(None)
+        await admission.close()
         await runs.close()
         await events.close()

@@ -101,3 +101,4 @@ async def serve_ledger(sessionmaker: async_sessionmaker[AsyncSession], word_toke
     finally:
         await channel.close()
         await server.stop(None)
+        await service.close()

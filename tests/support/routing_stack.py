@@ -331,7 +331,7 @@ async def open_stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSe
     events = KafkaEventLog.from_config(config)
     await events.start()
     server = grpc.aio.server()
-    add_admission_servicer(server, sessionmaker, config)
+    admission = add_admission_servicer(server, sessionmaker, config)
     runs_service = add_runs_servicer(server, sessionmaker, config, events)
     add_usage_servicer(server, sessionmaker, config)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -341,7 +341,7 @@ async def open_stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSe
     built = Stack(config=config, sessionmaker=sessionmaker, channel=channel, address=address, events=events,
                   tenant=tenant, other=other, log_dir=log_dir)
     built._servers.append(server)
-    built._closers.extend([runs_service.close, events.close])
+    built._closers.extend([admission.close, runs_service.close, events.close])
     try:
         yield built
     finally:
