@@ -9,7 +9,12 @@ The two writes NOTIFY the run's Streams in their RETURNING clause (delivered at 
 commit), so a write and its notification are one round trip.
 
 An unknown key and another tenant's run are told apart as the ORM path does: no row at all is
-an unknown (or revoked) key; a row without a run is a run this tenant does not have.
+an unknown (or revoked, or expired) key; a row without a run is a run this tenant does not have.
+The key is found as ApiKeyRepository.caller finds it: an unsalted key by its hash, a salted one
+(the Admin API's) by its public prefix, then checked against its salted hash in Python.
+
+The two reads run on a raw asyncpg connection (the gateway's HotPool), the two writes on the
+routing worker's: each statement prepared once per connection (ledger/pg.py).
 """
 
 from __future__ import annotations
@@ -17,19 +22,21 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
+from sluice.ledger.models import KeyScope
 from sluice.ledger.pg import Executor, Statement, rows_of
-from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import UUID
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sluice.eventlog.interface import LogPosition
 
-_LOOKUP = text("""
-SELECT r.id, r.event_partition, r.event_first_offset, r.terminal_sequence, r.traceparent
+_LOOKUP = Statement.of("""
+SELECT k.key_hash, k.key_salt, k.scope,
+       r.id, r.event_partition, r.event_first_offset, r.terminal_sequence, r.traceparent
 FROM api_keys k
 LEFT JOIN runs r ON r.id = :run_id AND r.tenant_id = k.tenant_id
-WHERE k.key_hash = :key_hash AND k.revoked_at IS NULL
-""").bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
+WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
+       OR (k.key_prefix = :key_prefix AND k.key_salt IS NOT NULL))
+  AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
+""")
 
 _MARK_RUNNING = Statement.of("""
 UPDATE runs
@@ -51,9 +58,9 @@ UPDATE runs
 RETURNING pg_notify(:channel, :payload)
 """)
 
-_START = text("""
+_START = Statement.of("""
 SELECT event_partition, event_first_offset, terminal_sequence FROM runs WHERE id = :run_id
-""").bindparams(bindparam("run_id", type_=UUID(as_uuid=True)))
+""")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,23 +74,28 @@ class EventStart:
 
 @dataclass(frozen=True, slots=True)
 class StreamLookup:
-    authenticated: bool              # the key is known and not revoked
+    authenticated: bool              # the key is known, not revoked and not expired
     run_id: uuid.UUID | None         # None: no such run for this key's tenant
     start: EventStart
     traceparent: str | None = None   # the run's trace (admission's span), for the stream's span
+    scope: KeyScope = KeyScope.TENANT   # the key's (a finance or admin key has no runs of its own)
 
 
-async def stream_lookup(connection: AsyncConnection, key_hash: str, run_id: uuid.UUID | None) -> StreamLookup:
-    row = (await connection.execute(_LOOKUP, {"key_hash": key_hash, "run_id": run_id})).first()
+async def stream_lookup(connection: Executor, key: str, run_id: uuid.UUID | None) -> StreamLookup:
+    rows = await rows_of(connection).rows(_LOOKUP, {"key_hash": unsalted_hash(key),
+                                                    "key_prefix": salted_prefix(key), "run_id": run_id})
+    row = next((row for row in rows if matches(key, row["key_hash"], row["key_salt"])), None)
     if row is None:
         return StreamLookup(False, None, EventStart(None, None, None))
-    return StreamLookup(True, row.id, EventStart(row.event_partition, row.event_first_offset,
-                                                 row.terminal_sequence), row.traceparent)
+    return StreamLookup(True, row["id"], EventStart(row["event_partition"], row["event_first_offset"],
+                                                    row["terminal_sequence"]),
+                        row["traceparent"], KeyScope(row["scope"]))
 
 
-async def event_start(connection: AsyncConnection, run_id: uuid.UUID) -> EventStart:
-    row = (await connection.execute(_START, {"run_id": run_id})).one()
-    return EventStart(row.event_partition, row.event_first_offset, row.terminal_sequence)
+async def event_start(connection: Executor, run_id: uuid.UUID) -> EventStart:
+    row = await rows_of(connection).row(_START, {"run_id": run_id})
+    assert row is not None, f"run {run_id} vanished"
+    return EventStart(row["event_partition"], row["event_first_offset"], row["terminal_sequence"])
 
 
 async def mark_running(connection: Executor, run_id: str, epoch: int, first: LogPosition,

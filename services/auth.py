@@ -55,9 +55,13 @@ async def identify(session: AsyncSession, metadata: Metadata) -> Caller:
 
 
 def require_scope(caller: Caller, what: str, *allowed: KeyScope) -> None:
-    if caller.scope not in allowed:
+    require_scope_of(caller.scope, what, *allowed)
+
+
+def require_scope_of(scope: KeyScope, what: str, *allowed: KeyScope) -> None:
+    if scope not in allowed:
         raise PermissionDenied(KEY_SCOPE_NOT_ALLOWED.format(
-            scope=caller.scope.value, what=what, needed=" or ".join(repr(s.value) for s in allowed)))
+            scope=scope.value, what=what, needed=" or ".join(repr(s.value) for s in allowed)))
 
 
 async def authenticate(session: AsyncSession, metadata: Metadata) -> TenantInfo:

@@ -13,7 +13,7 @@ ledger. Otherwise (it began before the stream looked) the stream waits for the
 start: woken by the NOTIFY that commits with the run's RUNNING transition (or
 its terminal event), and by the listener (re)connecting, when notifications may
 have been lost; a slow re-poll of the ledger is the last safety net. The
-lookups are single autocommit statements.
+lookups are single statements on raw asyncpg connections (ledger/runs_sql.py).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from typing import Any
 
 import grpc.aio
 from sluice.ledger.channels import CANCEL_CHANNEL, EVENTS_CHANNEL
-from sluice.ledger.db import autocommit_engine
-from sluice.ledger.models import TERMINAL_STATUSES, Model, Run, RunStatus
+from sluice.ledger.db import dsn_of
+from sluice.ledger.models import TERMINAL_STATUSES, KeyScope, Model, Run, RunStatus
+from sluice.ledger.pg import HotPool
 from sluice.ledger.pricing import cost_micros
-from sluice.ledger.repositories import RunRepository, hash_api_key
+from sluice.ledger.repositories import RunRepository
 from sluice.ledger.routes import route_of
 from sluice.ledger.runs_sql import EventStart, StreamLookup, event_start, stream_lookup
 from sluice.ledger.settlement import settled_usage
-from sluice.services.auth import Metadata, api_key_from_metadata, authenticate
+from sluice.services.auth import Metadata, api_key_from_metadata, authenticate, require_scope_of
 from sluice.services.errors import (
     UNKNOWN_API_KEY,
     InvalidArgument,
@@ -111,7 +112,8 @@ class RunsService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
                  lease_seconds: float, dsn: str | None = None, owner: str | None = None) -> None:
         self.sessions = sessions
-        self._autocommit = autocommit_engine(sessions)
+        # Stream's lookups on raw asyncpg connections (ledger/runs_sql.py); opened on first use.
+        self._hot = HotPool(dsn_of(sessions))
         self.events = events
         self.lease_seconds = lease_seconds
         self.owner = owner or f"runs:{os.getpid()}"
@@ -120,6 +122,7 @@ class RunsService:
     async def close(self) -> None:
         if self._started is not None:
             await self._started.close()
+        await self._hot.close()
 
     async def _own_run(self, session: AsyncSession, metadata: Metadata, run_id: str,
                        *, lock: bool = False) -> Run:
@@ -175,10 +178,11 @@ class RunsService:
             parsed: uuid.UUID | None = uuid.UUID(run_id)
         except ValueError:
             parsed = None   # authenticated first all the same: a bad key is UNAUTHENTICATED whatever the id
-        async with self._autocommit.connect() as connection:
-            found = await stream_lookup(connection, hash_api_key(key), parsed)
+        async with self._hot.connection() as connection:
+            found = await stream_lookup(connection, key, parsed)
         if not found.authenticated:
             raise Unauthenticated(UNKNOWN_API_KEY)
+        require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
         if found.run_id is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
         # One span per Stream call, whichever door (a resumed stream is another span, with its own
@@ -243,7 +247,7 @@ class RunsService:
                     await asyncio.wait_for(started.wait(), WAIT_REPOLL_S)
 
     async def _event_start(self, run_id: uuid.UUID, after: int) -> StreamStart | None:
-        async with self._autocommit.connect() as connection:
+        async with self._hot.connection() as connection:
             return _stream_start(await event_start(connection, run_id), after)
 
     # --- Cancel -------------------------------------------------------------------------------
