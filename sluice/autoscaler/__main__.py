@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from sluice.autoscaler.app import pool_table, scaler_config, serve
+from sluice.autoscaler.app import make_provider, pool_table, scaler_config, serve
+from sluice.autoscaler.provider import ProviderError
 from sluice.config.bootstrap import EXIT_BAD_CONFIG, start_process
 from sluice.config.settings import ConfigError
 
@@ -21,8 +22,10 @@ def run(pool: str) -> None:
     """Bootstrap and serve; a pool without a table stops the process like any bad config."""
     config = start_process("autoscaler")
     try:
-        scaler_config(config, pool_table(config, pool))
-    except (ConfigError, ValueError) as exc:
+        table = pool_table(config, pool)
+        scaler_config(config, table)
+        make_provider(config, table, pool)      # a kubernetes provider without its API server or token
+    except (ConfigError, ValueError, ProviderError) as exc:
         print(f"sluice autoscaler: refusing to start: {exc}", flush=True)
         raise SystemExit(EXIT_BAD_CONFIG) from None
     asyncio.run(serve(config, pool))

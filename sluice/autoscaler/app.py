@@ -14,7 +14,10 @@ import logging
 import signal
 
 from sluice.autoscaler.control import ScalerConfig
+from sluice.autoscaler.k8s import KubernetesProvider, PodTarget
+from sluice.autoscaler.k8s_api import KubeAccess, KubeApi
 from sluice.autoscaler.local import LocalProcessProvider
+from sluice.autoscaler.provider import DEFAULT_KV_BLOCKS, Provider, replica_section
 from sluice.autoscaler.service import LoopSettings, PoolAutoscaler
 from sluice.config import Settings
 from sluice.config.settings import AutoscalerPoolTable, ConfigError
@@ -50,11 +53,30 @@ def local_provider(config: Settings, table: AutoscalerPoolTable) -> LocalProcess
                                 start_timeout_s=section.start_timeout_s, stop_grace_s=section.stop_grace_s)
 
 
+def kubernetes_provider(config: Settings, table: AutoscalerPoolTable, pool: str,
+                        access: KubeAccess | None = None) -> KubernetesProvider:
+    """The pool's Deployment ([autoscaler.kubernetes]); its replicas' KV geometry from the pool's replica keys."""
+    section = config.autoscaler
+    k8s = section.kubernetes
+    replica = replica_section(config, table.replica)
+    target = PodTarget(deployment=k8s.deployment.replace("{pool}", pool), selector=k8s.selector,
+                       grpc_port=k8s.port, metrics_port=k8s.metrics_port, block_size=replica.block_size,
+                       kv_capacity_blocks=replica.num_blocks or DEFAULT_KV_BLOCKS)
+    api = KubeApi(access or KubeAccess.resolve(k8s))
+    return KubernetesProvider(api, target, start_timeout_s=section.start_timeout_s, poll_s=k8s.poll_s)
+
+
+def make_provider(config: Settings, table: AutoscalerPoolTable, pool: str) -> Provider:
+    if config.autoscaler.provider == "kubernetes":
+        return kubernetes_provider(config, table, pool)
+    return local_provider(config, table)
+
+
 async def serve(config: Settings, pool: str) -> None:
     table = pool_table(config, pool)
     scaler = scaler_config(config, table)
     engine = make_engine(config.database.url)
-    provider = local_provider(config, table)
+    provider = make_provider(config, table, pool)
     autoscaler = PoolAutoscaler(pool, scaler, provider, make_sessionmaker(engine), loop_settings(config))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -24,8 +24,10 @@ cool-down. Replicas are ordered in three states besides serving::
 
     cold start (cold_start_s) -> warm (loaded, idle, not routed to) -> serving -> draining -> warm | stopped
 
-Growing promotes warm replicas first (seconds) and starts cold ones for the rest;
-cold starts also refill the warm pool after a promotion. Shrinking drains: a
+Growing first returns draining replicas to serving (they are loaded and still
+hold runs: a drain cancelled costs nothing), then promotes warm replicas
+(seconds) and starts cold ones for the rest; cold starts also refill the warm
+pool after a promotion. Shrinking drains: a
 draining replica takes no new run and stops (or returns to the warm pool) only
 when its last run has ended, so scaling in never interrupts a run.
 """
@@ -84,6 +86,7 @@ class ScalerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScaleDecision:
+    undrain: int                    # draining -> serving (a drain cancelled by a surge)
     promote: int                    # warm -> serving
     start: int                      # cold starts to order
     drain: int                      # serving -> draining
@@ -94,7 +97,7 @@ class ScaleDecision:
 
     @property
     def acts(self) -> bool:
-        return bool(self.promote or self.start or self.drain or self.retire_warm)
+        return bool(self.undrain or self.promote or self.start or self.drain or self.retire_warm)
 
 
 def demand_runs(signals: PoolSignals, config: ScalerConfig) -> tuple[float, str]:
@@ -142,20 +145,21 @@ class Autoscaler:
         if signals.now_s - self._last_out < config.scale_out_cooldown_s:
             return self._hold(signals, demand, "scale-out cool-down")
         missing = target - signals.serving
-        promote = min(signals.warm, missing)
+        undrain = min(signals.draining, missing)
+        promote = min(signals.warm, missing - undrain)
         # Cold starts already under way count toward what is missing, then the warm pool is refilled.
         warm_after = signals.warm - promote
-        wanted = (missing - promote) + max(config.warm_pool - warm_after, 0)
+        wanted = (missing - undrain - promote) + max(config.warm_pool - warm_after, 0)
         start = max(min(wanted - signals.starting, _room(signals, config)), 0)
         self._last_out = signals.now_s
-        return ScaleDecision(promote=promote, start=start, drain=0, retire_warm=0, serving_target=target,
+        return ScaleDecision(undrain=undrain, promote=promote, start=start, drain=0, retire_warm=0, serving_target=target,
                              demand_runs=demand, reason=reason)
 
     def _shrink(self, signals: PoolSignals, target: int, demand: float) -> ScaleDecision:
         if signals.now_s - self._last_in < self.config.scale_in_cooldown_s:
             return self._hold(signals, demand, "scale-in cool-down")
         self._last_in = signals.now_s
-        return ScaleDecision(promote=0, start=0, drain=signals.serving - target, retire_warm=0,
+        return ScaleDecision(undrain=0, promote=0, start=0, drain=signals.serving - target, retire_warm=0,
                              serving_target=target, demand_runs=demand, reason="scale-in")
 
     def _hold(self, signals: PoolSignals, demand: float, reason: str) -> ScaleDecision:
@@ -165,7 +169,7 @@ class Autoscaler:
         pool = signals.warm + signals.starting + signals.draining
         start = max(min(config.warm_pool - pool, _room(signals, config)), 0)
         retire = max(signals.warm - config.warm_pool, 0)
-        return ScaleDecision(promote=0, start=start, drain=0, retire_warm=retire,
+        return ScaleDecision(undrain=0, promote=0, start=start, drain=0, retire_warm=retire,
                              serving_target=signals.serving, demand_runs=demand, reason=reason)
 
 

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.autoscaler.provider import ProviderError, ReplicaHandle
+from sluice.autoscaler.provider import DEFAULT_KV_BLOCKS, OWNED_INFIX, ProviderError, ReplicaHandle, replica_section
 from sluice.config import Settings
-from sluice.config.settings import ReplicaSection
 from sluice.replica.protocol import MODEL_NAME
 
 READY_MARKER = f"ready model={MODEL_NAME}"   # replica.serve's line once Triton serves
@@ -65,25 +64,33 @@ class _Process:
 
 
 class LocalProcessProvider:
+    outlives_autoscaler = False      # its replicas are its children
+
     def __init__(self, config: Settings, replica: Mapping[str, Any], log_dir: Path, *,
                  start_timeout_s: float = 300.0, stop_grace_s: float = 10.0, host: str = "127.0.0.1") -> None:
         self._config = config
         self._replica = dict(replica)          # the pool's [replica] keys over the shared section
-        self._section = ReplicaSection.model_validate({**config.replica.model_dump(), **self._replica})
+        self._section = replica_section(config, self._replica)
         self._log_dir = log_dir
         self._start_timeout_s = start_timeout_s
         self._stop_grace_s = stop_grace_s
         self._host = host
         self._processes: dict[str, _Process] = {}
 
+    async def refresh(self, pool: str) -> None:
+        """Nothing to read: list() polls the processes."""
+
+    async def adopt(self, pool: str) -> list[ReplicaHandle]:
+        return []                    # every process it runs, it started
+
     async def start(self, pool: str) -> ReplicaHandle:
-        name = f"{pool}-as-{uuid.uuid4().hex[:6]}"
+        name = f"{pool}{OWNED_INFIX}{uuid.uuid4().hex[:6]}"
         grpc_port, http_port, metrics_port = free_ports(3, self._host)
         section = self._section
         handle = ReplicaHandle(
             name=name, pool=pool, grpc_address=f"{self._host}:{grpc_port}",
             metrics_url=f"http://{self._host}:{metrics_port}/metrics", block_size=section.block_size,
-            kv_capacity_blocks=section.num_blocks or 4096)
+            kv_capacity_blocks=section.num_blocks or DEFAULT_KV_BLOCKS)
         entry = {"name": name, "pool": pool, "grpc_address": handle.grpc_address, "http_port": http_port,
                  "metrics_port": metrics_port, "replica": self._replica}
         env = {**os.environ, "SLUICE_REPLICAS": json.dumps([entry])}

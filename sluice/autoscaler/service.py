@@ -11,14 +11,18 @@ Every `interval_s`:
 A replica moves through these states; only `serving` is routed new runs (sluice.router.registry)::
 
     start() ── cold start ──> warm ── promote ──> serving ── drain ──> draining ──(no runs)──> warm | stopped
-                  (a started replica serves at once while the pool is under min_replicas)
+                  (a started replica serves at once          ^── undrain (a surge) ──┘
+                   while the pool is under min_replicas)
 
 Scale-in never interrupts a run: a draining replica keeps streaming the runs it holds; it is
 stopped (or returned to the warm pool) only once the ledger shows no run QUEUED or RUNNING on it,
 and only `drain_settle_s` after the mark, by when every routing process has applied it (a claim
 that chose it just before could otherwise still commit a run onto it after the count was read).
-The autoscaler owns the replicas it started (`<pool>-as-<hex>`); at start it tombstones rows of
-that form that its provider does not run (a crashed predecessor's).
+A surge while a replica drains returns it to serving before anything is promoted or started.
+The autoscaler owns the replicas it started (`<pool>-as-<suffix>`); at start it adopts those its
+provider runs but did not start (Kubernetes pods a predecessor held: they keep the state of their
+registry row) and tombstones rows of that form that its provider does not run (a crashed
+predecessor's local processes).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import aiohttp
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.autoscaler.control import Autoscaler, PoolSignals, ScaleDecision, ScalerConfig
-from sluice.autoscaler.provider import Provider, ProviderError, ReplicaHandle
+from sluice.autoscaler.provider import OWNED_INFIX, Provider, ProviderError, ReplicaHandle
 from sluice.autoscaler.signals import ArrivalTrend, Members, pool_signals
 from sluice.ledger.pool_load import PoolLoad, read_pool_load
 from sluice.ledger.replicas import ReplicaRepository
@@ -47,7 +51,6 @@ log = logging.getLogger("sluice.autoscaler")
 
 SCRAPE_TIMEOUT_S = 1.0
 HISTORY = 1024                     # ticks kept for inspection (tests, logs)
-OWNED_INFIX = "-as-"               # the provider's names: <pool>-as-<hex>
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class PoolAutoscaler:
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> None:
+        await self.provider.refresh(self.pool)
+        await self.adopt()
         await self.forget_predecessors()
         while not stopping.is_set():
             try:
@@ -107,7 +112,9 @@ class PoolAutoscaler:
 
     async def tick(self) -> ScaleDecision:
         now = self.clock()
+        await self.provider.refresh(self.pool)
         await self._forget_dead()
+        await self.adopt()
         async with self.sessions() as session:
             load = await read_pool_load(session, self.pool, self.loop.window_s, list(self.members))
         scraped = await self._scrape([m.handle for m in self.members.values() if m.state == SERVING])
@@ -117,9 +124,9 @@ class PoolAutoscaler:
         self.history.append(Tick(now, signals, decision))
         if decision.acts:
             log.info("autoscaler %s: %s (demand %.1f runs, serving %d, warm %d, starting %d): "
-                     "promote %d, start %d, drain %d, retire %d", self.pool, decision.reason,
+                     "undrain %d, promote %d, start %d, drain %d, retire %d", self.pool, decision.reason,
                      decision.demand_runs, signals.serving, signals.warm, signals.starting,
-                     decision.promote, decision.start, decision.drain, decision.retire_warm)
+                     decision.undrain, decision.promote, decision.start, decision.drain, decision.retire_warm)
         await self._act(decision, load, now)
         await self._finish_drains(load, now)
         return decision
@@ -130,6 +137,11 @@ class PoolAutoscaler:
                        draining=[name for name, m in self.members.items() if m.state == DRAINING])
 
     async def _act(self, decision: ScaleDecision, load: PoolLoad, now: float) -> None:
+        # A surge cancels drains first, the busiest first: they hold the most runs, so would stay longest.
+        draining = sorted((m for m in self.members.values() if m.state == DRAINING),
+                          key=lambda m: (-load.by_replica.get(m.handle.name, 0), m.handle.name))
+        for member in draining[:decision.undrain]:
+            await self._set_state(member, SERVING, now, "undrain")
         warm = sorted((m for m in self.members.values() if m.state == WARM), key=lambda m: m.since)
         for member in warm[:decision.promote]:
             await self._set_state(member, SERVING, now, "promote")
@@ -211,6 +223,25 @@ class PoolAutoscaler:
             log.warning("autoscaler %s: replica %s is gone; removing it", self.pool, name)
             await self._retire(self.members[name], self.clock(), "gone")
 
+    async def adopt(self) -> None:
+        """Replicas the provider runs but did not start join the pool: in the state of their live
+        registry row (a predecessor's), else warm (serving while the pool is under min_replicas)."""
+        handles = await self.provider.adopt(self.pool)
+        if not handles:
+            return
+        async with self.sessions() as session:
+            rows = {row.name: row for row in await ReplicaRepository(session).all() if not row.removed}
+        now = self.clock()
+        for handle in handles:
+            row = rows.get(handle.name)
+            serving = sum(1 for m in self.members.values() if m.state == SERVING)
+            state = (row.state if row is not None and row.pool == self.pool
+                     else SERVING if serving < self.scaler.config.min_replicas else WARM)
+            member = self.members[handle.name] = Member(handle, state, now)
+            await self._write(member, state)
+            self.actions.append((now, "adopt " + state, handle.name))
+            log.info("autoscaler %s: adopted replica %s (%s)", self.pool, handle.name, state)
+
     async def forget_predecessors(self) -> None:
         """Tombstone this pool's autoscaled rows that no process of this provider serves."""
         ours = {handle.name for handle in self.provider.list(self.pool)}
@@ -245,10 +276,15 @@ class PoolAutoscaler:
     # --- shutdown -----------------------------------------------------------------------------
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Drain every replica (bounded), then stop them: a process exit interrupts no run it can wait for."""
+        """Drain every replica (bounded), then stop them: a process exit interrupts no run it can wait for.
+        Replicas that outlive the autoscaler (pods) are left serving as they are, for its successor."""
         for task in list(self._starting):
             task.cancel()
         await asyncio.gather(*self._starting, return_exceptions=True)
+        if self.provider.outlives_autoscaler:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+            await self._close_http()
+            return
         now = self.clock()
         for member in [m for m in self.members.values() if m.state != DRAINING]:
             await self._set_state(member, DRAINING, now, "drain (exit)")
@@ -264,6 +300,9 @@ class PoolAutoscaler:
         for member in list(self.members.values()):
             await self._retire(member, self.clock(), "stop (exit, drain timed out)")
         await asyncio.gather(*self._stopping, return_exceptions=True)
+        await self._close_http()
+
+    async def _close_http(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None

@@ -286,6 +286,21 @@ class AutoscalerPoolTable(Section):
         return value
 
 
+class KubernetesSection(Section):
+    """`[autoscaler.kubernetes]`: where the kubernetes provider finds the pool's Deployment
+    (sluice.autoscaler.k8s). Empty api_url/token_file/ca_file/namespace: the pod's service account."""
+
+    api_url: str = ""                  # "": https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    token_file: str = ""               # "": <service account>/token (re-read per request: it rotates)
+    ca_file: str = ""                  # "": <service account>/ca.crt
+    namespace: str = ""                # "": <service account>/namespace
+    deployment: str = "{pool}"         # the pool's Deployment ({pool} is replaced by the pool's name)
+    selector: str = ""                 # its pods' label selector; "": the scale subresource's
+    port: int = Field(default=8001, ge=1, le=65535)           # Triton gRPC port on each pod
+    metrics_port: int = Field(default=8002, ge=1, le=65535)   # Triton metrics port on each pod
+    poll_s: Positive = 2.0             # pod listing interval while a start or stop waits
+
+
 class AutoscalerSection(Section):
     """`python -m sluice.autoscaler --pool P` (one process per pool): the control loop's timing."""
 
@@ -295,7 +310,8 @@ class AutoscalerSection(Section):
     drain_settle_s: NonNegative = 2.0
     start_timeout_s: Positive = 300.0
     stop_grace_s: Positive = 10.0
-    provider: Literal["local"] = "local"
+    provider: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesSection = KubernetesSection()
     pools: dict[str, AutoscalerPoolTable] = Field(default_factory=dict)
 
 

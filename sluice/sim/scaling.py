@@ -6,6 +6,7 @@ start, `initial_warm` more sit warm, the rest are off. Every `interval_s` the ho
 (queue depth, runs in flight, KV utilization, p95 TTFT and the arrival rate over the last window, its
 slope over the last `slope_windows`), asks the control law, and acts:
 
+    undrain   draining -> serving at once (a surge cancels a drain before anything is promoted or started)
     start     off -> starting, warm `cold_start_s` later (ScalerConfig.cold_start_s)
     promote   warm -> serving `promote_s` later (routing picks it up)
     drain     serving -> draining: no new runs; when its last run ends it goes back to the warm pool
@@ -182,6 +183,8 @@ class ScalingHost:
 
     def _act(self, decision: ScaleDecision, at: float) -> None:
         replicas = self.run.fleet.replicas
+        for replica in [r for r in replicas if r.state == "draining"][:decision.undrain]:
+            replica.state = "serving"                     # still loaded: routed again at once
         warm = [r for r in replicas if r.state == "warm"]
         for replica in warm[:decision.promote]:
             replica.state = "promoting"                   # committed: counted as serving, not routed yet
