@@ -107,3 +107,29 @@ def test_a_draining_replica_holds_its_gpus_and_refills_the_warm_pool_so_nothing_
     assert (decision.promote, decision.start, decision.drain, decision.retire_warm) == (0, 0, 0, 0)
     # the same pool without the draining replica refills its warm pool with one cold start
     assert Autoscaler(config).decide(signals(serving=2, warm=0, in_flight=6)).start == 1
+
+
+def test_a_surge_while_replicas_drain_cancels_the_drains_before_promoting_or_starting() -> None:
+    # 2 serving, 1 draining, 1 warm; 36 runs want 5 serving (8 a replica): the drain is cancelled, the
+    # warm one promoted, and 2 started: the fifth serving replica and the warm pool's refill
+    surge = dataclasses.replace(signals(serving=2, warm=1, in_flight=16, queue=20), draining=1)
+    decision = Autoscaler(CONFIG).decide(surge)
+    assert (decision.undrain, decision.promote, decision.start) == (1, 1, 2)
+    # a surge of one replica with two draining: one drain cancelled, nothing promoted or started
+    small = dataclasses.replace(signals(serving=2, warm=1, in_flight=16, queue=2), draining=2)
+    decision = Autoscaler(CONFIG).decide(small)
+    assert decision.serving_target == math.ceil(18 / 8) == 3
+    assert (decision.undrain, decision.promote, decision.start) == (1, 0, 0)
+
+
+def test_a_cold_start_that_lands_during_the_scale_out_cool_down_is_kept_for_promotion() -> None:
+    # no warm pool: the replica started for the second serving slot arrives warm while the cool-down
+    # still holds growth; retiring it as "beyond the warm pool" would start it again and again
+    config = dataclasses.replace(CONFIG, warm_pool=0)
+    scaler = Autoscaler(config)
+    assert scaler.decide(signals(now=100, serving=1, warm=0, queue=12)).start == 1
+    held = scaler.decide(signals(now=105, serving=1, warm=1, queue=12))
+    assert (held.reason, held.retire_warm, held.start) == ("scale-out cool-down", 0, 0)
+    assert scaler.decide(signals(now=116, serving=1, warm=1, queue=12)).promote == 1
+    # once nothing wants it, an extra warm replica is retired as before
+    assert scaler.decide(signals(now=300, serving=2, warm=1, in_flight=12)).retire_warm == 1

@@ -16,8 +16,10 @@ later; of the two drained, one refills the warm pool and the other stops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,16 +89,16 @@ def routable(scaled: Scaled) -> set[str]:
     return {view.name for view in scaled.worker.registry.views(MODEL.version, time.time())}
 
 
-@pytest.fixture
-async def scaled(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
-                 tmp_path: Path) -> AsyncIterator[Scaled]:
+@asynccontextmanager
+async def open_scaled(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], tmp_path: Path,
+                      scaler: ScalerConfig, loop_settings: LoopSettings) -> AsyncIterator[Scaled]:
     async with open_stack(database_dsn, sessionmaker, [], tmp_path) as stack:
         worker = await stack.start_worker()
         sync = await follow_durable_registry(worker.registry, sessionmaker, database_dsn,
                                              worker.replicas_changed)
         provider = LocalProcessProvider(stack.config, REPLICA, tmp_path, start_timeout_s=60.0,
                                         stop_grace_s=5.0)
-        autoscaler = PoolAutoscaler(MODEL.version, SCALER, provider, sessionmaker, LOOP)
+        autoscaler = PoolAutoscaler(MODEL.version, scaler, provider, sessionmaker, loop_settings)
         stopping = asyncio.Event()
         loop = asyncio.create_task(autoscaler.run(stopping))
         try:
@@ -107,6 +109,13 @@ async def scaled(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSessio
             await autoscaler.close(drain_timeout_s=5.0)
             await provider.close()
             await sync.close()
+
+
+@pytest.fixture
+async def scaled(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession],
+                 tmp_path: Path) -> AsyncIterator[Scaled]:
+    async with open_scaled(database_dsn, sessionmaker, tmp_path, SCALER, LOOP) as opened:
+        yield opened
 
 
 async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_interrupting(scaled: Scaled):
@@ -183,3 +192,57 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
     drains = [at for at, _ in actions(scaled, "drain")]
     assert drains[0] == drained_at and len(drains) == 2
     assert drains[1] - drains[0] >= SCALER.scale_in_cooldown_s
+
+
+# Drain cancelled by a surge: no warm pool, so without the cancel the surge would start a cold replica
+# (max 3 leaves room for one beside 1 serving + 1 draining). A 2 s window and a token cold_start_s keep
+# the leading indicator at the runs present (slope x cold start ~ 0), so demand is runs in flight + waiting.
+SURGE_SCALER = dataclasses.replace(SCALER, warm_pool=0, cold_start_s=0.1, scale_out_cooldown_s=2.0,
+                                   scale_in_cooldown_s=2.0)
+SURGE_LOOP = dataclasses.replace(LOOP, window_s=2.0)
+FIRST_STEP, SURGE = 4, 4       # 4 runs at 3 a replica: 2 serving; a surge of 4 beside 1 run: 5 -> 2 serving
+
+
+async def test_a_surge_during_a_drain_returns_the_draining_replica_to_serving_and_starts_nothing(
+        database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], tmp_path: Path):
+    async with open_scaled(database_dsn, sessionmaker, tmp_path, SURGE_SCALER, SURGE_LOOP) as scaled:
+        stack, autoscaler = scaled.stack, scaled.autoscaler
+        TRACE[0] = lambda: "\n" + "\n".join(map(str, autoscaler.actions)) + "\n" + "\n".join(
+            f"{t.at:.1f} {t.decision.reason} {t.signals}" for t in list(autoscaler.history)[-12:])
+        await until(lambda: len(named(scaled, SERVING)) == 1, "at the floor")
+        async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+            step = [(await sdk.submit(f"step {i}", max_output_tokens=STEP_TOKENS)).run_id
+                    for i in range(FIRST_STEP)]
+            await until(lambda: len(named(scaled, SERVING)) == 2, "a second replica started and promoted")
+            both = set(named(scaled, SERVING))
+            await until(lambda: routable(scaled) == both, "both routed")
+            long = [(await sdk.submit(f"long {i}", max_output_tokens=LONG_TOKENS)).run_id for i in range(2)]
+            for run_id in long:
+                await stack.wait_for_status(run_id, {RunStatus.RUNNING.value}, timeout_s=30.0)
+            on = {(await stack.run_row(run_id)).replica: run_id for run_id in long}
+            assert set(on) == both
+            for run_id in step:
+                await sdk.cancel(run_id)
+            # 2 runs on 2 replicas: under half of what one fewer holds, so one drains while it streams
+            await until(lambda: bool(actions(scaled, "drain")), "a replica drained")
+            drained_at, drained = actions(scaled, "drain")[0]
+            assert states(scaled)[drained] == DRAINING
+            starts = len([a for a in autoscaler.actions if a[1].startswith("ready")])
+            assert starts == 2
+
+            surge = [(await sdk.submit(f"surge {i}", max_output_tokens=STEP_TOKENS)).run_id for i in range(SURGE)]
+            await until(lambda: bool(actions(scaled, "undrain")), "the drain cancelled", timeout_s=30.0)
+            undrained_at, undrained = actions(scaled, "undrain")[0]
+            assert undrained == drained and states(scaled)[drained] == SERVING
+            await until(lambda: drained in routable(scaled), "routed again")
+            # nothing started, stopped or promoted for the surge: the same two processes serve it
+            after = [t for t in autoscaler.history if t.at >= drained_at]
+            assert all(t.decision.start == 0 and t.signals.starting == 0 for t in after), TRACE[0]()
+            assert len([a for a in autoscaler.actions if a[1].startswith("ready")]) == starts
+            assert {h.name for h in scaled.provider.list(MODEL.version)} == both
+            assert not actions(scaled, "drained, stop") and len(actions(scaled, "promote")) == 1
+            # the run it held while draining went on streaming and completes in full
+            row = await stack.wait_for_status(on[drained], TERMINAL, timeout_s=60.0)
+            assert row.status == RunStatus.COMPLETED.value and row.output_tokens == LONG_TOKENS
+            for run_id in surge:
+                await sdk.cancel(run_id)

@@ -143,7 +143,8 @@ class Autoscaler:
     def _grow(self, signals: PoolSignals, target: int, demand: float, reason: str) -> ScaleDecision:
         config = self.config
         if signals.now_s - self._last_out < config.scale_out_cooldown_s:
-            return self._hold(signals, demand, "scale-out cool-down")
+            # Warm replicas beyond the warm pool are the ones this growth is waiting to promote: kept.
+            return self._hold(signals, demand, "scale-out cool-down", retire=False)
         missing = target - signals.serving
         undrain = min(signals.draining, missing)
         promote = min(signals.warm, missing - undrain)
@@ -162,14 +163,15 @@ class Autoscaler:
         return ScaleDecision(undrain=0, promote=0, start=0, drain=signals.serving - target, retire_warm=0,
                              serving_target=target, demand_runs=demand, reason="scale-in")
 
-    def _hold(self, signals: PoolSignals, demand: float, reason: str) -> ScaleDecision:
-        """No change to serving; keep the warm pool at its size (start the missing, retire the extra)."""
+    def _hold(self, signals: PoolSignals, demand: float, reason: str, retire: bool = True) -> ScaleDecision:
+        """No change to serving; keep the warm pool at its size (start the missing, retire the extra
+        unless `retire` is False: growth held by its cool-down still wants them)."""
         config = self.config
         # A draining replica returns to the warm pool if it is short when its runs end: counted in it.
         pool = signals.warm + signals.starting + signals.draining
         start = max(min(config.warm_pool - pool, _room(signals, config)), 0)
-        retire = max(signals.warm - config.warm_pool, 0)
-        return ScaleDecision(undrain=0, promote=0, start=start, drain=0, retire_warm=retire,
+        extra = max(signals.warm - config.warm_pool, 0) if retire else 0
+        return ScaleDecision(undrain=0, promote=0, start=start, drain=0, retire_warm=extra,
                              serving_target=signals.serving, demand_runs=demand, reason=reason)
 
 
