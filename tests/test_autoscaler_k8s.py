@@ -8,14 +8,19 @@ deleted" holds only because the provider annotated it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from sluice.ledger.replicas import ReplicaRepository
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.autoscaler.app import kubernetes_provider, pool_table, scaler_config
+from sluice.autoscaler.control import ScalerConfig
 from sluice.autoscaler.k8s import CONFLICT_RETRIES, ERR_CONFLICTS, KubernetesProvider, PodTarget
 from sluice.autoscaler.k8s_api import (
     CALLS,
@@ -28,8 +33,10 @@ from sluice.autoscaler.k8s_api import (
 )
 from sluice.autoscaler.k8s_objects import DELETION_COST, MIN_DELETION_COST, Pod, Scale
 from sluice.autoscaler.provider import ProviderError
+from sluice.autoscaler.service import LoopSettings, PoolAutoscaler
 from sluice.config import load_settings
 from sluice.config.settings import KubernetesSection
+from sluice.router.registry import SERVING, WARM
 from tests.support.fake_kube import FakeKube, server_ssl
 
 pytest_plugins = ["tests.support.pki"]
@@ -280,3 +287,72 @@ def test_the_manifests_configuration_makes_a_kubernetes_provider_for_the_pools_d
     assert provider.target == PodTarget(deployment=DEPLOYMENT, selector="", grpc_port=8001, metrics_port=8002,
                                         block_size=32, kv_capacity_blocks=20000)
     assert scaler_config(config, pool_table(config, POOL)).warm_pool == 2
+
+
+FLOOR = ScalerConfig(runs_per_replica=4, min_replicas=1, max_replicas=3, warm_pool=1, ttft_slo_s=60.0,
+                     cold_start_s=1.0, scale_out_cooldown_s=0.0, scale_in_cooldown_s=0.0)
+FAST = LoopSettings(interval_s=0.1, window_s=5.0, slope_windows=3, drain_settle_s=0.0)
+
+
+async def registry(sessionmaker: async_sessionmaker[AsyncSession]) -> dict[str, tuple[str, str, bool]]:
+    async with sessionmaker() as session:
+        return {row.name: (row.state, row.grpc_address, row.removed)
+                for row in await ReplicaRepository(session).all()}
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.integration
+async def test_the_autoscaler_registers_the_pods_keeps_them_across_its_restart_and_deletes_exactly_the_drained_one(
+        pki: Path, tmp_path: Path, sessionmaker: async_sessionmaker[AsyncSession]):
+    opened = await open_cluster(pki, tmp_path / "sa", replicas=1)      # the manifest's initial replica
+    fake = opened.fake
+    try:
+        # The pod already Ready is adopted and serves (min 1); one more is scaled up for the warm pool.
+        first = PoolAutoscaler(POOL, FLOOR, opened.provider, sessionmaker, FAST)
+        stopping = asyncio.Event()
+        loop = asyncio.create_task(first.run(stopping))
+        await until(lambda: [a for _, a, _ in first.actions] == ["adopt serving", "ready warm"], "at the floor")
+        stopping.set()
+        await loop
+        await first.close()
+        await opened.provider.close()
+        serving_pod, warm_pod = sorted(fake.pods)
+        rows = await registry(sessionmaker)
+        assert rows == {replica_name(serving_pod): (SERVING, f"{fake.pods[serving_pod].ip}:8001", False),
+                        replica_name(warm_pod): (WARM, f"{fake.pods[warm_pod].ip}:8001", False)}
+        assert fake.scale_patches() == [2] and fake.deleted == []       # its exit left both pods serving
+
+        # Its successor (min 0, no warm pool) adopts both pods in their rows' states (by default they would
+        # both be warm: it holds no serving floor). With no runs it drains the serving one and, drained,
+        # stops it: its row is tombstoned and exactly its pod is deleted, though a plain scale-down would
+        # take the newer one. The warm one is retired next.
+        access = opened.provider.api.access
+        provider = KubernetesProvider(KubeApi(access), TARGET, start_timeout_s=5.0, poll_s=0.02)
+        second = PoolAutoscaler(POOL, dataclasses.replace(FLOOR, min_replicas=0, warm_pool=0), provider,
+                                sessionmaker, FAST)
+        await provider.refresh(POOL)
+        await second.adopt()
+        assert {name: m.state for name, m in second.members.items()} == {
+            replica_name(serving_pod): SERVING, replica_name(warm_pod): WARM}
+        await second.forget_predecessors()
+        assert (await registry(sessionmaker)) == rows                   # nothing forgotten: all adopted
+        await second.tick()
+        assert [(action, name) for _, action, name in second.actions[-2:]] == [
+            ("drain", replica_name(serving_pod)), ("drained, stop", replica_name(serving_pod))]
+        await until(lambda: fake.deleted == [serving_pod], "the drained pod deleted")
+        rows = await registry(sessionmaker)
+        assert rows[replica_name(serving_pod)][2] and not rows[replica_name(warm_pod)][2]
+        assert fake.scale_patches() == [2, 1] and list(fake.pods) == [warm_pod]
+        await second.tick()
+        await until(lambda: fake.deleted == [serving_pod, warm_pod], "the warm pod retired")
+        assert fake.replicas == 0 and all(removed for _, _, removed in (await registry(sessionmaker)).values())
+        await second.close()
+        await provider.close()
+    finally:
+        await fake.close()

@@ -215,7 +215,7 @@ class FakeKube:
     def _ready(self, pod: FakePod) -> None:
         if pod.name not in self.pods or pod.ready:
             return
-        pod.ip = self.pod_ips[pod.created - 1] if self.pod_ips else f"10.0.0.{pod.created}"
+        pod.ip = self.pod_ips[pod.created - 1] if self.pod_ips else f"127.0.1.{pod.created}"
         pod.ready = True
         pod.resource_version = next(self._version)
 
