@@ -90,12 +90,12 @@ def replica_name(pod: str) -> str:
     return f"{POOL}-as-{pod}"
 
 
-async def test_a_start_raises_the_deployments_replicas_and_returns_once_the_new_pod_is_ready(cluster: Cluster):
+async def test_a_start_raises_the_deployments_replicas_and_returns_once_the_new_pod_is_ready(
+        cluster: Cluster):
     fake, provider = cluster.fake, cluster.provider
     fake.ready_after_s = None                     # the pod turns Ready when the test says
     start = asyncio.create_task(provider.start(POOL))
-    while not fake.pods:
-        await asyncio.sleep(0.01)
+    await until(lambda: bool(fake.pods), "a pod ordered")
     (pod,) = fake.pods
     await asyncio.sleep(0.2)                      # ten polls: still loading, so start() still waits
     assert not start.done()
@@ -144,7 +144,8 @@ async def test_a_stop_makes_the_drained_pod_cheapest_then_scales_down_by_one_so_
     pod = drained.name.removeprefix(f"{POOL}-as-")
     before = len(fake.requests)
     await provider.stop(drained.name)
-    writes = [(r.method, r.path.rsplit("/", 1)[1], r.body) for r in fake.requests[before:] if r.method == "PATCH"]
+    writes = [(r.method, r.path.rsplit("/", 1)[1], r.body) for r in fake.requests[before:]
+              if r.method == "PATCH"]
     assert writes[0] == ("PATCH", pod, {"metadata": {"annotations": {DELETION_COST: str(MIN_DELETION_COST)}}})
     assert writes[1][:2] == ("PATCH", "scale") and writes[1][2] is not None
     assert writes[1][2]["spec"] == {"replicas": 2} and len(writes) == 2
@@ -160,8 +161,7 @@ async def test_a_stop_waits_for_a_cold_start_to_be_ready_since_a_scale_down_woul
     first, second = [await provider.start(POOL) for _ in range(2)]
     fake.ready_after_s = None
     starting = asyncio.create_task(provider.start(POOL))
-    while len(fake.pods) < 3:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(fake.pods) == 3, "a third pod ordered")
     stopping = asyncio.create_task(provider.stop(first.name))
     await asyncio.sleep(0.2)
     assert fake.scale_patches() == [1, 2, 3] and not stopping.done()    # no scale-down while one loads
@@ -237,7 +237,8 @@ def test_access_outside_a_pod_needs_an_api_url_and_a_token(tmp_path: Path):
 
 def test_pods_and_scales_read_as_the_api_server_writes_them():
     pod = Pod.of({"metadata": {"name": "p", "creationTimestamp": "2026-11-30T12:00:00Z",
-                               "annotations": {DELETION_COST: "-5"}, "deletionTimestamp": "2026-11-30T12:01:00Z"},
+                               "annotations": {DELETION_COST: "-5"},
+                               "deletionTimestamp": "2026-11-30T12:01:00Z"},
                   "status": {"phase": "Running", "podIP": "10.1.2.3",
                              "conditions": [{"type": "PodScheduled", "status": "True"},
                                             {"type": "Ready", "status": "True"}]}})
@@ -281,7 +282,8 @@ def test_the_manifests_configuration_makes_a_kubernetes_provider_for_the_pools_d
     account.mkdir()
     (account / "token").write_text(TOKEN)
     (account / "namespace").write_text(NAMESPACE)
-    access = KubeAccess.resolve(config.autoscaler.kubernetes, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, account)
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    access = KubeAccess.resolve(config.autoscaler.kubernetes, in_pod, account)
     assert (access.api_url, access.namespace) == ("https://10.96.0.1:443", NAMESPACE)
     provider = kubernetes_provider(config, pool_table(config, POOL), POOL, access)
     assert provider.target == PodTarget(deployment=DEPLOYMENT, selector="", grpc_port=8001, metrics_port=8002,
@@ -308,7 +310,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
 
 
 @pytest.mark.integration
-async def test_the_autoscaler_registers_the_pods_keeps_them_across_its_restart_and_deletes_exactly_the_drained_one(
+async def test_the_autoscaler_registers_pods_adopts_them_after_a_restart_and_deletes_exactly_the_drained_one(
         pki: Path, tmp_path: Path, sessionmaker: async_sessionmaker[AsyncSession]):
     opened = await open_cluster(pki, tmp_path / "sa", replicas=1)      # the manifest's initial replica
     fake = opened.fake
@@ -317,7 +319,8 @@ async def test_the_autoscaler_registers_the_pods_keeps_them_across_its_restart_a
         first = PoolAutoscaler(POOL, FLOOR, opened.provider, sessionmaker, FAST)
         stopping = asyncio.Event()
         loop = asyncio.create_task(first.run(stopping))
-        await until(lambda: [a for _, a, _ in first.actions] == ["adopt serving", "ready warm"], "at the floor")
+        await until(lambda: [a for _, a, _ in first.actions] == ["adopt serving", "ready warm"],
+                    "at the floor")
         stopping.set()
         await loop
         await first.close()
@@ -351,7 +354,8 @@ async def test_the_autoscaler_registers_the_pods_keeps_them_across_its_restart_a
         assert fake.scale_patches() == [2, 1] and list(fake.pods) == [warm_pod]
         await second.tick()
         await until(lambda: fake.deleted == [serving_pod, warm_pod], "the warm pod retired")
-        assert fake.replicas == 0 and all(removed for _, _, removed in (await registry(sessionmaker)).values())
+        assert fake.replicas == 0
+        assert all(removed for _, _, removed in (await registry(sessionmaker)).values())
         await second.close()
         await provider.close()
     finally:

@@ -230,7 +230,8 @@ async def test_a_surge_during_a_drain_returns_the_draining_replica_to_serving_an
             starts = len([a for a in autoscaler.actions if a[1].startswith("ready")])
             assert starts == 2
 
-            surge = [(await sdk.submit(f"surge {i}", max_output_tokens=STEP_TOKENS)).run_id for i in range(SURGE)]
+            surge = [(await sdk.submit(f"surge {i}", max_output_tokens=STEP_TOKENS)).run_id
+                     for i in range(SURGE)]
             await until(lambda: bool(actions(scaled, "undrain")), "the drain cancelled", timeout_s=30.0)
             undrained_at, undrained = actions(scaled, "undrain")[0]
             assert undrained == drained and states(scaled)[drained] == SERVING

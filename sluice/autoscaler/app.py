@@ -55,7 +55,8 @@ def local_provider(config: Settings, table: AutoscalerPoolTable) -> LocalProcess
 
 def kubernetes_provider(config: Settings, table: AutoscalerPoolTable, pool: str,
                         access: KubeAccess | None = None) -> KubernetesProvider:
-    """The pool's Deployment ([autoscaler.kubernetes]); its replicas' KV geometry from the pool's replica keys."""
+    """The pool's Deployment ([autoscaler.kubernetes]); its replicas' KV geometry from the pool's
+    replica keys."""
     section = config.autoscaler
     k8s = section.kubernetes
     replica = replica_section(config, table.replica)

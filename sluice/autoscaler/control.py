@@ -153,7 +153,8 @@ class Autoscaler:
         wanted = (missing - undrain - promote) + max(config.warm_pool - warm_after, 0)
         start = max(min(wanted - signals.starting, _room(signals, config)), 0)
         self._last_out = signals.now_s
-        return ScaleDecision(undrain=undrain, promote=promote, start=start, drain=0, retire_warm=0, serving_target=target,
+        return ScaleDecision(undrain=undrain, promote=promote, start=start, drain=0, retire_warm=0,
+                             serving_target=target,
                              demand_runs=demand, reason=reason)
 
     def _shrink(self, signals: PoolSignals, target: int, demand: float) -> ScaleDecision:

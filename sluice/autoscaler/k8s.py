@@ -86,15 +86,15 @@ class KubernetesProvider:
     async def refresh(self, pool: str) -> None:
         await self._list()
 
-    def list(self, pool: str) -> list[ReplicaHandle]:
-        return [held.handle for held in self._held.values()
-                if held.handle.pool == pool and (pod := self._pods.get(held.pod)) is not None and pod.alive]
-
     async def adopt(self, pool: str) -> list[ReplicaHandle]:
         """Hold the Ready pods nobody holds; none while a start waits (the pod may be the one it ordered)."""
         if self._starting:
             return []
         return [await self._hold(pool, pod) for pod in list(self._unheld())]
+
+    def list(self, pool: str) -> list[ReplicaHandle]:
+        return [held.handle for held in self._held.values()
+                if held.handle.pool == pool and (pod := self._pods.get(held.pod)) is not None and pod.alive]
 
     # --- start --------------------------------------------------------------------------------
 
@@ -111,7 +111,8 @@ class KubernetesProvider:
                     return await self._hold(pool, pod)
                 if time.monotonic() > deadline:
                     # The pod that never got Ready goes first on a scale-down (the ReplicaSet's ranking).
-                    await self._rescale(lambda replicas: replicas - 1 if replicas >= self._wanted() else replicas)
+                    await self._rescale(lambda replicas: replicas - 1 if replicas >= self._wanted()
+                                        else replicas)
                     raise ProviderError(ERR_NOT_READY.format(deployment=self.target.deployment,
                                                              seconds=self._start_timeout_s,
                                                              replicas=self._wanted()))
@@ -135,7 +136,7 @@ class KubernetesProvider:
                                block_size=target.block_size, kv_capacity_blocks=target.kv_capacity_blocks)
         self._held[handle.name] = _Held(handle, pod.name)        # before any await: two starts, one pod
         if pod.deletion_cost is not None:
-            # A stop that failed half-way left it cheapest: the next scale-down could pick it over a drained pod.
+            # A stop that failed half-way left it cheapest: a scale-down could pick it over a drained pod.
             await self.api.annotate_pod(pod.name, {DELETION_COST: None})
         return handle
 

@@ -37,7 +37,8 @@ MERGE_PATCH = "application/merge-patch+json"
 ERR_NO_SERVER = ("kubernetes provider: no [autoscaler.kubernetes].api_url and not in a pod "
                  "(KUBERNETES_SERVICE_HOST is unset)")
 ERR_NO_FILE = "kubernetes provider: cannot read {what} {path} ({error}); set [autoscaler.kubernetes].{key}"
-ERR_FORBIDDEN = ("kubernetes API refused {verb} {resource} {name!r} in namespace {namespace!r} (403 Forbidden): "
+ERR_FORBIDDEN = ("kubernetes API refused {verb} {resource} {name!r} in namespace {namespace!r} "
+                 "(403 Forbidden): "
                  "the autoscaler's service account needs a Role rule apiGroups: [\"{group}\"], "
                  "resources: [\"{resource}\"], verbs: [\"{verb}\"] (deploy/k8s/autoscaler.yaml). "
                  "The API server said: {message}")
@@ -96,8 +97,8 @@ class KubeAccess:
                 raise ProviderError(ERR_NO_SERVER)
             api_url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
         token_file = Path(section.token_file) if section.token_file else account_dir / "token"
-        ca_file = Path(section.ca_file) if section.ca_file else account_dir / "ca.crt"
-        if not section.ca_file and not ca_file.exists():
+        ca_file: Path | None = Path(section.ca_file) if section.ca_file else account_dir / "ca.crt"
+        if not section.ca_file and ca_file is not None and not ca_file.exists():
             ca_file = None                  # an explicit api_url outside a pod: the system's CAs
         namespace = section.namespace or _read(account_dir / "namespace", "namespace file", "namespace")
         _read(token_file, "token file", "token_file")     # refused now, not at the first tick
@@ -125,9 +126,10 @@ class KubeApi:
         return Scale.of(await self._request(GET_SCALE, "GET", self._scale_path(deployment), deployment))
 
     async def patch_scale(self, deployment: str, replicas: int, resource_version: str) -> Scale:
-        """Set spec.replicas if nobody wrote the scale since `resource_version` was read (else KubeConflict)."""
+        """Set spec.replicas unless the scale was written since `resource_version` (then KubeConflict)."""
         body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
-        return Scale.of(await self._request(PATCH_SCALE, "PATCH", self._scale_path(deployment), deployment, body))
+        path = self._scale_path(deployment)
+        return Scale.of(await self._request(PATCH_SCALE, "PATCH", path, deployment, body))
 
     async def list_pods(self, selector: str) -> list[Pod]:
         path = f"/api/v1/namespaces/{self.access.namespace}/pods?labelSelector={quote(selector, safe='')}"
@@ -151,7 +153,8 @@ class KubeApi:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
-            context = ssl.create_default_context(cafile=str(self.access.ca_file) if self.access.ca_file else None)
+            ca_file = self.access.ca_file
+            context = ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
                                                connector=aiohttp.TCPConnector(ssl=context))
         return self._http

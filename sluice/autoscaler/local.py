@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.autoscaler.provider import DEFAULT_KV_BLOCKS, OWNED_INFIX, ProviderError, ReplicaHandle, replica_section
+from sluice.autoscaler.provider import (
+    DEFAULT_KV_BLOCKS,
+    OWNED_INFIX,
+    ProviderError,
+    ReplicaHandle,
+    replica_section,
+)
 from sluice.config import Settings
 from sluice.replica.protocol import MODEL_NAME
 

@@ -71,7 +71,8 @@ class Request:
 
 class FakeKube:
     def __init__(self, namespace: str, deployment: str, labels: dict[str, str], token: str, *,
-                 replicas: int = 0, ready_after_s: float | None = 0.2, pod_ips: list[str] | None = None) -> None:
+                 replicas: int = 0, ready_after_s: float | None = 0.2,
+                 pod_ips: list[str] | None = None) -> None:
         self.namespace, self.deployment, self.labels, self.token = namespace, deployment, labels, token
         self.ready_after_s = ready_after_s
         self.pod_ips = pod_ips                 # given: the pods' IPs in creation order (real replicas)
@@ -132,7 +133,8 @@ class FakeKube:
             return _status(403, "Forbidden",
                            f'{resource.split("/")[0]}{".apps" if group else ""} "{name}" is forbidden: '
                            f'User "system:serviceaccount:{self.namespace}:sluice-autoscaler" cannot {verb} '
-                           f'resource "{resource}" in API group "{group}" in the namespace "{self.namespace}"')
+                           f'resource "{resource}" in API group "{group}" in the namespace '
+                           f'"{self.namespace}"')
         return None
 
     async def _scale(self, request: web.Request) -> web.Response:
@@ -150,7 +152,8 @@ class FakeKube:
                 self.scale_version = next(self._version)      # another writer got there first
             wanted = body.get("metadata", {}).get("resourceVersion")
             if wanted is not None and wanted != str(self.scale_version):
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on deployments.apps "{name}": '
+                return _status(409, "Conflict",
+                               f'Operation cannot be fulfilled on deployments.apps "{name}": '
                                                 "the object has been modified; please apply your changes to "
                                                 "the latest version and try again")
             self._set_replicas(int(body["spec"]["replicas"]))
@@ -162,7 +165,8 @@ class FakeKube:
         refused = await self._record(request, "list", "pods", "")
         if refused is not None:
             return refused
-        wanted = dict(term.split("=", 1) for term in request.query.get("labelSelector", "").split(",") if term)
+        terms = request.query.get("labelSelector", "").split(",")
+        wanted = dict(term.split("=", 1) for term in terms if term)
         items = [pod.body() for pod in self.pods.values()
                  if all(pod.labels.get(key) == value for key, value in wanted.items())]
         return web.json_response({"kind": "PodList", "apiVersion": "v1", "items": items,
@@ -200,7 +204,8 @@ class FakeKube:
         self.scale_version = next(self._version)
         while len(self.pods) < replicas:
             created = next(self._created)
-            pod = FakePod(name=f"{self.deployment}-7f9c-{created:05d}", labels=dict(self.labels), created=created,
+            pod = FakePod(name=f"{self.deployment}-7f9c-{created:05d}", labels=dict(self.labels),
+                          created=created,
                           resource_version=next(self._version))
             self.pods[pod.name] = pod
             if ready_now:
