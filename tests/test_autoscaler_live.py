@@ -196,11 +196,14 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
 
 # Drain cancelled by a surge: no warm pool, so without the cancel the surge would start a cold replica
 # (max 3 leaves room for one beside 1 serving + 1 draining). A 2 s window and a token cold_start_s keep
-# the leading indicator at the runs present (slope x cold start ~ 0), so demand is runs in flight + waiting.
-SURGE_SCALER = dataclasses.replace(SCALER, warm_pool=0, cold_start_s=0.1, scale_out_cooldown_s=2.0,
-                                   scale_in_cooldown_s=2.0)
+# the leading indicator near the runs present (slope x cold start ~ 0). 3.6 runs a replica (4 x 0.9):
+# the step's 4 runs want 2 serving, 4 + 2 long ones still 2 (a margin for the leading indicator, which
+# reads a little above the runs present while they arrive), the 2 long ones alone 1 (under 2 a replica
+# with one fewer), and the surge's 4 beside the remaining long one 2 again.
+SURGE_SCALER = dataclasses.replace(SCALER, warm_pool=0, target_utilization=0.9, cold_start_s=0.1,
+                                   scale_out_cooldown_s=2.0, scale_in_cooldown_s=2.0)
 SURGE_LOOP = dataclasses.replace(LOOP, window_s=2.0)
-FIRST_STEP, SURGE = 4, 4       # 4 runs at 3 a replica: 2 serving; a surge of 4 beside 1 run: 5 -> 2 serving
+FIRST_STEP, SURGE = 4, 4
 
 
 async def test_a_surge_during_a_drain_returns_the_draining_replica_to_serving_and_starts_nothing(
