@@ -197,3 +197,25 @@ async def test_a_run_that_began_before_it_was_followed_replays_from_the_start_th
     await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
     assert await readers[0] == [1, 2, 3, 4]
     assert await readers[1] == [2, 3, 4]
+
+
+LONG_LINGER_MS = 3_000
+
+
+async def test_an_event_published_at_once_does_not_wait_out_the_linger_and_keeps_the_runs_order():
+    config = load_settings()
+    lingering = KafkaEventLog(config.kafka.bootstrap, config.kafka.events_topic, linger_ms=LONG_LINGER_MS)
+    await lingering.start()
+    try:
+        run_id = str(uuid.uuid4())
+        seq = RunEventSequencer(run_id)
+        status = await lingering.publish(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+        first = await lingering.publish(seq.delta([5], "a", 0), at_once=True)
+        later = await lingering.publish(seq.delta([6], "b", 0))
+        # The STATUS before it leaves with it, both well before the linger would have let them go.
+        positions = await asyncio.wait_for(asyncio.gather(status, first), LONG_LINGER_MS / 1000 / 2)
+        assert not later.done(), "an event published plainly waits for its batch's linger"
+        assert positions[1].offset == positions[0].offset + 1
+        assert (await later).offset == positions[1].offset + 1
+    finally:
+        await lingering.close()
