@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Sequence
@@ -173,6 +174,11 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                                                ModelCards(sessions, http.model_card_ttl_s), http))
                 await edge.start()
                 print(f"HTTP edge (seed 002 + OpenAI API) listening on {edge.address}", flush=True)
+            # What start-up allocated (modules, protobuf descriptors, tokenizers, SQLAlchemy's
+            # metadata) never dies: frozen, the collector's full passes stop walking it on every
+            # Submit-driven collection, as in the routing process (services/routing/app.py).
+            gc.collect()
+            gc.freeze()
             # Printed once every door is open: the demo and tests wait for this line.
             print(f"gateway (admission, runs, usage) listening on {', '.join(listen)}", flush=True)
         if worker is not None and routing_listen:
