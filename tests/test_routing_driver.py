@@ -240,6 +240,43 @@ async def test_only_the_first_delta_is_sent_without_waiting_to_be_batched():
     assert log.at_once == [2]
 
 
+class CountingEvent(asyncio.Event):
+    """The driver's wake-up event, counting how often it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+async def test_tokens_joining_an_open_window_do_not_wake_the_driver():
+    # Ten tokens 5 ms apart inside one 60 s window: the first token wakes the driver (published at
+    # once), the second opens a window (its timer would wake it, but the stream ends first), the
+    # eight after it join that window and wake nobody, and the stream's end wakes it once more.
+    replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 11)], gap_s=0.005)})
+    driver, ledger, _ = driver_for(replicas, window_ms=60_000)
+    driver._wake = wake = CountingEvent()
+    await driver.run()
+    deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
+    assert deltas == [[1], list(range(2, 11))]
+    assert wake.sets == 2
+    assert ledger.finished().output_tokens == 10
+
+
+async def test_a_window_closes_on_its_timer_while_the_replica_is_still_streaming():
+    # Tokens 100 ms apart, a 250 ms window: after the first (alone), the window opened by token 2 holds
+    # tokens 2-4 and is closed by its timer 50 ms before token 5 arrives (the next token would have
+    # joined it had the window waited for one); tokens 5-7 then share the next, closed by the end.
+    replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 8)], gap_s=0.1)})
+    driver, _, _ = driver_for(replicas, window_ms=250)
+    await driver.run()
+    deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
+    assert deltas == [[1], [2, 3, 4], [5, 6, 7]]
+
+
 async def test_a_replica_lost_mid_stream_ends_the_run_interrupted_with_exactly_the_tokens_received():
     error = ReplicaLost("connection reset")
     replicas = ScriptedReplicas({"r0": Script([(1, 2), (3, 4)], then=error)})
@@ -306,6 +343,26 @@ async def test_a_lease_expired_by_the_ledgers_clock_stops_the_driver():
     driver, ledger, _ = driver_for(replicas)
     driver.lease.expires_at = time.monotonic() + 0.1       # no renewal arrives
     assert await driver.run() is None
+    assert "finish" not in [name for name, _ in ledger.calls]
+
+
+async def test_a_silent_stream_stops_at_the_lease_end_a_renewal_moved_with_nothing_else_to_wake_it():
+    # No token, no ack, no cancel: only the driver's own timer can notice the lease ending. A renewal
+    # moves the end from 0.2 s to 0.5 s after the timer for 0.2 s was armed: it must not stop at 0.2 s,
+    # and it must still stop at 0.5 s (well before the 30 s first-token limit).
+    replicas = ScriptedReplicas({"r0": Script([], silent_after=True)})
+    driver, ledger, _ = driver_for(replicas)
+    started = time.monotonic()
+    driver.lease.expires_at = started + 0.2
+
+    async def renew() -> None:
+        await asyncio.sleep(0.1)
+        driver.lease.expires_at = started + 0.5
+
+    renewal = asyncio.create_task(renew())
+    assert await asyncio.wait_for(driver.run(), 5.0) is None
+    assert time.monotonic() - started >= 0.5
+    await renewal
     assert "finish" not in [name for name, _ in ledger.calls]
 
 

@@ -152,6 +152,21 @@ class _Pump:
     first_token_at: float | None = None     # monotonic
     first_token_wall: float | None = None   # time.time(), for TTFT from the submit
     last_token_at: float | None = None      # monotonic
+    window_timer: asyncio.TimerHandle | None = None   # wakes the driver when the open window closes
+
+    def arm_window(self, seconds: float) -> None:
+        """Wake the driver in `seconds`, when the window just opened closes (one timer per window)."""
+        self.disarm_window()
+        self.window_timer = asyncio.get_running_loop().call_later(seconds, self._window_closed)
+
+    def disarm_window(self) -> None:
+        if self.window_timer is not None:
+            self.window_timer.cancel()
+            self.window_timer = None
+
+    def _window_closed(self) -> None:
+        self.window_timer = None
+        self.wake.set()
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
@@ -187,6 +202,9 @@ class RunDriver:
     _first_token_wall: float | None = None
     _tpot_s: float | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _deadline: float = float("inf")   # the run's deadline on the monotonic clock (set when the run starts)
+    _horizon: asyncio.TimerHandle | None = None   # wakes the driver at the deadline, lease end or first-token
+    _horizon_at: float = 0.0                      # limit, whichever comes first (monotonic)
 
     @property
     def run_id(self) -> str:
@@ -251,10 +269,14 @@ class RunDriver:
             log.warning("run %s: lease lost (%s), leaving it to the reaper", self.run_id, lost)
             return None
         finally:
+            if self._horizon is not None:
+                self._horizon.cancel()
             for ack, _, _ in self._in_flight:
                 ack.cancel()
 
     async def _drive(self) -> Ending:
+        # Read once: a datetime's timestamp() on every wake-up was a measurable share of the loop.
+        self._deadline = time.monotonic() + (self.claim.deadline_at.timestamp() - time.time())
         sequencer = RunEventSequencer(self.run_id, epoch=self.lease.epoch)
         decoder = IncrementalDecoder(load_tokenizer(self.claim.tokenizer))
         self.tried.append(self.replica)
@@ -297,12 +319,18 @@ class RunDriver:
                 # a DELTA per window (events.DeltaCoalescer).
                 first = sequencer.last_sequence == 0
                 if coalescer.pending() and (pump.done or stop or first or coalescer.due(now * 1000)):
+                    pump.disarm_window()
                     await self._publish_delta(sequencer, decoder, coalescer.take())
                     continue
                 if pump.done or stop is not None:
                     break
-                await self._sleep(self._next_wake(pump, now))
+                if coalescer.pending() and pump.window_timer is None:
+                    # Woken before the window's end (its timer fires on the loop's coarser clock).
+                    pump.arm_window((coalescer.remaining_ms(now * 1000) or 0.0) / 1000)
+                self._arm_horizon(pump, now)
+                await self._wake.wait()
         finally:
+            pump.disarm_window()
             await _cancelled(task)
             self._pump = None
         self._note_timing(pump)
@@ -311,7 +339,7 @@ class RunDriver:
     def _stop_reason(self, pump: _Pump, now: float) -> Stop | None:
         if self.cancel_requested.is_set():
             return Stop(RunStatus.CANCELLED, DETAIL_CANCELLED)
-        if time.time() >= self.claim.deadline_at.timestamp():
+        if now >= self._deadline:
             return Stop(RunStatus.EXPIRED, DETAIL_EXPIRED)
         if self._hung is not None:
             return Stop(RunStatus.INTERRUPTED, DETAIL_REPLICA_HUNG.format(
@@ -339,25 +367,26 @@ class RunDriver:
         self.tried.append(target.replica)
         return True
 
-    def _next_wake(self, pump: _Pump, now: float) -> float:
-        """Seconds until something time-based can happen: window close, deadline, first-token limit,
-        the lease's end."""
-        waits = [self.claim.deadline_at.timestamp() - time.time(), self.lease.expires_at - now]
-        window = pump.coalescer.remaining_ms(now * 1000)
-        if window is not None:
-            waits.append(window / 1000)
+    def _arm_horizon(self, pump: _Pump, now: float) -> None:
+        """Make sure a timer wakes the driver by the next time-based limit: the deadline, the lease's end,
+        the first-token limit. One timer serves every wake-up before it (a token, a window's end, an
+        ack) instead of a timer armed and cancelled per sleep; it is re-armed only when it fired or a
+        limit came closer. (A renewal moves the lease's end later: the old timer then wakes the driver
+        once, early, and the next one is armed at the new end.) The window's end has its own timer,
+        armed by the pump when a window opens."""
+        at = min(self._deadline, self.lease.expires_at)
         if pump.first_token_at is None:
-            waits.append(pump.sent_at + self.settings.first_token_timeout_s - now)
-        return max(0.0, min(waits))
+            at = min(at, pump.sent_at + self.settings.first_token_timeout_s)
+        if self._horizon is not None:
+            if self._horizon_at <= at:
+                return
+            self._horizon.cancel()
+        self._horizon_at = at
+        self._horizon = asyncio.get_running_loop().call_later(max(0.0, at - now), self._horizon_reached)
 
-    async def _sleep(self, seconds: float) -> None:
-        # One timer per sleep, only while nothing else wakes the driver (a token, a cancel, an ack).
-        loop = asyncio.get_running_loop()
-        handle = loop.call_later(seconds, self._wake.set)
-        try:
-            await self._wake.wait()
-        finally:
-            handle.cancel()
+    def _horizon_reached(self) -> None:
+        self._horizon = None
+        self._wake.set()
 
     async def _read(self, pump: _Pump) -> None:
         claim = self.claim
@@ -374,16 +403,22 @@ class RunDriver:
                 if not tokens:
                     continue
                 arrived = time.monotonic()
-                if pump.first_token_at is None:
+                first = pump.first_token_at is None
+                if first:
                     pump.first_token_at, pump.first_token_wall = arrived, time.time()
                 pump.last_token_at = arrived
                 pump.received_tokens += len(tokens)
-                # The driver sleeps until the window closes: only the token that opens a window (the
-                # run's first is published at once) or fills it needs to wake it.
-                opens = not pump.coalescer.pending()
-                pump.coalescer.add(tokens, arrived * 1000)
-                if opens or pump.coalescer.full():
+                # The driver sleeps until a window closes: it is woken by the run's first token (published
+                # at once), by a window that is due as soon as it holds these tokens (full, or no window),
+                # and otherwise by the timer the token that opens a window arms for the window's end.
+                # Tokens that join an open window wake nobody: one driver wake-up per event.
+                coalescer = pump.coalescer
+                opens = not coalescer.pending()
+                coalescer.add(tokens, arrived * 1000)
+                if first or coalescer.due(arrived * 1000):
                     pump.wake.set()
+                elif opens:
+                    pump.arm_window(coalescer.window_ms / 1000)
         except Exception as exc:  # the outcome is decided by outcome.decide
             pump.error = exc
         finally:
