@@ -113,7 +113,7 @@ def test_a_follow_up_without_conversation_id_still_follows_its_cached_prefix():
     first = route(policy, previous, views)
     policy.on_finished(previous, first.replica, 1.5)                # the user reads the reply, then writes
     busier = [view(v.name, running=1 if v.name == first.replica else 0) for v in views]
-    second = route(policy, request("t2", turn(7, 4)), busier)
+    second = route(policy, request("t2", turn(7, 4)), busier, now=2.0)
     assert (second.replica, second.outcome) == (first.replica, OUTCOME_AFFINITY_HIT)
     assert second.predicted_cached_tokens == len(turn(7, 3))
 
@@ -156,11 +156,11 @@ def test_with_dynamo_weight_the_cost_trades_saved_prefill_block_for_block_agains
     other = "r1" if first.replica == "r0" else "r0"
     # 23 blocks more decode KV on the holder: the 24 blocks of saved prefill still win ...
     near = [view(first.replica, kv_used=23), view(other)]
-    decision = policy.choose(request("t2", turn(7, 11)), near, 1.0)
+    decision = policy.choose(request("t2", turn(7, 11)), near, 2.0)   # t1 prefilled long since
     assert decision is not None and decision.replica == first.replica
     # ... 30 blocks more do not.
     far = [view(first.replica, kv_used=30), view(other)]
-    decision = policy.choose(request("t3", turn(7, 11)), far, 1.0)
+    decision = policy.choose(request("t3", turn(7, 11)), far, 2.0)
     assert decision is not None and (decision.replica, decision.outcome) == (other, OUTCOME_BALANCED_AWAY)
 
 
@@ -189,8 +189,8 @@ def test_by_default_a_saved_prefill_block_outweighs_64_blocks_of_decode_load():
     policy.on_finished(previous, first.replica, 1.0)
     other = "r1" if first.replica == "r0" else "r0"
     # Saving 24 blocks of prefill is worth 24 * 64 = 1,536 blocks of decode KV.
-    near = policy.choose(request("t2", turn(7, 11)), [view(first.replica, kv_used=1535), view(other)], 1.0)
-    far = policy.choose(request("t3", turn(7, 11)), [view(first.replica, kv_used=1537), view(other)], 1.0)
+    near = policy.choose(request("t2", turn(7, 11)), [view(first.replica, kv_used=1535), view(other)], 2.0)
+    far = policy.choose(request("t3", turn(7, 11)), [view(first.replica, kv_used=1537), view(other)], 2.0)
     assert near is not None and near.replica == first.replica
     assert far is not None and far.replica == other
 
@@ -380,9 +380,9 @@ def test_a_reused_request_id_with_another_prompt_is_hashed_afresh():
     policy = PrefixAware(EXACT)
     views = [view("r0"), view("r1")]
     route(policy, request("t1", turn(7, 4)), [view("r0"), view("r1", running=50)])
-    asked = policy.choose(request("same-id", turn(7, 4)), views, 1.0)      # whole chain now hashed
+    asked = policy.choose(request("same-id", turn(7, 4)), views, 2.0)      # whole chain now hashed
     assert asked is not None and (asked.replica, asked.predicted_cached_tokens) == ("r0", 44)
-    other = policy.choose(request("same-id", turn(9, 4)), views, 1.0)      # same length, another chat
+    other = policy.choose(request("same-id", turn(9, 4)), views, 2.0)      # same length, another chat
     assert other is not None and other.predicted_cached_tokens == len(SYSTEM)
 
 
@@ -408,4 +408,4 @@ def test_prefix_aware_bounds_a_slow_replica_by_its_weighted_load():
         # are 40 and 0, the bound 20 * 1.5 + 8 = 38 and 40 does not.
         views = [replace(view("slow", running=20), step_time_s=step_times[0]),
                  replace(view("fast"), step_time_s=step_times[1])]
-        assert route(policy, request("q", prompt + [7]), views).replica == expected
+        assert route(policy, request("q", prompt + [7]), views, now=2.0).replica == expected

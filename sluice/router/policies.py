@@ -106,6 +106,8 @@ class PolicyOptions:
     index_ttl_s: float = 600.0                 # prefix-index entries untouched this long are dropped
     index_unit_tokens: int = 64                # tokens per index entry, rounded down to whole KV blocks
     max_conversations: int = 100_000           # session-affinity entries kept (LRU)
+    # A replica's prompt-processing rate when it does not report one (seed 003: 70B FP8 on 8 x H100)
+    prefill_tokens_per_s: float = 28_000.0
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, float]) -> PolicyOptions:
@@ -151,6 +153,30 @@ def fastest_step(candidates: Sequence[ReplicaView]) -> float:
 def load_limit(mean_load: float, bound: float, slack: int) -> float:
     """Highest load a replica may have and still be chosen."""
     return mean_load * (1.0 + bound) + slack
+
+
+class PrefillBacklog:
+    """Prompt blocks sent to each replica that it has not prefilled yet, as this policy estimates them:
+    each routed request adds the blocks it was not expected to find cached, and a replica works the
+    total off at its prefill rate (a leaky bucket: the policy hears of no first token). An estimate
+    on the low side, since decodes share every step with the prefill chunks."""
+
+    def __init__(self) -> None:
+        self._level: dict[str, tuple[float, float]] = {}   # replica -> (blocks, as of when)
+
+    def blocks(self, replica: str, now: float, drain_per_s: float) -> float:
+        entry = self._level.get(replica)
+        if entry is None:
+            return 0.0
+        blocks, since = entry
+        left = blocks - (now - since) * drain_per_s if now > since else blocks
+        return left if left > 0.0 else 0.0
+
+    def add(self, replica: str, blocks: float, now: float, drain_per_s: float) -> None:
+        self._level[replica] = (self.blocks(replica, now, drain_per_s) + blocks, now)
+
+    def drop_replica(self, replica: str) -> None:
+        self._level.pop(replica, None)
 
 
 class InFlight:
@@ -255,6 +281,8 @@ class PrefixAware:
             self.name = "oracle"
         self._index = PrefixIndex(ttl_s=self.options.index_ttl_s)
         self._in_flight = InFlight()
+        self._backlog = PrefillBacklog()
+        self._drain: dict[str, float] = {}          # replica -> prompt blocks it prefills per second
         self._views: dict[str, ReplicaView] = {}
         self._epoch: dict[str, int] = {}
         # (trust scope, conversation id) -> (replica, its epoch): one tenant's conversation ids
@@ -274,7 +302,7 @@ class PrefixAware:
             return None
         self._observe(candidates, now)
 
-        scored, mean_load, most, least = self._score(request, candidates)
+        scored, mean_load, most, least = self._score(request, candidates, now)
         limit = load_limit(mean_load, options.imbalance_bound, options.imbalance_slack)
         eligible = [entry for entry in scored if entry[_LOAD] <= limit]
 
@@ -312,8 +340,8 @@ class PrefixAware:
             index.expire(now)
             self._last_expiry = now
 
-    def _score(self, request: RouteRequest,
-               candidates: Sequence[ReplicaView]) -> tuple[list[_Scored], float, int, int]:
+    def _score(self, request: RouteRequest, candidates: Sequence[ReplicaView],
+               now: float) -> tuple[list[_Scored], float, int, int]:
         """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
         mean load and the highest and lowest overlap among them. One pass, no builtin calls
         per candidate: this loop is most of the decision's cost after hashing."""
@@ -321,6 +349,9 @@ class PrefixAware:
         weight = self.options.prefill_weight
         own_count = self._in_flight.count
         own_blocks = self._in_flight.blocks
+        backlog = self._backlog.blocks
+        drains = self._drain
+        default_rate = self.options.prefill_tokens_per_s
         prompt_tokens = len(request.token_ids)
         scored: list[_Scored] = []
         append = scored.append
@@ -347,7 +378,11 @@ class PrefixAware:
             uncached: float = -(-prompt_tokens // view.block_size) - overlap
             if on_gpu is not None:              # blocks found only in host memory cost a copy
                 uncached += view.host_block_cost * (overlap - on_gpu[name] * stride)
-            cost = (weight * uncached + decode) * slowness
+            # Prompt blocks queued ahead delay this prompt's first token as its own uncached ones do.
+            rate = view.prefill_tokens_per_s if view.prefill_tokens_per_s > 0.0 else default_rate / slowness
+            drain = drains[name] = rate / view.block_size
+            queued = backlog(name, now, drain)
+            cost = (weight * (uncached + queued) + decode) * slowness
             append((cost, weighted, used / capacity if capacity > 0 else 0.0, name, overlap, view))
             total_load += weighted
             if overlap > most:
@@ -453,7 +488,11 @@ class PrefixAware:
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         view = self._views.get(decision.replica)
         block_size = view.block_size if view is not None else 16
-        self._in_flight.add(request.request_id, decision.replica, _prompt_blocks(request, block_size))
+        prompt_blocks = _prompt_blocks(request, block_size)
+        self._in_flight.add(request.request_id, decision.replica, prompt_blocks)
+        drain = self._drain.get(decision.replica, self.options.prefill_tokens_per_s / block_size)
+        self._backlog.add(decision.replica, prompt_blocks - decision.predicted_cached_tokens // block_size,
+                          now, drain)
         unit = self._stride(block_size) * block_size
         if view is not None and self._probe is None:
             self._index.record(decision.replica, self._hashes(request, unit), now)
@@ -474,6 +513,7 @@ class PrefixAware:
         self._index.drop_replica(replica)
         self._epoch[replica] = self._epoch.get(replica, 0) + 1
         self._in_flight.drop_replica(replica)
+        self._backlog.drop_replica(replica)
 
     # -- introspection for hosts and tests -------------------------------------------------------
 

@@ -54,6 +54,7 @@ class ReplicaView:
     host_kv_capacity_blocks: int = 0    # blocks its host-memory KV tier holds (0 = no tier)
     host_block_cost: float = 0.0        # copying a block back from the host tier, as a share of
                                         # prefilling it (CostModel.host_block_cost)
+    prefill_tokens_per_s: float = 0.0   # its prompt-processing rate (0 = unknown: the policy's default)
 
 
 @dataclass(frozen=True, slots=True)

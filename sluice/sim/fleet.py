@@ -135,7 +135,8 @@ class SimReplica:
 
     __slots__ = ("name", "engine", "long_context", "version", "busy", "plan_start", "plan_ends",
                  "pending", "in_flight", "routed", "kv_area", "kv_peak", "gen_tokens", "gen_steps",
-                 "paused", "down", "start_time", "retired", "state", "step_time_s", "host_block_cost")
+                 "paused", "down", "start_time", "retired", "state", "step_time_s", "host_block_cost",
+                 "prefill_tokens_per_s")
 
     def __init__(self, name: str, engine: EngineCore, long_context: bool) -> None:
         self.name = name
@@ -163,6 +164,7 @@ class SimReplica:
         self.step_time_s = cost.decode_step_s(8, 2048) if cost is not None else 0.0
         has_tier = cost is not None and engine.pool.host.num_blocks > 0
         self.host_block_cost = cost.host_block_cost() if cost is not None and has_tier else 0.0
+        self.prefill_tokens_per_s = cost.prefill_tokens_per_s() if cost is not None else 0.0
 
     def view(self, pool: str) -> ReplicaView:
         engine = self.engine
@@ -172,7 +174,8 @@ class SimReplica:
                            kv_used_blocks=engine.pool.num_used, in_flight=self.in_flight,
                            start_time=self.start_time, step_time_s=self.step_time_s,
                            host_kv_capacity_blocks=engine.pool.host.num_blocks,
-                           host_block_cost=self.host_block_cost)
+                           host_block_cost=self.host_block_cost,
+                           prefill_tokens_per_s=self.prefill_tokens_per_s)
 
 
 class Fleet:
