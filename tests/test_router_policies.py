@@ -25,6 +25,7 @@ from sluice.router.policies import (
     UNKNOWN_OPTION,
     LeastLoaded,
     PolicyOptions,
+    PrefillBacklog,
     PrefixAware,
     load_limit,
 )
@@ -193,6 +194,60 @@ def test_by_default_a_saved_prefill_block_outweighs_64_blocks_of_decode_load():
     far = policy.choose(request("t3", turn(7, 11)), [view(first.replica, kv_used=1537), view(other)], 2.0)
     assert near is not None and near.replica == first.replica
     assert far is not None and far.replica == other
+
+
+# -- prefix_aware: prompt blocks queued for prefill ------------------------------------------------
+
+
+def test_the_prefill_backlog_drains_at_its_rate_and_never_below_zero():
+    backlog = PrefillBacklog()
+    assert backlog.blocks("r0", 0.0, 50.0) == 0.0
+    backlog.add("r0", 100, 0.0, 50.0)
+    assert backlog.blocks("r0", 1.0, 50.0) == 50.0                 # 100 - 1 s x 50 blocks/s
+    assert backlog.blocks("r0", 3.0, 50.0) == 0.0                  # worked off at 2 s, not -50
+    backlog.add("r0", 10, 3.0, 50.0)
+    assert backlog.blocks("r0", 3.0, 50.0) == 10.0
+    backlog.drop_replica("r0")
+    assert backlog.blocks("r0", 3.0, 50.0) == 0.0
+
+
+def prefill_view(name: str, kv_used: int = 0) -> ReplicaView:
+    # 400 prompt tokens/s in blocks of 4: each replica prefills 100 blocks a second
+    return replace(view(name, kv_used=kv_used), prefill_tokens_per_s=400.0)
+
+
+def test_a_follow_up_leaves_a_home_deep_in_prefill_and_returns_once_it_is_worked_off():
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))   # no load bound
+    busy = [prefill_view("r0"), prefill_view("r1", kv_used=5000)]   # r1 decodes 5,000 blocks of KV
+    first = request("a1", turn(7, 10))                              # 96 tokens: 24 blocks
+    assert route(policy, first, busy, now=0.0).replica == "r0"
+    policy.on_finished(first, "r0", 0.5)                            # its 24 blocks were prefilled by 0.24 s
+    # A new 200-block prompt, unrelated, also goes to r0: 64 x 200 there against 64 x 200 + 5,000 on r1.
+    assert route(policy, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"
+    # The conversation's next turn (25 blocks, 24 cached on r0). r0 would cost 64 x (1 + 200 queued)
+    # + 200 in flight = 13,064; r1 64 x 25 + 5,000 = 6,600. Without the queue, r0's 264 would win.
+    away = policy.choose(request("a2", turn(7, 11)), busy, 1.0)
+    assert away is not None and (away.replica, away.outcome) == ("r1", OUTCOME_BALANCED_AWAY)
+    # 1.5 s later 50 blocks are left: r0 costs 64 x 51 + 200 = 3,464 < 6,600, and the turn goes home.
+    home = policy.choose(request("a2", turn(7, 11)), busy, 2.5)
+    assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
+
+
+def test_only_the_blocks_not_expected_cached_join_the_queue():
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
+    views = [prefill_view("r0")]
+    route(policy, request("a1", turn(7, 10)), views, now=0.0)          # 24 blocks at t=0
+    repeat = route(policy, request("a2", turn(7, 10)), views, now=1.0)  # worked off; 23 found cached
+    assert repeat.predicted_cached_tokens == 23 * BS
+    assert policy.prefill_backlog("r0", 1.0) == 24 - 23
+
+
+def test_a_restart_empties_the_replicas_prefill_queue():
+    policy = PrefixAware(EXACT)
+    route(policy, request("b", range(50_000, 50_800)), [prefill_view("r0")], now=1.0)
+    assert policy.prefill_backlog("r0", 1.0) == 200
+    policy.on_replica_restarted("r0")
+    assert policy.prefill_backlog("r0", 1.0) == 0
 
 
 # -- prefix_aware: the imbalance bound -----------------------------------------------------------

@@ -523,3 +523,7 @@ class PrefixAware:
 
     def in_flight(self, replica: str) -> int:
         return self._in_flight.count.get(replica, 0)
+
+    def prefill_backlog(self, replica: str, now: float) -> float:
+        """Prompt blocks this policy believes `replica` still has to prefill at `now`."""
+        return self._backlog.blocks(replica, now, self._drain.get(replica, 0.0))
