@@ -516,6 +516,8 @@ class _Run:
                     if r.arrival_s >= start and r.finish_reason != "interrupted"]
         done = [r for r in measured if not math.isnan(r.finish_s)]
         ttft = [r.first_token_s - r.arrival_s for r in done]
+        late = (start + end) / 2
+        ttft_late = [r.first_token_s - r.arrival_s for r in done if r.arrival_s >= late]
         e2e = [r.finish_s - r.arrival_s for r in done]
         tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
         good = sum(1 for r in done if meets_slo(r, slo))
@@ -547,6 +549,7 @@ class _Run:
             scaling=tuple(self.scaling.samples) if self.scaling is not None else (),
             canary=self.canary.outcome() if self.canary is not None else None,
             traffic=self.traffic.summary() if self.traffic is not None else None,
+            ttft_late=Distribution.of(ttft_late),
         )
 
     def summarize(self, replica: SimReplica, end: float) -> ReplicaSummary:

@@ -169,6 +169,9 @@ class FleetReport:
     scaling: tuple[ScalingSample, ...] = ()   # the autoscaler's view at each control tick
     canary: CanaryOutcome | None = None       # the canary's guard passes (FleetConfig.canary)
     traffic: TrafficSummary | None = None     # batch work and the degradation ladder (sim/traffic.py)
+    # TTFT of the requests arriving in the second half of the measured window: past a cold start's
+    # backlog that a short warm-up leaves in the first half (bench_routing rag), so steadier across seeds
+    ttft_late: Distribution = Distribution(0, math.nan, math.nan, math.nan, math.nan, math.nan)
 
     def format(self) -> str:
         slo = self.slo
