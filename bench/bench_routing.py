@@ -130,7 +130,7 @@ class Row:
     goodput: float                   # requests / s meeting seed 000's SLOs
     load_cov: float
     ttft_p95_range_s: tuple[float, float]  # lowest and highest p95 TTFT over the seeds
-    ttft_late_p95_s: float           # p95 TTFT of the second half of the measured window (FleetReport.ttft_late)
+    ttft_late_p95_s: float           # p95 TTFT, second half of the measured window (FleetReport.ttft_late)
     recovery_s: float | None         # restart only; inf when never recovered
     slow_share: float | None         # slow only: share of requests routed to the slow replica
     fair_share: float | None

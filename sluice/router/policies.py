@@ -27,6 +27,28 @@ weight 1 kept 69% of prompt tokens cached, with 16 91%, with 64 93%. At 64 the
 decode term is in effect the tie-break among replicas holding the same prefix
 (new conversations), and balance is left to the explicit bound below.
 
+Prefill queue. Blocks to prefill are time only once it is this prompt's turn:
+a prompt sent to a replica that was just given others to prefill waits for
+those first (the engine's steps carry a fixed budget of prompt tokens). So the
+cost also counts the blocks queued ahead of it, at the same weight::
+
+    cost = prefill_weight * (blocks to prefill here + blocks queued for prefill here)
+           + blocks of KV the replica is already decoding
+
+The queue is the policy's own estimate (the hosts report no first token): each
+routed request adds the blocks it was not expected to find cached, and the
+replica works the total off at its prefill rate (``ReplicaView.
+prefill_tokens_per_s``, or ``prefill_tokens_per_s`` of the options when it does
+not report one, over its slowness). This is the trade the cost was always
+meant to price, in one unit: the wait the target adds against the prefill its
+cache saves. A follow-up turn with 6,000 tokens cached stays home unless the
+home has ~190 blocks (~200 ms) more queued than the best other replica; a new
+conversation, which every replica can serve from the shared system prompt,
+goes where the queue is shortest, not to the replica with the least decode KV.
+bench_routing agent at 50% (4 replicas, 30 s, seeds 11-13): p95 TTFT 78 -> 56
+ms (SGLang's cache_aware 73 ms): agent steps bring up to 1,500 new tokens
+each, and where they queue is most of the tail.
+
 Host tier. A replica with a host-memory KV tier holds evicted prefixes there and
 copies them back instead of prefilling them (engine.kv_cache). The index keeps
 both tiers (router.prefix_index), and a block found only in host memory costs
