@@ -22,11 +22,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import ClassVar, ParamSpec, TypeVar
 
+import asyncpg
 import grpc
 import grpc.aio
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
+from sluice.ledger.transient import transient
 from sqlalchemy import exc as sa_exc
 
 log = logging.getLogger(__name__)
@@ -271,11 +273,14 @@ def infrastructure_error(error: Exception) -> SluiceError | None:
     gets UNAVAILABLE with a retry delay (safe, since Submit is idempotent by request_key) rather
     than INTERNAL. Constraint violations and SQL errors stay INTERNAL: they are bugs.
     """
-    transient = (
-        isinstance(error, (OSError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError))
+    # The hot paths (Submit, Stream's lookups) run on raw asyncpg: its connection errors count too.
+    unavailable = (
+        isinstance(error, (OSError, sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
+                           asyncpg.exceptions.TooManyConnectionsError))
         or (isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated)
+        or transient(error)
     )
-    if not transient:
+    if not unavailable:
         return None
     return Unavailable(DATABASE_UNAVAILABLE, retry_after_ms=DATABASE_RETRY_AFTER_MS,
                        reason="LEDGER_UNAVAILABLE")

@@ -4,15 +4,18 @@ test_admission_* files, which run through the same code."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+import grpc.aio
 import pytest
 from sluice.ledger.pg import HotPool
-from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sluice.services import errors
+from sqlalchemy import event, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, budget_row, prompt_of
 
@@ -97,3 +100,39 @@ async def test_a_retry_of_an_accepted_submit_falls_back_to_the_transaction_and_r
     assert hot.seen == ["SELECT t.id", "WITH reserved"]   # tried, refused by the unique index, rolled back
     assert orm and all(isolation is None for _, isolation in orm)   # then the transactional path
     assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 10 + 5
+
+
+async def test_a_hot_connection_lost_mid_submit_is_unavailable_and_the_next_submit_reconnects(
+        api: Services):
+    """The raw pool's connection errors are the database's, not bugs: UNAVAILABLE with a retry delay
+    (INTERNAL before services/errors.py knew asyncpg's). The WRITE is held on the budget row's lock
+    while its backend is terminated, so the connection dies in the middle of the statement."""
+    tenant = await setup(api)
+    await api.submit(tenant, prompt_of(10), 5)
+    async with api.sessionmaker() as session, session.begin():
+        await session.execute(text("SELECT 1 FROM budgets WHERE tenant_id = :t FOR UPDATE"), {"t": tenant.id})
+        submit = asyncio.ensure_future(api.submit(tenant, prompt_of(10), 5))
+        terminated = await terminate_backends_waiting_in(session, "WITH reserved")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await submit
+    assert terminated == 1
+    assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAVAILABLE,
+                                                             errors.DATABASE_UNAVAILABLE)
+    retry_after = (errors.RETRY_AFTER_MS_KEY, str(errors.DATABASE_RETRY_AFTER_MS))
+    assert retry_after in tuple(caught.value.trailing_metadata())
+    await api.submit(tenant, prompt_of(10), 5)             # the pool replaced the dead connection
+    assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 2 * (10 + 5)
+
+
+async def terminate_backends_waiting_in(session: AsyncSession, statement: str) -> int:
+    """Terminate the backends whose query starts with `statement` once one waits on a lock."""
+    for _ in range(200):
+        pids = (await session.scalars(text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            " AND ltrim(query, E' \\n') LIKE :prefix"), {"prefix": statement + "%"})).all()
+        if pids:
+            for pid in pids:
+                await session.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            return len(pids)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no backend waited in {statement!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncpg
-from sluice.services.routing.run_ledger import transient
+from sluice.ledger.transient import transient
 
 
 def test_a_connection_the_server_terminated_is_retried_and_a_bad_statement_is_not():

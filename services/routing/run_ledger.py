@@ -20,6 +20,7 @@ from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.pg import HotPool
 from sluice.ledger.runs_sql import mark_running
 from sluice.ledger.settlement import NotOwned
+from sluice.ledger.transient import transient
 from sluice.services.finish import (
     Ending,
     TerminalRecord,
@@ -29,7 +30,6 @@ from sluice.services.finish import (
 )
 from sluice.services.routing.claims import reassign_replica
 from sluice.services.routing.leases import Lease
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.interface import EventLog, LogPosition
@@ -62,36 +62,6 @@ class RunLedger(Protocol):
     async def publish_terminal(self, record: TerminalRecord) -> None:
         """Publish the terminal event and record that it was published."""
         ...
-
-
-_CONNECTION_ERRORS = (OSError, ConnectionError, asyncio.TimeoutError, asyncpg.InterfaceError,
-                      asyncpg.PostgresConnectionError, asyncpg.exceptions.AdminShutdownError,
-                      asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.CrashShutdownError)
-
-
-# asyncpg's protocol left mid-operation by a connection the server terminated (a PostgreSQL
-# restart): "cannot switch to state 15; another operation (2) is in progress" on the COMMIT. Seen
-# crashing a driver's settlement in the chaos suite's restarts, so the run ended INTERRUPTED.
-_BROKEN_PROTOCOL = "cannot switch to state"
-
-
-def transient(error: BaseException | None) -> bool:
-    """A database error worth retrying: the connection (or the server's availability), not the
-    statement, failed. SQLAlchemy wraps the driver's error: the whole cause chain is looked at."""
-    pending, seen = [error], 0
-    while pending and seen < 16:
-        error = pending.pop()
-        seen += 1
-        if error is None:
-            continue
-        if isinstance(error, _CONNECTION_ERRORS):
-            return True
-        if isinstance(error, asyncpg.exceptions.InternalClientError) and _BROKEN_PROTOCOL in str(error):
-            return True
-        if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
-            return True
-        pending.extend((getattr(error, "orig", None), error.__cause__, error.__context__))
-    return False
 
 
 @dataclass(frozen=True, slots=True)
