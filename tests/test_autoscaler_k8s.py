@@ -360,3 +360,12 @@ async def test_the_autoscaler_registers_pods_adopts_them_after_a_restart_and_del
         await provider.close()
     finally:
         await fake.close()
+
+
+async def test_a_drained_pod_that_lost_its_readiness_is_stopped_without_waiting_for_itself(cluster: Cluster):
+    fake, provider = cluster.fake, cluster.provider
+    first, second = [await provider.start(POOL) for _ in range(2)]
+    pod = first.name.removeprefix(f"{POOL}-as-")
+    fake.pods[pod].ready = False
+    await asyncio.wait_for(provider.stop(first.name), 2.0)
+    assert fake.deleted == [pod] and [h.name for h in provider.list(POOL)] == [second.name]

@@ -171,8 +171,10 @@ class KubernetesProvider:
         await self._await_removal(held.pod, deadline)
 
     async def _settle(self, pod_name: str, deadline: float) -> None:
-        """Until every pod of the Deployment is Ready: only then is the drained pod the cheapest to remove."""
-        while not_ready := sorted(pod.name for pod in self._pods.values() if pod.alive and not pod.ready):
+        """Until every other pod of the Deployment is Ready: only then is the drained pod the cheapest to
+        remove (were it not Ready itself, it would rank first anyway)."""
+        while not_ready := sorted(pod.name for pod in self._pods.values()
+                                  if pod.alive and not pod.ready and pod.name != pod_name):
             if time.monotonic() > deadline:
                 raise ProviderError(ERR_NOT_SETTLED.format(deployment=self.target.deployment, pods=not_ready,
                                                            seconds=self._start_timeout_s, pod=pod_name))
