@@ -54,7 +54,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def _spawn(name: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn_replica(name: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     """The replica host in its own session (its tritonserver joins the group), output to its log."""
     with log_path.open("wb") as log:
         return subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
@@ -102,7 +102,7 @@ class LocalProcessProvider:
         env = {**os.environ, "SLUICE_REPLICAS": json.dumps([entry])}
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"replica-{name}.log"
-        process = _spawn(name, env, log_path)
+        process = spawn_replica(name, env, log_path)
         workspace = self._config.data_dir() / "replicas" / f"{name}-{grpc_port}"
         started = _Process(handle, process, log_path, workspace)
         self._processes[name] = started

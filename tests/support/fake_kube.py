@@ -18,16 +18,22 @@ Bearer token checked (401 otherwise); served over HTTPS when given a certificate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
+import os
+import signal
 import ssl
+import subprocess
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from sluice.autoscaler.k8s_objects import DELETION_COST
+from sluice.autoscaler.local import READY_MARKER, spawn_replica
 
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
 PODS_PATH = "/api/v1/namespaces/{ns}/pods"
@@ -69,13 +75,21 @@ class Request:
     body: dict[str, Any] | None
 
 
+class Kubelet(Protocol):
+    """Runs the fake's pods for real: told when one is created or deleted; calls FakeKube.set_ready."""
+
+    def created(self, fake: FakeKube, pod: FakePod) -> None: ...
+    def deleted(self, pod: FakePod) -> None: ...
+
+
 class FakeKube:
     def __init__(self, namespace: str, deployment: str, labels: dict[str, str], token: str, *,
                  replicas: int = 0, ready_after_s: float | None = 0.2,
-                 pod_ips: list[str] | None = None) -> None:
+                 pod_ips: list[str] | None = None, kubelet: Kubelet | None = None) -> None:
         self.namespace, self.deployment, self.labels, self.token = namespace, deployment, labels, token
         self.ready_after_s = ready_after_s
-        self.pod_ips = pod_ips                 # given: the pods' IPs in creation order (real replicas)
+        self.pod_ips = pod_ips                 # given: the pods' IPs in creation order
+        self.kubelet = kubelet                 # given: pods are processes, Ready when it says
         self.pods: dict[str, FakePod] = {}
         self.deleted: list[str] = []
         self.requests: list[Request] = []
@@ -208,7 +222,9 @@ class FakeKube:
                           created=created,
                           resource_version=next(self._version))
             self.pods[pod.name] = pod
-            if ready_now:
+            if self.kubelet is not None:
+                self.kubelet.created(self, pod)
+            elif ready_now:
                 self._ready(pod)
             elif self.ready_after_s is not None:
                 asyncio.get_running_loop().call_later(self.ready_after_s, self._ready, pod)
@@ -216,11 +232,16 @@ class FakeKube:
             victim = min(self.pods.values(), key=FakePod.rank)
             del self.pods[victim.name]
             self.deleted.append(victim.name)
+            if self.kubelet is not None:
+                self.kubelet.deleted(victim)
+
+    def set_ready(self, pod: FakePod) -> None:
+        self._ready(pod)
 
     def _ready(self, pod: FakePod) -> None:
         if pod.name not in self.pods or pod.ready:
             return
-        pod.ip = self.pod_ips[pod.created - 1] if self.pod_ips else f"127.0.1.{pod.created}"
+        pod.ip = pod.ip or (self.pod_ips[pod.created - 1] if self.pod_ips else f"127.0.1.{pod.created}")
         pod.ready = True
         pod.resource_version = next(self._version)
 
@@ -242,3 +263,58 @@ def server_ssl(pki: Path) -> ssl.SSLContext:
     context.load_cert_chain(str(pki / "server.pem"), str(pki / "server.key"))
     return context
 
+
+
+class ProcessKubelet:
+    """Each pod is a real `python -m sluice.replica.serve` on its own loopback address (127.0.1.N, the
+    pod IP) and the Deployment's fixed ports, reported Ready once it printed its ready line (the
+    readiness probe); a deleted pod's process group gets SIGTERM, then SIGKILL."""
+
+    def __init__(self, pool: str, replica: dict[str, Any], ports: tuple[int, int, int],
+                 log_dir: Path) -> None:
+        self.pool, self.replica, self.log_dir = pool, replica, log_dir
+        self.grpc_port, self.http_port, self.metrics_port = ports
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self._ended: list[subprocess.Popen[bytes]] = []        # deleted pods' processes, reaped at close
+
+    def created(self, fake: FakeKube, pod: FakePod) -> None:
+        pod.ip = f"127.0.1.{pod.created}"
+        entry = {"name": pod.name, "pool": self.pool, "grpc_address": f"{pod.ip}:{self.grpc_port}",
+                 "http_port": self.http_port, "metrics_port": self.metrics_port, "replica": self.replica}
+        env = {**os.environ, "SLUICE_REPLICAS": json.dumps([entry]),
+               "SLUICE_TLS__PLAINTEXT_OFF_LOOPBACK": "true"}    # 127.0.1.N: loopback, not in the list
+        log_path = self.log_dir / f"pod-{pod.name}.log"
+        self.processes[pod.name] = spawn_replica(pod.name, env, log_path)
+        probe = asyncio.get_running_loop().create_task(self._probe(fake, pod, log_path))
+        self._probes.add(probe)
+        probe.add_done_callback(self._probes.discard)
+
+    async def _probe(self, fake: FakeKube, pod: FakePod, log_path: Path) -> None:
+        while pod.name in self.processes:
+            if READY_MARKER in await asyncio.to_thread(log_path.read_text, errors="replace"):
+                fake.set_ready(pod)
+                return
+            await asyncio.sleep(0.1)
+
+    def deleted(self, pod: FakePod) -> None:
+        process = self.processes.pop(pod.name, None)
+        if process is not None:
+            self._ended.append(process)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+
+    async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
+        self._ended.extend(self.processes.values())
+        self.processes.clear()
+        for process in self._ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(process.wait, 10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.to_thread(process.wait)
