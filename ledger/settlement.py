@@ -6,10 +6,12 @@
 
 The guard is `usage_entries.run_id UNIQUE`: the usage entry is inserted first with
 ON CONFLICT (run_id) DO NOTHING, and only the statement whose insert took effect goes on to
-finish the run and move its reservation to `used_*` (one statement with the insert: the settler's
-hot path is one locked read and one write, issue 9). A concurrent second settler blocks on the
-unique index until the first commits, then inserts nothing and returns False, touching nothing.
-If the caller's transaction rolls back, the whole settlement (entry, status, budget) goes with it.
+finish the run and move its reservation to `used_*` (one statement with the insert: a settler is
+one locked read and one write, and a lease holder settling under its epoch, the routing driver's
+hot path, is one statement in all, issue 9). A concurrent second settler blocks on the unique index
+until the first commits, then inserts nothing and returns False, touching nothing. If the caller's
+transaction rolls back, the whole settlement (entry, status, budget) goes with it; outside a
+transaction (a hot connection in autocommit) the lease holder's one statement is its own.
 
 What is charged: the prompt when the run reached a replica (its `replica` is set; a run cancelled
 while still ACCEPTED consumed nothing), cached prompt tokens at the cached rate, and the output
@@ -23,8 +25,8 @@ import uuid
 from dataclasses import dataclass
 
 from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus, UsageEntry
-from sluice.ledger.pg import Executor, Statement, rows_of
-from sluice.ledger.pricing import cost_micros
+from sluice.ledger.pg import Executor, Rows, Statement, rows_of
+from sluice.ledger.pricing import TOKENS_PER_PRICE_UNIT, cost_micros
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -96,12 +98,10 @@ SELECT r.id, r.tenant_id, r.model_version, r.replica, r.input_tokens, r.max_outp
 FROM runs r
 JOIN models m ON m.version = r.model_version
 LEFT JOIN price_cards c ON c.id = r.price_card_id
-WHERE r.id = :run_id {owned}
+WHERE r.id = :run_id
 FOR UPDATE OF r
 """
-_READ_ANY = Statement.of(_READ_RUN.format(owned=""))
-_READ_OWNED = Statement.of(_READ_RUN.format(
-    owned=f"AND r.lease_epoch = :epoch AND r.status IN {_RUN_STATUSES_OWNED}"))
+_READ_ANY = Statement.of(_READ_RUN)
 
 # The settlement in one statement. The usage entry goes first (ON CONFLICT (run_id) DO NOTHING: the
 # exactly-once guard); the run and the budget change only when it was inserted. The budget row is the
@@ -146,6 +146,111 @@ _SETTLE = Statement.of(_WRITE.format(terminal=""))
 _SETTLE_TERMINAL = Statement.of(_WRITE.format(terminal=_TERMINAL_SET))
 
 
+# The settlement of a run its lease holder ends (owned_by_epoch), in ONE statement and so one round
+# trip and one commit: the run read row-locked under the epoch, the charge and its cost computed in
+# SQL (as pricing.cost_micros_sql: every term non-negative, so + unit - 1 before the integer division
+# rounds up as cost_micros does), then the entry, the run and the budget written as _WRITE does, all
+# only when the counts are possible (else nothing is written, and the caller raises SettlementError).
+_OWNED = """
+WITH run AS (
+    SELECT r.id, r.tenant_id, r.model_version, r.input_tokens, r.max_output_tokens, r.reserved_tokens,
+           r.reserved_cost_micros, r.api_key_id, r.price_card_id, r.route_reason, r.worker_pool,
+           r.quality_tier, r.created_at,
+           COALESCE(CAST(:input_tokens AS integer),
+                    CASE WHEN r.replica IS NULL THEN 0 ELSE r.input_tokens END) AS charged_input,
+           COALESCE(c.price_input_per_m_micros, m.price_input_per_m_micros) AS price_input,
+           COALESCE(c.price_cached_input_per_m_micros, m.price_cached_input_per_m_micros) AS price_cached,
+           COALESCE(c.price_output_per_m_micros, m.price_output_per_m_micros) AS price_output
+      FROM runs r
+      JOIN models m ON m.version = r.model_version
+      LEFT JOIN price_cards c ON c.id = r.price_card_id
+     WHERE r.id = :run_id AND r.lease_epoch = :epoch AND r.status IN {owned}
+       FOR UPDATE OF r
+), charge AS (
+    SELECT run.*,
+           (0 <= charged_input AND charged_input <= input_tokens
+            AND 0 <= :cached_input_tokens AND :cached_input_tokens <= charged_input
+            AND 0 <= :output_tokens AND :output_tokens <= max_output_tokens) AS possible,
+           (CAST(charged_input - :cached_input_tokens AS bigint) * price_input
+            + CAST(:cached_input_tokens AS bigint) * price_cached
+            + CAST(:output_tokens AS bigint) * price_output + {unit_less_one}) / {unit} AS cost_micros
+      FROM run
+), entry AS (
+    INSERT INTO usage_entries (id, run_id, tenant_id, model_version, day, input_tokens, cached_input_tokens,
+                               output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
+                               worker_pool, quality_tier)
+    SELECT CAST(:entry_id AS uuid), id, tenant_id, model_version, date(timezone('UTC', now())), charged_input,
+           :cached_input_tokens, :output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
+           worker_pool, quality_tier
+      FROM charge WHERE possible
+    ON CONFLICT (run_id) DO NOTHING
+    RETURNING settled_at
+), finished AS (
+    UPDATE runs
+       SET status = :status, finished_at = now(), output_tokens = :output_tokens,
+           cached_input_tokens = :cached_input_tokens, detail = CAST(:detail AS text){terminal}
+     WHERE id = :run_id AND EXISTS (SELECT 1 FROM entry)
+    RETURNING id
+), budget AS (
+    UPDATE budgets b
+       SET reserved_tokens = b.reserved_tokens - charge.reserved_tokens,
+           reserved_cost_micros = b.reserved_cost_micros - charge.reserved_cost_micros,
+           used_tokens = b.used_tokens + charge.charged_input + :output_tokens,
+           used_cost_micros = b.used_cost_micros + charge.cost_micros
+      FROM charge
+     WHERE b.tenant_id = charge.tenant_id
+       AND b.period_start = CAST(date_trunc('month', timezone('UTC', charge.created_at)) AS date)
+       AND EXISTS (SELECT 1 FROM entry)
+    RETURNING 1
+)
+SELECT charge.id IS NOT NULL AS owned, charge.possible, charge.tenant_id, charge.input_tokens,
+       charge.max_output_tokens, charge.charged_input, charge.cost_micros,
+       (SELECT settled_at FROM entry) AS settled_at, (SELECT count(*) FROM finished) AS runs,
+       (SELECT count(*) FROM budget) AS budgets
+  FROM (SELECT 1) AS one LEFT JOIN charge ON true
+"""
+_OWNED_FORMAT = {"owned": _RUN_STATUSES_OWNED, "unit": TOKENS_PER_PRICE_UNIT,
+                 "unit_less_one": TOKENS_PER_PRICE_UNIT - 1}
+_SETTLE_OWNED = Statement.of(_OWNED.format(terminal="", **_OWNED_FORMAT))
+_SETTLE_OWNED_TERMINAL = Statement.of(_OWNED.format(terminal=_TERMINAL_SET, **_OWNED_FORMAT))
+
+
+async def _settle_owned(rows: Rows, run_id: uuid.UUID, status: RunStatus, output_tokens: int,
+                        cached_input_tokens: int, detail: str | None, input_tokens: int | None, epoch: int,
+                        terminal: TerminalFix | None) -> SettledUsage | None:
+    """settle_run_usage(owned_by_epoch=epoch) in one statement (_OWNED)."""
+    values: dict[str, object] = {
+        "entry_id": uuid.uuid4(), "run_id": run_id, "epoch": epoch, "input_tokens": input_tokens,
+        "cached_input_tokens": cached_input_tokens, "output_tokens": output_tokens, "status": status.value,
+        "detail": detail}
+    statement = _SETTLE_OWNED
+    if terminal is not None:
+        statement = _SETTLE_OWNED_TERMINAL
+        values.update(_terminal_values(terminal))
+    written = await rows.row(statement, values)
+    assert written is not None, "the settlement statement returns one row"
+    if not written["owned"]:
+        raise NotOwned(f"run {run_id} is not active under lease epoch {epoch}")
+    if not written["possible"]:
+        _check_counts(run_id, written["input_tokens"], written["max_output_tokens"], written["charged_input"],
+                      cached_input_tokens, output_tokens)
+        raise AssertionError(f"run {run_id}: the ledger refused counts that _check_counts accepts")
+    if written["settled_at"] is None:
+        return None
+    assert written["budgets"] == 1, (
+        f"no budget row for tenant {written['tenant_id']} in the period run {run_id} was admitted in:"
+        " a reservation was lost")
+    return SettledUsage(run_id=run_id, status=status, input_tokens=written["charged_input"],
+                        cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
+                        cost_micros=int(written["cost_micros"]), settled_at=written["settled_at"])
+
+
+def _terminal_values(terminal: TerminalFix) -> dict[str, object]:
+    return {"terminal_sequence": terminal.sequence, "last_sequence": terminal.last_sequence,
+            "lease_owner": terminal.lease_owner, "lease_seconds": float(terminal.lease_seconds),
+            "first_partition": terminal.first_partition, "first_offset": terminal.first_offset}
+
+
 async def settle_run_usage(
     session: Executor,
     run_id: uuid.UUID | str,
@@ -171,14 +276,12 @@ async def settle_run_usage(
         raise SettlementError(f"settle_run needs a terminal status, got {final.value}")
 
     rows = rows_of(session)
-    if owned_by_epoch is None:
-        run = await rows.row(_READ_ANY, {"run_id": run_uuid})
-        if run is None:
-            raise SettlementError(f"no run {run_uuid}")
-    else:
-        run = await rows.row(_READ_OWNED, {"run_id": run_uuid, "epoch": owned_by_epoch})
-        if run is None:
-            raise NotOwned(f"run {run_uuid} is not active under lease epoch {owned_by_epoch}")
+    if owned_by_epoch is not None:
+        return await _settle_owned(rows, run_uuid, final, output_tokens, cached_input_tokens, detail,
+                                   input_tokens, owned_by_epoch, terminal)
+    run = await rows.row(_READ_ANY, {"run_id": run_uuid})
+    if run is None:
+        raise SettlementError(f"no run {run_uuid}")
 
     if input_tokens is None:
         input_tokens = run["input_tokens"] if run["replica"] is not None else 0
@@ -201,9 +304,7 @@ async def settle_run_usage(
     statement = _SETTLE
     if terminal is not None:
         statement = _SETTLE_TERMINAL
-        values.update(terminal_sequence=terminal.sequence, last_sequence=terminal.last_sequence,
-                      lease_owner=terminal.lease_owner, lease_seconds=float(terminal.lease_seconds),
-                      first_partition=terminal.first_partition, first_offset=terminal.first_offset)
+        values.update(_terminal_values(terminal))
     written = await rows.row(statement, values)
     assert written is not None, "the settlement statement returns one row"
     if written["settled_at"] is None:

@@ -103,9 +103,9 @@ class SqlRunLedger:
 
     async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
         async def attempt() -> TerminalRecord | None:
-            # Two statements on a hot connection: the run read row-locked under this epoch, then
-            # the settlement.
-            async with self.pool.connection() as connection, connection.transaction():
+            # One statement on a hot connection, its own transaction (no BEGIN/COMMIT round trips):
+            # the run read row-locked under this epoch and settled (ledger/settlement.py, _OWNED).
+            async with self.pool.connection() as connection:
                 return await settle_and_fix_terminal(connection, lease.run_id, ending, self.owner,
                                                      self.lease_seconds, lease.epoch, owned=True)
         try:
