@@ -1,5 +1,7 @@
 """The claim's statements (issue 9: the routing worker's cost per run), one round trip each.
 
+    any_accepted       a timer's poll asks first, in one autocommit round trip, whether any run
+                       waits at all (most polls of an idle worker end here)
     BEGIN
     lock_accepted      both priority classes in one statement: the oldest interactive runs, then
                        batch runs with what is left of the pass, row-locked (SKIP LOCKED)
@@ -57,6 +59,9 @@ SELECT r.id, r.tenant_id, r.model_version, r.prompt_token_ids, r.input_tokens, r
  ORDER BY p.class, r.created_at
 """)
 
+# From the claim's partial index (runs of status ACCEPTED only): no plan or scan worth the name.
+_ANY_ACCEPTED = Statement.of("SELECT EXISTS (SELECT 1 FROM runs WHERE status = 'ACCEPTED') AS waiting")
+
 # FOR NO KEY UPDATE, as admission's lock: it does not block the FOR KEY SHARE lock inserting a run
 # takes. The sums are a second statement on purpose: in READ COMMITTED a statement's snapshot is
 # taken before it waits for a lock, so only a statement begun after the lock sees the claims the
@@ -83,6 +88,12 @@ UPDATE runs AS r
  WHERE r.id = q.id AND r.status = 'ACCEPTED'
 RETURNING r.id, r.queued_at, r.lease_epoch
 """)
+
+
+async def any_accepted(executor: Executor) -> bool:
+    """Whether any run is ACCEPTED (whatever its pool or class), without locking anything."""
+    row = await rows_of(executor).row(_ANY_ACCEPTED, {})
+    return bool(row and row["waiting"])
 
 
 async def lock_accepted(executor: Executor, limit: int,

@@ -20,11 +20,11 @@ from typing import Any
 
 from sluice.ledger import claims_sql
 from sluice.ledger.models import Run, RunStatus
-from sluice.ledger.pg import Executor
+from sluice.ledger.pg import Executor, Statement, rows_of
 from sluice.ledger.routes import route_from_columns
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.errors import DETAIL_EXPIRED_WAITING_HEADROOM, DETAIL_EXPIRED_WAITING_KV_BUDGET
-from sqlalchemy import Float, TextClause, bindparam, func, select, text, update
+from sqlalchemy import Float, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from sluice.eventlog.interface import LogPosition
@@ -223,37 +223,36 @@ _TAKE = """
     RETURNING r.id, r.lease_epoch, taken.lease_owner AS previous_owner, r.replica, r.event_partition,
               r.event_first_offset, r.queued_at, r.terminal_sequence
 """
-_TAKE_EXPIRED = text(_TAKE.format(
-    where="status IN ('QUEUED', 'RUNNING') AND lease_expires_at < now()")).bindparams(
-    bindparam("lease_seconds", type_=Float))
-_TAKE_UNPUBLISHED = text(_TAKE.format(
-    where="terminal_published = false AND terminal_sequence IS NOT NULL AND lease_expires_at < now()")
-).bindparams(bindparam("lease_seconds", type_=Float))
+_TAKE_EXPIRED = Statement.of(_TAKE.format(
+    where="status IN ('QUEUED', 'RUNNING') AND lease_expires_at < now()"))
+_TAKE_UNPUBLISHED = Statement.of(_TAKE.format(
+    where="terminal_published = false AND terminal_sequence IS NOT NULL AND lease_expires_at < now()"))
 
 
-async def take_expired_leases(session: AsyncSession, owner: str, lease_seconds: float,
+async def take_expired_leases(executor: Executor, owner: str, lease_seconds: float,
                               limit: int) -> list[TakenRun]:
     """Active runs whose lease expired by the ledger's clock, leased to the reaper under a new epoch
-    in one statement, so two reapers never end the same run and the old owner is fenced off."""
-    return await _take(session, _TAKE_EXPIRED, owner, lease_seconds, limit)
+    in one statement (atomic on its own: a hot connection runs it without BEGIN/COMMIT), so two
+    reapers never end the same run and the old owner is fenced off."""
+    return await _take(executor, _TAKE_EXPIRED, owner, lease_seconds, limit)
 
 
-async def take_unpublished_terminals(session: AsyncSession, owner: str, lease_seconds: float,
+async def take_unpublished_terminals(executor: Executor, owner: str, lease_seconds: float,
                                      limit: int) -> list[TakenRun]:
     """Terminal runs whose TERMINAL event was never confirmed published, once the lease of
     whoever settled them has lapsed (it may still be publishing until then)."""
-    return await _take(session, _TAKE_UNPUBLISHED, owner, lease_seconds, limit)
+    return await _take(executor, _TAKE_UNPUBLISHED, owner, lease_seconds, limit)
 
 
-async def _take(session: AsyncSession, statement: TextClause, owner: str, lease_seconds: float,
+async def _take(executor: Executor, statement: Statement, owner: str, lease_seconds: float,
                 limit: int) -> list[TakenRun]:
-    rows = await session.execute(statement, {"owner": owner, "lease_seconds": float(lease_seconds),
-                                             "limit": limit})
-    return [TakenRun(run_id=str(row.id), epoch=int(row.lease_epoch), previous_owner=row.previous_owner or "?",
-                     replica=row.replica,
-                     first=None if row.event_partition is None or row.event_first_offset is None
-                     else LogPosition(row.event_partition, row.event_first_offset),
-                     queued_at=row.queued_at, terminal_sequence=row.terminal_sequence)
+    rows = await rows_of(executor).rows(statement, {"owner": owner, "lease_seconds": float(lease_seconds),
+                                                    "limit": limit})
+    return [TakenRun(run_id=str(row["id"]), epoch=int(row["lease_epoch"]),
+                     previous_owner=row["previous_owner"] or "?", replica=row["replica"],
+                     first=None if row["event_partition"] is None or row["event_first_offset"] is None
+                     else LogPosition(row["event_partition"], row["event_first_offset"]),
+                     queued_at=row["queued_at"], terminal_sequence=row["terminal_sequence"])
             for row in rows]
 
 

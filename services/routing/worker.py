@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
-from sluice.ledger.claims_sql import queue_runs
+from sluice.ledger.claims_sql import any_accepted, queue_runs
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pg import HotPool
 from sluice.ledger.settlement import NotOwned
@@ -202,6 +202,9 @@ class RoutingWorker:
         # Set by admission's NOTIFY of a new run: one flag, so a burst of notifications while a claim
         # is in flight coalesces into ONE more claim pass, never one pass per notification.
         self._accepted = asyncio.Event()
+        # Set with _accepted, and by a full claim pass: the next pass locks at once instead of first
+        # asking whether anything waits (a timer's poll asks: most find nothing).
+        self._claim_hinted = True
         self._stopped = asyncio.Event()    # drained: every loop ends
         self._started_at = time.monotonic()
 
@@ -278,11 +281,18 @@ class RoutingWorker:
 
         One transaction on a hot connection (ledger/claims_sql.py): BEGIN, the runs locked (both
         priority classes in one statement), the tenants' GPU-memory budgets only when one of them
-        has one, every run routed in the pass queued in one statement, COMMIT. An idle pass is
-        BEGIN, one SELECT, COMMIT."""
+        has one, every run routed in the pass queued in one statement, COMMIT. A timer's poll first
+        asks whether any run waits at all (one autocommit SELECT, where an idle worker's polls end);
+        a pass woken by admission's NOTIFY, or following a full one, locks at once."""
+        hinted, self._claim_hinted = self._claim_hinted, False
         free = min(CLAIM_BATCH, self.settings.max_runs - len(self.drivers))
         if free <= 0 or self._stopping.is_set():
             return False
+        if not hinted:
+            # A timer's poll: one autocommit round trip says whether anything waits at all.
+            async with self.pool.connection() as connection:
+                if not await any_accepted(connection):
+                    return False
         now = time.time()
         started_ns = time.time_ns()
         # The ledger's lease runs from its transaction's start (now()), after this instant: a deadline
@@ -365,7 +375,9 @@ class RoutingWorker:
             await publish_terminal(self.events, self.sessions, record)
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
         # of a healthy replica must not spin this loop.
-        return len(routed) + len(expired) == free
+        full = len(routed) + len(expired) == free
+        self._claim_hinted = self._claim_hinted or full
+        return full
 
     async def _committed_claims(self, routed: list[_Routed], error: Exception) -> list[_Routed]:
         """The claims of a failed claim transaction that committed nonetheless (its COMMIT reached
@@ -628,6 +640,7 @@ class RoutingWorker:
     def _run_accepted(self, pool: str) -> None:
         # A run for a pool none of our replicas serves would stay ACCEPTED here: no reason to wake.
         if self.registry.members(pool):
+            self._claim_hinted = True
             self._accepted.set()
 
     def _cancel_notified(self, run_id: str) -> None:
@@ -638,16 +651,17 @@ class RoutingWorker:
     # --- reaper -------------------------------------------------------------------------------
 
     async def reap_once(self) -> bool:
-        async with self.sessions() as session, session.begin():
-            expired = await take_expired_leases(session, self.settings.owner, self.settings.lease_seconds,
+        # Each take is one statement, atomic on its own: autocommit on a hot connection.
+        async with self.pool.connection() as connection:
+            expired = await take_expired_leases(connection, self.settings.owner, self.settings.lease_seconds,
                                                 REAP_BATCH)
         for run in expired:
             try:
                 await self._end_abandoned(run)
             except Exception:
                 log.exception("reaper: could not end run %s; it will be retried after its lease", run.run_id)
-        async with self.sessions() as session, session.begin():
-            unpublished = await take_unpublished_terminals(session, self.settings.owner,
+        async with self.pool.connection() as connection:
+            unpublished = await take_unpublished_terminals(connection, self.settings.owner,
                                                            self.settings.lease_seconds, REAP_BATCH)
         for run in unpublished:
             async with self.sessions() as session:

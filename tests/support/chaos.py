@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from sluice.ledger.models import TERMINAL_STATUSES, Budget, Run, RunStatus, UsageEntry
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import func, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import status_name
@@ -245,11 +246,19 @@ async def wait_all_terminal(sessions: async_sessionmaker[AsyncSession], run_ids:
     ids = [uuid.UUID(run_id) for run_id in run_ids]
     deadline = time.monotonic() + timeout_s
     while True:
-        async with sessions() as session:
-            open_runs = (await session.execute(
-                select(Run.id, Run.status).where(Run.id.in_(ids),
-                                                 Run.status.not_in(list(TERMINAL_STATUSES))
-                                                 | ~Run.terminal_published))).all()
+        try:
+            async with sessions() as session:
+                open_runs = (await session.execute(
+                    select(Run.id, Run.status).where(Run.id.in_(ids),
+                                                     Run.status.not_in(list(TERMINAL_STATUSES))
+                                                     | ~Run.terminal_published))).all()
+        except DBAPIError as error:
+            # A pooled connection a PostgreSQL restart closed (no pre-ping): SQLAlchemy discards the
+            # pool on this error, so the next read connects afresh.
+            if not error.connection_invalidated or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+            continue
         if not open_runs:
             return []
         if time.monotonic() > deadline:
