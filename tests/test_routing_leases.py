@@ -211,3 +211,28 @@ async def test_a_keeper_whose_event_loop_is_wedged_stops_renewing(api: Services)
         await keeper.close()
     assert left < 0                            # its lease lapsed in the ledger: a reaper may act
     assert RunStatus.QUEUED.value == (await api_run(api, run_id)).status
+
+
+async def test_a_fresh_claim_waits_for_the_next_renewal_and_a_slow_one_is_renewed_at_once(api: Services):
+    """No renewal statement per claim: a lease held with nearly all of it left is renewed with the
+    keeper's next regular pass; one whose claim ate into it (more than an interval) at once."""
+    (fresh_id, fresh_epoch), (slow_id, slow_epoch) = [await queued_run(api) for _ in range(2)]
+    lease_s, interval_s = 10.0, 2.0        # the keeper's first regular pass: 2 s after it starts
+    keeper = LeaseKeeper(dsn_of(api), lease_s, interval_s)
+    renewals: list[float] = []
+    keeper.on_renewed = renewals.append
+    keeper.start()
+    try:
+        await asyncio.sleep(0.2)
+        fresh = Lease(fresh_id, fresh_epoch, expires_at=time.monotonic() + lease_s)
+        keeper.hold(fresh, lambda: None, lambda: None)
+        await asyncio.sleep(0.8)
+        renewed_fresh = len(renewals)
+        slow = Lease(slow_id, slow_epoch, expires_at=time.monotonic() + interval_s * 1.5)
+        keeper.hold(slow, lambda: None, lambda: None)
+        await asyncio.sleep(0.5)
+        renewed_slow = len(renewals)
+    finally:
+        await keeper.close()
+    assert (renewed_fresh, renewed_slow) == (0, 1)     # one renewal, for every lease held
+    assert slow.expires_at - time.monotonic() > interval_s * 1.5

@@ -172,10 +172,16 @@ class LeaseKeeper:
             await asyncio.to_thread(self._thread.join, 5.0)
 
     def hold(self, lease: Lease, on_refused: Callable[[], None], on_cancel: Callable[[], None]) -> None:
-        """Renew `lease` from now on; the first renewal goes out at once (a fresh claim's deadline was
-        counted conservatively from before its transaction began)."""
+        """Renew `lease` from now on. A fresh claim's deadline was counted conservatively from before
+        its transaction began: when that transaction took long enough that less than a lease minus
+        one renewal interval (and at least two intervals) is left, the first renewal goes out at
+        once; otherwise with the next regular one (within an interval), so a burst of claims adds no
+        renewal statement per claim."""
         with self._guard:
             self._held[lease.run_id] = _Held(lease, on_refused, on_cancel)
+        enough_s = max(self.lease_seconds - self.interval_s, 2 * self.interval_s)
+        if lease.expires_at - time.monotonic() >= enough_s:
+            return
         loop, poke = self._own_loop, self._poke
         if loop is not None and poke is not None:
             with contextlib.suppress(RuntimeError):     # the keeper's loop is closing

@@ -296,7 +296,8 @@ class RoutingWorker:
         now = time.time()
         started_ns = time.time_ns()
         # The ledger's lease runs from its transaction's start (now()), after this instant: a deadline
-        # counted from here is never later than the ledger's. The keeper renews it as soon as it is held.
+        # counted from here is never later than the ledger's. The keeper renews it within an interval
+        # (at once if the claim took long: LeaseKeeper.hold).
         claim_started = time.monotonic()
         # Batch runs only with what interactive runs left of the pass, and only from pools with
         # headroom (ladder step 1, "defer batch", for the others).

@@ -26,22 +26,24 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from sluice.ledger.models import TERMINAL_STATUSES, Budget, Run, RunStatus, UsageEntry
-from sluice_client.sdk import SluiceClient
+from sluice_client.sdk import SluiceClient, SluiceError
 from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.eventlog.events import status_name
-from sluice.v1 import runs_pb2
+from sluice.v1 import admission_pb2, runs_pb2
 from tests.support.routing_stack import Stack
 
 FULL = bool(os.environ.get("SLUICE_CHAOS"))
 full_only = pytest.mark.skipif(not FULL, reason="part of `make chaos` (SLUICE_CHAOS=1), not make test")
 
 IN_FLIGHT = (RunStatus.QUEUED.value, RunStatus.RUNNING.value)
+SUBMIT_ATTEMPTS = 10   # a Submit retried on UNAVAILABLE (Load._submit): a restart lasts well under 2 s
 
 
 @dataclass(slots=True)
@@ -214,13 +216,27 @@ class Load:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def submit(self, sdk: SluiceClient, count: int, max_output_tokens: int, prompt: str) -> list[str]:
-        runs = await asyncio.gather(*(sdk.submit(f"{prompt} #{i}", max_output_tokens=max_output_tokens)
+        runs = await asyncio.gather(*(self._submit(sdk, f"{prompt} #{i}", max_output_tokens)
                                       for i in range(count)))
         ids = [run.run_id for run in runs]
         self.run_ids.extend(ids)
         for run_id in ids:
             self._tasks.append(asyncio.create_task(self._stream(sdk, run_id)))
         return ids
+
+    @staticmethod
+    async def _submit(sdk: SluiceClient, prompt: str, max_output_tokens: int) -> admission_pb2.SubmitResponse:
+        """As a client should: an UNAVAILABLE Submit (the gateway met a pooled connection a PostgreSQL
+        restart closed) is retried with the same request key, which admits the run at most once."""
+        key = uuid.uuid4().hex
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                return await sdk.submit(prompt, max_output_tokens=max_output_tokens, request_key=key)
+            except SluiceError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == SUBMIT_ATTEMPTS:
+                    raise
+                await asyncio.sleep((error.retry_after_ms or 200) / 1000)
+        raise AssertionError("unreachable")
 
     async def _stream(self, sdk: SluiceClient, run_id: str) -> None:
         events = self.streams.setdefault(run_id, [])
