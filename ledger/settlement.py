@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sluice.ledger.models import TERMINAL_STATUSES, Run, RunStatus, UsageEntry
 from sluice.ledger.pg import Executor, Rows, Statement, rows_of
@@ -103,26 +105,31 @@ FOR UPDATE OF r
 """
 _READ_ANY = Statement.of(_READ_RUN)
 
+# Shared by both settlement statements: the entry's columns, its exactly-once guard, and the run
+# finished (with the terminal fix when formatted with one) once the entry was inserted.
+_INSERT_ENTRY = """INSERT INTO usage_entries (id, run_id, tenant_id, model_version, day, input_tokens,
+                               cached_input_tokens, output_tokens, cost_micros, api_key_id, price_card_id,
+                               route_reason, worker_pool, quality_tier)"""
+_ENTRY_THEN_FINISHED = """    ON CONFLICT (run_id) DO NOTHING
+    RETURNING settled_at
+), finished AS (
+    UPDATE runs
+       SET status = :status, finished_at = now(), output_tokens = :output_tokens,
+           cached_input_tokens = :cached_input_tokens, detail = CAST(:detail AS text){terminal}
+     WHERE id = :run_id AND EXISTS (SELECT 1 FROM entry)
+    RETURNING id
+)"""
+
 # The settlement in one statement. The usage entry goes first (ON CONFLICT (run_id) DO NOTHING: the
 # exactly-once guard); the run and the budget change only when it was inserted. The budget row is the
 # period the run was admitted in (its created_at), as admission chose it.
 _WRITE = """
 WITH entry AS (
-    INSERT INTO usage_entries (id, run_id, tenant_id, model_version, day, input_tokens, cached_input_tokens,
-                               output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
-                               worker_pool, quality_tier)
+""" + _INSERT_ENTRY + """
     VALUES (:entry_id, :run_id, :tenant_id, :model_version, date(timezone('UTC', now())), :input_tokens,
             :cached_input_tokens, :output_tokens, :cost_micros, :api_key_id, :price_card_id, :route_reason,
             :worker_pool, :quality_tier)
-    ON CONFLICT (run_id) DO NOTHING
-    RETURNING settled_at
-), finished AS (
-    UPDATE runs
-       SET status = :status, finished_at = now(), output_tokens = :output_tokens,
-           cached_input_tokens = :cached_input_tokens, detail = :detail{terminal}
-     WHERE id = :run_id AND EXISTS (SELECT 1 FROM entry)
-    RETURNING id
-), budget AS (
+""" + _ENTRY_THEN_FINISHED + """, budget AS (
     UPDATE budgets b
        SET reserved_tokens = b.reserved_tokens - r.reserved_tokens,
            reserved_cost_micros = b.reserved_cost_micros - r.reserved_cost_micros,
@@ -176,22 +183,13 @@ WITH run AS (
             + CAST(:output_tokens AS bigint) * price_output + {unit_less_one}) / {unit} AS cost_micros
       FROM run
 ), entry AS (
-    INSERT INTO usage_entries (id, run_id, tenant_id, model_version, day, input_tokens, cached_input_tokens,
-                               output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
-                               worker_pool, quality_tier)
-    SELECT CAST(:entry_id AS uuid), id, tenant_id, model_version, date(timezone('UTC', now())), charged_input,
+""" + _INSERT_ENTRY + """
+    SELECT CAST(:entry_id AS uuid), id, tenant_id, model_version, date(timezone('UTC', now())),
+           charged_input,
            :cached_input_tokens, :output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
            worker_pool, quality_tier
       FROM charge WHERE possible
-    ON CONFLICT (run_id) DO NOTHING
-    RETURNING settled_at
-), finished AS (
-    UPDATE runs
-       SET status = :status, finished_at = now(), output_tokens = :output_tokens,
-           cached_input_tokens = :cached_input_tokens, detail = CAST(:detail AS text){terminal}
-     WHERE id = :run_id AND EXISTS (SELECT 1 FROM entry)
-    RETURNING id
-), budget AS (
+""" + _ENTRY_THEN_FINISHED + """, budget AS (
     UPDATE budgets b
        SET reserved_tokens = b.reserved_tokens - charge.reserved_tokens,
            reserved_cost_micros = b.reserved_cost_micros - charge.reserved_cost_micros,
@@ -223,12 +221,7 @@ async def _settle_owned(rows: Rows, run_id: uuid.UUID, status: RunStatus, output
         "entry_id": uuid.uuid4(), "run_id": run_id, "epoch": epoch, "input_tokens": input_tokens,
         "cached_input_tokens": cached_input_tokens, "output_tokens": output_tokens, "status": status.value,
         "detail": detail}
-    statement = _SETTLE_OWNED
-    if terminal is not None:
-        statement = _SETTLE_OWNED_TERMINAL
-        values.update(_terminal_values(terminal))
-    written = await rows.row(statement, values)
-    assert written is not None, "the settlement statement returns one row"
+    written = await _write(rows, (_SETTLE_OWNED, _SETTLE_OWNED_TERMINAL), values, terminal)
     if not written["owned"]:
         raise NotOwned(f"run {run_id} is not active under lease epoch {epoch}")
     if not written["possible"]:
@@ -245,10 +238,17 @@ async def _settle_owned(rows: Rows, run_id: uuid.UUID, status: RunStatus, output
                         cost_micros=int(written["cost_micros"]), settled_at=written["settled_at"])
 
 
-def _terminal_values(terminal: TerminalFix) -> dict[str, object]:
-    return {"terminal_sequence": terminal.sequence, "last_sequence": terminal.last_sequence,
-            "lease_owner": terminal.lease_owner, "lease_seconds": float(terminal.lease_seconds),
-            "first_partition": terminal.first_partition, "first_offset": terminal.first_offset}
+async def _write(rows: Rows, statements: tuple[Statement, Statement], values: dict[str, object],
+                 terminal: TerminalFix | None) -> Mapping[str, Any]:
+    """Run the settlement statement (statements: without, with the terminal fix); its one row."""
+    plain, with_terminal = statements
+    if terminal is not None:
+        values = {**values, "terminal_sequence": terminal.sequence, "last_sequence": terminal.last_sequence,
+                  "lease_owner": terminal.lease_owner, "lease_seconds": float(terminal.lease_seconds),
+                  "first_partition": terminal.first_partition, "first_offset": terminal.first_offset}
+    written = await rows.row(plain if terminal is None else with_terminal, values)
+    assert written is not None, "the settlement statement returns one row"
+    return written
 
 
 async def settle_run_usage(
@@ -301,12 +301,7 @@ async def settle_run_usage(
         "quality_tier": run["quality_tier"], "status": final.value, "detail": detail,
         "used_tokens": charged_input + output_tokens,
     }
-    statement = _SETTLE
-    if terminal is not None:
-        statement = _SETTLE_TERMINAL
-        values.update(_terminal_values(terminal))
-    written = await rows.row(statement, values)
-    assert written is not None, "the settlement statement returns one row"
+    written = await _write(rows, (_SETTLE, _SETTLE_TERMINAL), values, terminal)
     if written["settled_at"] is None:
         return None
     assert written["budgets"] == 1, (

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 from sluice.ledger.claims_sql import lock_accepted, queue_runs
 from sluice.ledger.models import Model, Run
 from sluice.ledger.pg import HotPool
@@ -22,14 +20,6 @@ pytest_plugins = ["tests.support.db", "tests.support.ledger_services"]
 LEASE_S = 5.0
 NOT_WAITING_S = 3.0     # a claim that waits this long on another's locks is blocked, not skipping
 
-
-@pytest.fixture
-async def pool(database_dsn: str) -> AsyncIterator[HotPool]:
-    hot = HotPool(database_dsn)
-    try:
-        yield hot
-    finally:
-        await hot.close()
 
 
 async def accepted_runs(api: Services, count: int) -> tuple[TenantHandle, list[uuid.UUID]]:
@@ -54,9 +44,10 @@ async def claims(api: Services) -> dict[uuid.UUID, tuple[str, str | None, str | 
     return {row.id: (row.status, row.lease_owner, row.replica, row.lease_epoch) for row in rows}
 
 
-async def test_two_workers_claiming_at_once_take_each_ready_run_exactly_once(api: Services, pool: HotPool):
+async def test_two_workers_claiming_at_once_take_each_ready_run_exactly_once(
+        api: Services, hot_pool: HotPool):
     _, runs = await accepted_runs(api, 10)
-    async with pool.connection() as first, pool.connection() as second:
+    async with hot_pool.connection() as first, hot_pool.connection() as second:
         async with first.transaction():
             taken_first = [row["id"] for row in await lock_accepted(first, 6)]
             # The first claim still holds its rows: the second skips them instead of waiting.
@@ -75,9 +66,9 @@ async def test_two_workers_claiming_at_once_take_each_ready_run_exactly_once(api
     assert [ledger[run] for run in runs] == [("QUEUED", "w1", "r0", 1)] * 6 + [("QUEUED", "w2", "r1", 1)] * 4
 
 
-async def test_a_run_is_queued_once_whoever_asks(api: Services, pool: HotPool):
+async def test_a_run_is_queued_once_whoever_asks(api: Services, hot_pool: HotPool):
     _, runs = await accepted_runs(api, 2)
-    async with pool.connection() as connection:
+    async with hot_pool.connection() as connection:
         first = await queue_runs(connection, {runs[0]: "r0"}, "w1", LEASE_S)
         # A second claimer that read the run as ACCEPTED before the first committed gets nothing.
         second = await queue_runs(connection, {runs[0]: "r1", runs[1]: "r1"}, "w2", LEASE_S)
@@ -86,14 +77,15 @@ async def test_a_run_is_queued_once_whoever_asks(api: Services, pool: HotPool):
     assert (ledger[runs[0]], ledger[runs[1]]) == (("QUEUED", "w1", "r0", 1), ("QUEUED", "w2", "r1", 1))
 
 
-async def test_interactive_runs_come_first_and_batch_only_fills_what_is_left(api: Services, pool: HotPool):
+async def test_interactive_runs_come_first_and_batch_only_fills_what_is_left(
+        api: Services, hot_pool: HotPool):
     _, runs = await accepted_runs(api, 6)
     batch, interactive = runs[:3], runs[3:]          # the batch runs are the older ones
     await make_batch(api, batch)
     pool_name = DEFAULT_MODEL.version
 
     async def locked(limit: int, excluding: tuple[str, ...] = ()) -> list[uuid.UUID]:
-        async with pool.connection() as connection, connection.transaction():
+        async with hot_pool.connection() as connection, connection.transaction():
             return [row["id"] for row in await lock_accepted(connection, limit, excluding)]
 
     async with api.sessionmaker() as session:

@@ -6,7 +6,6 @@ only under the holder's epoch, never twice, and writes nothing for counts no run
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from sluice.ledger.models import Model, Run, RunStatus, UsageEntry
@@ -32,14 +31,6 @@ LEASE_S = 5.0
 FIX = TerminalFix(sequence=4, last_sequence=3, lease_owner="w1", lease_seconds=LEASE_S)
 
 
-@pytest.fixture
-async def pool(database_dsn: str) -> AsyncIterator[HotPool]:
-    hot = HotPool(database_dsn)
-    try:
-        yield hot
-    finally:
-        await hot.close()
-
 
 async def leased_run(api: Services) -> tuple[TenantHandle, uuid.UUID, int]:
     """A run queued on replica r0 under its first epoch, as a routing worker claims it."""
@@ -64,11 +55,12 @@ async def status(api: Services, run_id: uuid.UUID) -> str:
         return str(await session.scalar(select(Run.status).where(Run.id == run_id)))
 
 
-async def test_the_holder_settles_in_one_statement_at_the_runs_rates_rounded_up(api: Services, pool: HotPool):
+async def test_the_holder_settles_in_one_statement_at_the_runs_rates_rounded_up(
+        api: Services, hot_pool: HotPool):
     tenant, run_id, epoch = await leased_run(api)
     async with api.sessionmaker() as session:
         prompt = int(await session.scalar(select(Run.input_tokens).where(Run.id == run_id)) or 0)
-    async with pool.connection() as connection:
+    async with hot_pool.connection() as connection:
         settled = await settle_run_usage(connection, run_id, RunStatus.COMPLETED, output_tokens=3,
                                          cached_input_tokens=1, detail=None, owned_by_epoch=epoch,
                                          terminal=FIX)
@@ -87,9 +79,9 @@ async def test_the_holder_settles_in_one_statement_at_the_runs_rates_rounded_up(
 
 
 async def test_another_epoch_or_a_second_settlement_is_not_owned_and_writes_nothing(
-        api: Services, pool: HotPool):
+        api: Services, hot_pool: HotPool):
     _, run_id, epoch = await leased_run(api)
-    async with pool.connection() as connection:
+    async with hot_pool.connection() as connection:
         with pytest.raises(NotOwned):
             await settle_run_usage(connection, run_id, RunStatus.COMPLETED, 3, 0, None,
                                    owned_by_epoch=epoch + 1, terminal=FIX)
@@ -102,9 +94,9 @@ async def test_another_epoch_or_a_second_settlement_is_not_owned_and_writes_noth
     assert (await entries(api, run_id), await status(api, run_id)) == (1, "COMPLETED")
 
 
-async def test_counts_no_run_could_produce_raise_and_write_nothing(api: Services, pool: HotPool):
+async def test_counts_no_run_could_produce_raise_and_write_nothing(api: Services, hot_pool: HotPool):
     _, run_id, epoch = await leased_run(api)
-    async with pool.connection() as connection:
+    async with hot_pool.connection() as connection:
         with pytest.raises(SettlementError, match="output_tokens 9 outside 0..8"):
             await settle_run_usage(connection, run_id, RunStatus.COMPLETED, 9, 0, None, owned_by_epoch=epoch)
         with pytest.raises(SettlementError, match="cached_input_tokens 1 outside 0..0"):
@@ -113,9 +105,9 @@ async def test_counts_no_run_could_produce_raise_and_write_nothing(api: Services
     assert (await entries(api, run_id), await status(api, run_id)) == (0, "QUEUED")
 
 
-async def test_a_prompt_no_replica_took_is_not_charged(api: Services, pool: HotPool):
+async def test_a_prompt_no_replica_took_is_not_charged(api: Services, hot_pool: HotPool):
     _, run_id, epoch = await leased_run(api)
-    async with pool.connection() as connection:
+    async with hot_pool.connection() as connection:
         settled = await settle_run_usage(connection, run_id, RunStatus.INTERRUPTED, 0, 0, "refused",
                                          input_tokens=0, owned_by_epoch=epoch)
     assert settled is not None and (settled.input_tokens, settled.cost_micros) == (0, 0)

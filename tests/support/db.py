@@ -30,6 +30,7 @@ import pytest
 from alembic import command
 from alembic.config import Config
 from sluice.ledger.db import configured_dsn, make_engine, make_sessionmaker
+from sluice.ledger.pg import HotPool
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -175,3 +176,13 @@ async def engine(database_dsn: str) -> AsyncIterator[AsyncEngine]:
 @pytest.fixture
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return make_sessionmaker(engine)
+
+
+@pytest.fixture
+async def hot_pool(database_dsn: str) -> AsyncIterator[HotPool]:
+    """The test database's raw asyncpg pool, as the routing worker's run path uses (ledger/pg.py)."""
+    pool = HotPool(database_dsn)
+    try:
+        yield pool
+    finally:
+        await pool.close()
