@@ -353,15 +353,22 @@ async def kafka_background(meter: CpuMeter, seconds: float = 5.0) -> float:
     return spent.cpu["kafka"] / spent.wall_s
 
 
-def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, background: float) -> list[str]:
+def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, background: float,
+                 idle: Spent) -> list[str]:
     tokens = sum(o.tokens for o in outcomes)
     events = sum(o.events for o in outcomes)
     kafka_net = max(0.0, spent.cpu["kafka"] - background * spent.wall_s)
+    # What the stack would have burnt doing nothing for as long (pollers, timers, scrapes: paid per
+    # second), taken off: the rest is what the phase's runs, events and tokens cost.
+    net = {name: spent.cpu[name] - idle.cpu[name] / idle.wall_s * spent.wall_s for name in COMPONENTS}
+    net_parts = " ".join(f"{name} {net[name] / max(tokens, 1) * 1e6:.1f}" for name in COMPONENTS)
     return [f"{label}: {len(outcomes)} runs, {tokens} tokens in {events} events"
             f" ({tokens / max(events, 1):.2f} tokens/event), {spent.wall_s:.1f} s wall,"
             f" {tokens / spent.wall_s:.0f} tokens/s; outcomes: {outcome_counts(outcomes)}",
             f"  platform CPU per token {spent.split(max(tokens, 1), 'us', 1e6)}",
-            f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)"]
+            f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)",
+            f"  net of the idle stack's rate over the phase: {sum(net.values()) / max(tokens, 1) * 1e6:.1f}"
+            f" us/token ({net_parts})"]
 
 
 def load() -> str:
@@ -411,9 +418,8 @@ async def print_profiles(profiles: list[Profile], during: str) -> None:
                 print(f"    {line}")
 
 
-def idle_line(measurement: tuple[object, Spent]) -> str:
+def idle_line(spent: Spent) -> str:
     """Each component's CPU with nothing to do (pollers, timers, scrapes): paid per second, not per run."""
-    _, spent = measurement
     parts = ", ".join(f"{name} {spent.cpu[name] / spent.wall_s * 1e3:.1f}" for name in COMPONENTS)
     return f"{parts} ms CPU/s"
 
@@ -452,7 +458,8 @@ async def bench(args: argparse.Namespace) -> None:
         profiles = start_profiles(stack, args.py_spy, log_dir) \
             if args.py_spy and args.py_spy_phase == "idle" else []
         idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
-        print(f"idle stack: {idle_line(await measured(meter, asyncio.sleep(idle_s)))}", flush=True)
+        _, idle = await measured(meter, asyncio.sleep(idle_s))
+        print(f"idle stack: {idle_line(idle)}", flush=True)
         await print_profiles(profiles, f"{args.py_spy} s of the idle stack")
         phases = set(args.phases.split(","))
         if "ttft" in phases:
@@ -475,7 +482,7 @@ async def bench(args: argparse.Namespace) -> None:
             outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
             await print_profiles(profiles, f"{args.py_spy} s of stream-64")
             label = f"{width} concurrent {plan.stream_tokens}-token streams"
-            for line in stream_lines(label, outcomes, spent, background):
+            for line in stream_lines(label, outcomes, spent, background, idle):
                 print(line, flush=True)
         if "interrupt" in phases:
             outcomes, spent = await phase_runs(meter, client, plan.interrupt_runs, 256, plan.interrupt_tokens)
