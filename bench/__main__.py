@@ -15,6 +15,7 @@ BENCHES = [
     ("what tracing and metrics add per Submit and per run", ["-m", "bench.bench_telemetry"]),
     ("routing policies on the fleet simulator + decision cost", ["-m", "bench.bench_router"]),
     ("replica: engine core behind real Triton", ["bench/bench_replica.py", "--concurrency", "1,8"]),
+    ("routing worker's per-token paths: replica reads, the driver loop", ["-m", "bench.bench_data_path"]),
     ("fleet simulator: seed 003's fleet, 10 simulated minutes", ["-m", "sim", "--preset", "seed003"]),
 ]
 
