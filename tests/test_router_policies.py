@@ -233,6 +233,21 @@ def test_a_follow_up_leaves_a_home_deep_in_prefill_and_returns_once_it_is_worked
     assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
 
 
+def test_the_queue_counts_at_most_its_cap_so_a_larger_saving_keeps_the_turn_home():
+    # The same fleet as above with the queue capped at 200 tokens (50 blocks of 4).
+    options = replace(EXACT, imbalance_bound=10.0, imbalance_slack=100, prefill_queue_cap_tokens=200)
+    policy = PrefixAware(options)
+    busy = [prefill_view("r0"), prefill_view("r1", kv_used=5000)]
+    first = request("a1", turn(7, 10))
+    assert route(policy, first, busy, now=0.0).replica == "r0"
+    policy.on_finished(first, "r0", 0.5)
+    assert route(policy, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"
+    assert policy.prefill_backlog("r0", 1.0) == 200                 # queued, but counted as 50:
+    # r0 costs 64 x (1 + 50) + 200 = 3,464, r1 64 x 25 + 5,000 = 6,600: the 24 saved blocks win.
+    home = policy.choose(request("a2", turn(7, 11)), busy, 1.0)
+    assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
+
+
 def test_only_the_blocks_not_expected_cached_join_the_queue():
     policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
     views = [prefill_view("r0")]

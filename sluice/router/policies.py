@@ -35,19 +35,29 @@ cost also counts the blocks queued ahead of it, at the same weight::
     cost = prefill_weight * (blocks to prefill here + blocks queued for prefill here)
            + blocks of KV the replica is already decoding
 
+The queue counts at most ``prefill_queue_cap_tokens`` (2,048: one engine step's
+prompt budget), so it decides among replicas whose caches save about as much
+(a new conversation over a shared system prompt, a turn with little history)
+and never outweighs a larger saving. Uncapped, it did: rag at twice its
+capacity (150 requests/s on 4 replicas, the capacity sweep's first step) queues
+grow on every replica, a question whose 6,000-token document's holder had
+~190 blocks more queued went elsewhere and prefilled the document again, which
+lengthened every queue: the oracle completed 71 requests/s against 91 with the
+cap (and 91 before the queue term). Heavier imbalance is the bound's job.
+
 The queue is the policy's own estimate (the hosts report no first token): each
 routed request adds the blocks it was not expected to find cached, and the
 replica works the total off at its prefill rate (``ReplicaView.
 prefill_tokens_per_s``, or ``prefill_tokens_per_s`` of the options when it does
 not report one, over its slowness). This is the trade the cost was always
 meant to price, in one unit: the wait the target adds against the prefill its
-cache saves. A follow-up turn with 6,000 tokens cached stays home unless the
-home has ~190 blocks (~200 ms) more queued than the best other replica; a new
-conversation, which every replica can serve from the shared system prompt,
-goes where the queue is shortest, not to the replica with the least decode KV.
-bench_routing agent at 50% (4 replicas, 30 s, seeds 11-13): p95 TTFT 78 -> 56
-ms (SGLang's cache_aware 73 ms): agent steps bring up to 1,500 new tokens
-each, and where they queue is most of the tail.
+cache saves, within a step's worth. A new conversation, which every replica
+can serve from the shared system prompt, goes where the queue is shortest, not
+to the replica with the least decode KV; a follow-up with a few hundred tokens
+cached may leave a home with a step's worth more queued.
+bench_routing agent at 50% (4 replicas, 30 s, seeds 11-13, 328 requests/s asked):
+p95 TTFT 78 -> 59 ms (SGLang's cache_aware 73 ms): agent steps bring up to
+1,500 new tokens each, and where they queue is most of the tail.
 
 Host tier. A replica with a host-memory KV tier holds evicted prefixes there and
 copies them back instead of prefilling them (engine.kv_cache). The index keeps
@@ -130,6 +140,9 @@ class PolicyOptions:
     max_conversations: int = 100_000           # session-affinity entries kept (LRU)
     # A replica's prompt-processing rate when it does not report one (seed 003: 70B FP8 on 8 x H100)
     prefill_tokens_per_s: float = 28_000.0
+    # Queued prompt tokens counted at most (seed 003's engine step budget, max_num_tokens): the queue
+    # decides among replicas whose caches save about as much, never against a larger saving
+    prefill_queue_cap_tokens: int = 2048
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, float]) -> PolicyOptions:
@@ -374,6 +387,7 @@ class PrefixAware:
         backlog = self._backlog.blocks
         drains = self._drain
         default_rate = self.options.prefill_tokens_per_s
+        queue_cap = self.options.prefill_queue_cap_tokens
         prompt_tokens = len(request.token_ids)
         scored: list[_Scored] = []
         append = scored.append
@@ -404,6 +418,9 @@ class PrefixAware:
             rate = view.prefill_tokens_per_s if view.prefill_tokens_per_s > 0.0 else default_rate / slowness
             drain = drains[name] = rate / view.block_size
             queued = backlog(name, now, drain)
+            cap = queue_cap / view.block_size
+            if queued > cap:
+                queued = cap
             cost = (weight * (uncached + queued) + decode) * slowness
             append((cost, weighted, used / capacity if capacity > 0 else 0.0, name, overlap, view))
             total_load += weighted
