@@ -183,7 +183,8 @@ class RoutingWorker:
         # The driver's ledger statements (RUNNING, settlement, terminal published) on raw asyncpg
         # connections (ledger/pg.py); opened on first use, closed when serve() ends.
         # They reach the ledger as the session factory does (a test's proxy sits in front of both).
-        self.pool = HotPool(_dsn_of(sessions))
+        # (A worker built without a session factory, to look at its policy, never opens it.)
+        self.pool = HotPool(dsn or "" if sessions is None else _dsn_of(sessions))
         self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
         self.keeper = LeaseKeeper(dsn or _dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
