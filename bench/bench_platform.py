@@ -472,7 +472,9 @@ async def bench(args: argparse.Namespace) -> None:
             outcomes, spent = await phase_runs(meter, client, cost_runs, 16, 2)
             print(f"CPU per run of 2 tokens ({cost_runs} runs, 16 concurrent;"
                   f" {outcome_counts(outcomes)}): {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
-            print(f"  {spent.wall_s:.1f} s wall, {len(outcomes) / spent.wall_s:.0f} runs/s", flush=True)
+            events = sum(o.events for o in outcomes) / max(len(outcomes), 1)
+            print(f"  {spent.wall_s:.1f} s wall, {len(outcomes) / spent.wall_s:.0f} runs/s,"
+                  f" {events:.2f} events per run delivered", flush=True)
             await print_profiles(profiles, f"{args.py_spy} s of the run-cost phase")
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
         for width, runs in ((w, r) for w, r in widths if f"stream{w}" in phases):

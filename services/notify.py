@@ -41,10 +41,13 @@ class ChannelListener:
     Either hand it a callback (`on_payload`), or wait for a payload with `waiter`.
     """
 
-    def __init__(self, dsn: str, channel: str, on_payload: Callable[[str], None] | None = None) -> None:
+    def __init__(self, dsn: str, channel: str, on_payload: Callable[[str], None] | None = None,
+                 on_connect: Callable[[], None] | None = None) -> None:
         self._dsn = asyncpg_dsn(dsn)
         self.channel = channel
         self._on_payload = on_payload
+        self._on_connect = on_connect    # called each time LISTEN is (re)established
+        self.listening = False           # LISTEN is established now: notifications arrive
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -101,12 +104,16 @@ class ChannelListener:
         waits = [asyncio.ensure_future(closed.wait()), asyncio.ensure_future(self._closing.wait())]
         try:
             await conn.add_listener(self.channel, self._dispatch)
+            self.listening = True
             # Whatever was notified while no connection listened is lost: every waiter re-checks.
             for waiting in self._waiters.values():
                 for event in waiting:
                     event.set()
+            if self._on_connect is not None:
+                self._on_connect()
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.listening = False
             for wait in waits:
                 wait.cancel()
             with contextlib.suppress(Exception):

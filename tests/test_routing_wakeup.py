@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import RunStatus
-from sluice.services.routing.worker import RoutingWorker
+from sluice.services.routing.worker import IDLE_POLL_S, RoutingWorker
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import text
 
@@ -69,3 +69,33 @@ async def test_a_notification_for_a_pool_the_worker_does_not_serve_wakes_nothing
     await notify_times(stack, "some-other-pool", 5)
     await asyncio.sleep(SETTLE_S)
     assert len(passes) == before
+
+
+async def counting_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
+    """A worker at the configured poll interval, counting its claim passes."""
+    worker = await stack.start_worker()
+    passes: list[int] = []
+    claim_once = worker.claim_once
+
+    async def counted() -> bool:
+        passes.append(1)
+        return await claim_once()
+
+    worker.claim_once = counted  # type: ignore[method-assign]
+    return worker, passes
+
+
+async def test_an_idle_worker_that_hears_admission_polls_once_a_second_and_still_claims_at_once(stack: Stack):
+    worker, passes = await counting_worker(stack)
+    poll_s = stack.config.routing.poll_interval_ms / 1000
+    await asyncio.sleep(SETTLE_S)
+    assert worker._accepted_listener is not None and worker._accepted_listener.listening
+    before = len(passes)
+    await asyncio.sleep(IDLE_POLL_S * 1.5)
+    # Nothing waits: one or two polls in 1.5 s, where the poll interval alone would make 1.5 / poll_s.
+    assert len(passes) - before <= 2 < 1.5 / poll_s
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run = await sdk.submit(PROMPT, max_output_tokens=4)
+    claimed = await stack.wait_for_status(
+        run.run_id, {RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.COMPLETED}, timeout_s=IDLE_POLL_S / 2)
+    assert claimed.replica is not None

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,10 @@ log = logging.getLogger(__name__)
 DETAIL_DRIVER_LOST = "routing worker {owner} stopped renewing its lease; ended from the last durable event"
 LOCATE_MARGIN_MS = 5_000     # clock skew allowed between Postgres (queued_at) and the Kafka broker
 REAP_BATCH = 8
+# A worker whose last look found no run waiting, its LISTEN for admission's NOTIFY established, polls
+# this often instead of every [routing].poll_interval_ms: only a NOTIFY can bring it a new run, and a
+# reconnect of the listener (notifications lost meanwhile) wakes it at once.
+IDLE_POLL_S = 1.0
 CLAIM_RECHECK_S = 0.2        # after a failed claim, ask the ledger again this soon which runs it holds
 # Runs claimed per transaction: small batches spread a burst over every routing process
 # instead of letting the first poller take it all (the loop claims again at once when full).
@@ -206,6 +210,8 @@ class RoutingWorker:
         # Set with _accepted, and by a full claim pass: the next pass locks at once instead of first
         # asking whether anything waits (a timer's poll asks: most find nothing).
         self._claim_hinted = True
+        self._idle = False                 # the last claim pass or poll found no run ACCEPTED
+        self._accepted_listener: ChannelListener | None = None
         self._stopped = asyncio.Event()    # drained: every loop ends
         self._started_at = time.monotonic()
 
@@ -216,7 +222,7 @@ class RoutingWorker:
         progress get up to `drain_s` to finish with their leases still renewed. Runs still
         going after that are abandoned to another process's reaper (their leases lapse)."""
         claiming = asyncio.create_task(
-            self._every(self.claim_once, self.settings.poll_interval_s, busy_again=True, wake=self._accepted))
+            self._every(self.claim_once, self._claim_interval, busy_again=True, wake=self._accepted))
         self.keeper.start()
         upkeep = [asyncio.create_task(loop) for loop in (
             self._every(self.monitor_once, MONITOR_TICK_S, until=self._stopped),
@@ -229,9 +235,11 @@ class RoutingWorker:
         # admission's NOTIFY of each new run so the claim loop wakes at once instead of at its next
         # poll. Both keep polling (lease renewals read cancel_requested_at; the claim loop its
         # interval), should a notification be lost while a listener reconnects.
-        listeners = [] if self._dsn is None else [
-            ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified),
-            ChannelListener(self._dsn, RUNS_ACCEPTED_CHANNEL, self._run_accepted)]
+        if self._dsn is not None:
+            self._accepted_listener = ChannelListener(self._dsn, RUNS_ACCEPTED_CHANNEL, self._run_accepted,
+                                                      on_connect=self._accepted.set)
+        listeners = [] if self._dsn is None or self._accepted_listener is None else [
+            ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified), self._accepted_listener]
         for listener in listeners:
             listener.start()
         try:
@@ -256,11 +264,12 @@ class RoutingWorker:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _every(self, step: Any, interval_s: float, busy_again: bool = False,
+    async def _every(self, step: Any, interval_s: float | Callable[[], float], busy_again: bool = False,
                      until: asyncio.Event | None = None, wake: asyncio.Event | None = None) -> None:
-        """Run `step` every `interval_s` until `until` (default: stop()) is set; at once again when it
-        reports more work (`busy_again`), or when `wake` is set (cleared before each step, so every
-        wake-up that arrived during a step is answered by exactly one more step)."""
+        """Run `step` every `interval_s` (or what it returns, asked after each step) until `until`
+        (default: stop()) is set; at once again when it reports more work (`busy_again`), or when
+        `wake` is set (cleared before each step, so every wake-up that arrived during a step is
+        answered by exactly one more step)."""
         done = until or self._stopping
         while not done.is_set():
             if wake is not None:
@@ -273,7 +282,7 @@ class RoutingWorker:
             except Exception:
                 log.exception("%s failed; retrying", getattr(step, "__name__", step))
             if not (busy and busy_again):
-                await _first_of(interval_s, done, wake)
+                await _first_of(interval_s() if callable(interval_s) else interval_s, done, wake)
 
     # --- claim --------------------------------------------------------------------------------
 
@@ -292,8 +301,9 @@ class RoutingWorker:
         if not hinted:
             # A timer's poll: one autocommit round trip says whether anything waits at all.
             async with self.pool.connection() as connection:
-                if not await any_accepted(connection):
-                    return False
+                self._idle = not await any_accepted(connection)
+            if self._idle:
+                return False
         now = time.time()
         started_ns = time.time_ns()
         # The ledger's lease runs from its transaction's start (now()), after this instant: a deadline
@@ -309,6 +319,7 @@ class RoutingWorker:
         try:
             async with self.pool.connection() as connection, connection.transaction():
                 rows = await lock_accepted(connection, free, blocked)
+                self._idle = not rows
                 self._record_ladder(blocked, interactive_waiting=sum(
                     run.priority == Priority.INTERACTIVE for run in rows) >= free)
                 if not rows:
@@ -638,6 +649,14 @@ class RoutingWorker:
                 log.warning("run %s: replica %s looks hung (%s); ending the run", driver.run_id, replica, why)
                 driver.replica_hung(why)
         return False
+
+    def _claim_interval(self) -> float:
+        """The claim loop's next timer poll: every poll interval, or IDLE_POLL_S while nothing waits
+        and admission's NOTIFY is heard."""
+        listener = self._accepted_listener
+        if self._idle and listener is not None and listener.listening:
+            return max(self.settings.poll_interval_s, IDLE_POLL_S)
+        return self.settings.poll_interval_s
 
     def _run_accepted(self, pool: str) -> None:
         # A run for a pool none of our replicas serves would stay ACCEPTED here: no reason to wake.
