@@ -22,9 +22,8 @@ SLOW_POLL_MS = 10_000       # so slow that only a notification can explain a pro
 SETTLE_S = 0.5              # the worker's first poll done and its LISTEN connection open
 
 
-async def slow_polling_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
-    """A worker polling every 10 s, and a list that grows by one with each claim pass it makes."""
-    stack.config = stack.config.updated(routing={"poll_interval_ms": SLOW_POLL_MS})
+async def counting_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
+    """A worker at the configured poll interval, counting its claim passes."""
     worker = await stack.start_worker()   # its serve() task has not run yet: the wrapper is in time
     passes: list[int] = []
     claim_once = worker.claim_once
@@ -34,6 +33,13 @@ async def slow_polling_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
         return await claim_once()
 
     worker.claim_once = counted  # type: ignore[method-assign]
+    return worker, passes
+
+
+async def slow_polling_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
+    """A worker polling every 10 s, and a list that grows by one with each claim pass it makes."""
+    stack.config = stack.config.updated(routing={"poll_interval_ms": SLOW_POLL_MS})
+    worker, passes = await counting_worker(stack)
     await asyncio.sleep(SETTLE_S)
     return worker, passes
 
@@ -70,19 +76,6 @@ async def test_a_notification_for_a_pool_the_worker_does_not_serve_wakes_nothing
     await asyncio.sleep(SETTLE_S)
     assert len(passes) == before
 
-
-async def counting_worker(stack: Stack) -> tuple[RoutingWorker, list[int]]:
-    """A worker at the configured poll interval, counting its claim passes."""
-    worker = await stack.start_worker()
-    passes: list[int] = []
-    claim_once = worker.claim_once
-
-    async def counted() -> bool:
-        passes.append(1)
-        return await claim_once()
-
-    worker.claim_once = counted  # type: ignore[method-assign]
-    return worker, passes
 
 
 async def test_an_idle_worker_that_hears_admission_polls_once_a_second_and_still_claims_at_once(stack: Stack):
