@@ -115,6 +115,11 @@ async def test_postgresql_restarts_under_load_lose_and_interrupt_nothing(
                 await load.submit(sdk, RUNS_PER_RESTART, 150, PROMPT)
                 await asyncio.sleep(1.0)
                 await asyncio.to_thread(infra, "postgres.sh", "restart", throwaway_postgres)
+            # The restarts left the checker's pooled SQLAlchemy connections stale, and since Submit
+            # and Stream run on raw asyncpg (which notices a closed connection and reconnects) no
+            # request goes through that pool first: without pre-ping (ledger/db.py) the checker's
+            # first statement would fail on one. Dropped here, they reconnect.
+            await stack.sessionmaker.kw["bind"].dispose()
             result = await conclude(ChaosResult(f"PostgreSQL {RESTARTS} restarts under load"), load, started,
                                     stream_timeout_s=120, terminal_timeout_s=60)
     outages = probe.outages
