@@ -29,8 +29,12 @@ from sluice.ledger.pg import Executor, Statement, rows_of
 # GPU-memory budget given what its claimed runs hold now (a pre-selection: the exact check is made
 # under the tenant's lock), and, for batch, when its pool is in :excluding (no headroom).
 _ELIGIBLE = """
-    SELECT r.id, r.created_at FROM runs r JOIN models m ON m.version = r.model_version
-      JOIN tenants t ON t.id = r.tenant_id
+    SELECT {klass} AS class, r.id, r.tenant_id, r.model_version, r.prompt_token_ids, r.input_tokens,
+           r.max_output_tokens, r.conversation_id, r.deadline_at, r.created_at, r.cache_scope, r.sampling,
+           r.lease_epoch, m.worker_pool, m.tokenizer, m.end_id, r.traceparent, r.priority, t.kv_token_budget,
+           r.worker_pool AS route_pool, r.quality_tier AS route_tier, r.route_reason, r.requested_model,
+           r.fallback_from, r.route_detail
+      FROM runs r JOIN models m ON m.version = r.model_version JOIN tenants t ON t.id = r.tenant_id
      WHERE r.status = 'ACCEPTED' AND r.priority = '{priority}'{pools}
        AND (t.kv_token_budget IS NULL OR r.deadline_at <= now()
             OR (SELECT COALESCE(sum(h.input_tokens + h.max_output_tokens), 0) FROM runs h
@@ -38,25 +42,18 @@ _ELIGIBLE = """
                + r.input_tokens + r.max_output_tokens <= t.kv_token_budget)
      ORDER BY r.created_at
 """
+# The locked rows carry every column the claim needs: no second look at runs.
 _LOCK_ACCEPTED = Statement.of(f"""
-WITH interactive AS ({_ELIGIBLE.format(priority='interactive', pools='')}
+WITH interactive AS ({_ELIGIBLE.format(klass=0, priority='interactive', pools='')}
      LIMIT :limit
        FOR UPDATE OF r SKIP LOCKED
-), batch AS ({_ELIGIBLE.format(priority='batch', pools='''
+), batch AS ({_ELIGIBLE.format(klass=1, priority='batch', pools='''
        AND (m.worker_pool <> ALL(CAST(:excluding AS text[])) OR r.deadline_at <= now())''')}
      LIMIT GREATEST(:limit - (SELECT count(*) FROM interactive), 0)
        FOR UPDATE OF r SKIP LOCKED
-), picked AS (
-    SELECT id, 0 AS class FROM interactive UNION ALL SELECT id, 1 FROM batch
 )
-SELECT r.id, r.tenant_id, r.model_version, r.prompt_token_ids, r.input_tokens, r.max_output_tokens,
-       r.conversation_id, r.deadline_at, r.created_at, r.cache_scope, r.sampling, r.lease_epoch,
-       m.worker_pool, m.tokenizer, m.end_id, r.traceparent, r.priority, t.kv_token_budget,
-       r.worker_pool AS route_pool, r.quality_tier AS route_tier, r.route_reason, r.requested_model,
-       r.fallback_from, r.route_detail
-  FROM picked p JOIN runs r ON r.id = p.id JOIN models m ON m.version = r.model_version
-  JOIN tenants t ON t.id = r.tenant_id
- ORDER BY p.class, r.created_at
+SELECT * FROM interactive UNION ALL SELECT * FROM batch
+ ORDER BY class, created_at
 """)
 
 # From the claim's partial index (runs of status ACCEPTED only): no plan or scan worth the name.
