@@ -123,7 +123,9 @@ async def test_scales_out_on_a_step_warm_first_and_back_in_by_draining_without_i
     TRACE[0] = lambda: "\n" + "\n".join(map(str, autoscaler.actions)) + "\n" + "\n".join(
         f"{t.at:.1f} {t.decision.reason} {t.signals}" for t in list(autoscaler.history)[-12:])
     # The floor: the first replica ready serves (min 1), the second waits warm (warm pool 1).
-    await until(lambda: len(named(scaled, SERVING)) == 1 and len(named(scaled, WARM)) == 1, "at the floor")
+    # (a member's state is set before its row is written, its action recorded after: wait for both)
+    await until(lambda: len(named(scaled, SERVING)) == 1 and len(named(scaled, WARM)) == 1
+                and len([a for _, a, _ in autoscaler.actions if a.startswith("ready")]) == 2, "at the floor")
     first, warm = named(scaled, SERVING)[0], named(scaled, WARM)[0]
     assert len(actions(scaled, "ready serving")) == 1     # two starts ready together fill the floor once
     await until(lambda: routable(scaled) == {first}, "the warm replica registered but not routed")
