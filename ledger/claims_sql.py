@@ -76,10 +76,12 @@ SELECT tenant_id, sum(input_tokens + max_output_tokens) AS held FROM runs
 """)
 
 # The lease runs from the transaction's start (now()): a deadline the worker counts from before its
-# BEGIN is never later than the ledger's.
+# BEGIN is never later than the ledger's. queued_at is when the run was taken (clock_timestamp()):
+# the locks that decided it (a tenant's GPU-memory budget freed by a run that ended meanwhile) may
+# have been waited for after BEGIN, and a run must not read as taken before what let it go.
 _QUEUE = Statement.of("""
 UPDATE runs AS r
-   SET status = 'QUEUED', queued_at = now(), replica = q.replica, lease_owner = :owner,
+   SET status = 'QUEUED', queued_at = clock_timestamp(), replica = q.replica, lease_owner = :owner,
        lease_expires_at = now() + make_interval(secs => :lease_seconds), lease_epoch = r.lease_epoch + 1
   FROM unnest(CAST(:ids AS uuid[]), CAST(:replicas AS text[])) AS q(id, replica)
  WHERE r.id = q.id AND r.status = 'ACCEPTED'
