@@ -32,8 +32,8 @@ pytestmark = pytest.mark.integration
 
 RUNS = 4
 TOKENS = 30
-# The claim's statement: ACCEPTED -> QUEUED stamps queued_at with the ledger's clock (claims.mark_queued).
-CLAIM = re.compile(r"\bqueued_at\s*=\s*now\(\)", re.IGNORECASE)
+# The claim's statement: ACCEPTED -> QUEUED stamps queued_at with the ledger's clock (claims_sql._QUEUE).
+CLAIM = re.compile(r"\bSET\s+status\s*=\s*'QUEUED',\s*queued_at\s*=", re.IGNORECASE)
 
 
 async def test_runs_of_a_claim_whose_commit_acknowledgment_was_lost_are_driven_to_completion(
