@@ -118,11 +118,16 @@ async def _decode_json(connection: asyncpg.Connection) -> None:
         await connection.set_type_codec(name, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+def asyncpg_dsn(dsn: str) -> str:
+    """A SQLAlchemy database URL (postgresql+asyncpg://...) as asyncpg takes it, password included."""
+    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 class HotPool:
     """A small asyncpg pool, opened on first use on the running event loop; close() it on that loop."""
 
     def __init__(self, dsn: str, size: int = POOL_SIZE) -> None:
-        self.dsn = make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
+        self.dsn = asyncpg_dsn(dsn)
         self.size = size
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 import asyncpg
+from sluice.ledger.pg import asyncpg_dsn as asyncpg_dsn  # re-exported: bench imports it from here
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,10 +30,6 @@ async def notify(session: AsyncSession, channel: str, payload: str) -> None:
     await session.execute(text("SELECT pg_notify(:channel, :payload)"),
                           {"channel": channel, "payload": payload})
 
-
-def asyncpg_dsn(dsn: str) -> str:
-    """SQLAlchemy's postgresql+asyncpg:// DSN as asyncpg's own connect() takes it."""
-    return dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
 
 
 class ChannelListener:

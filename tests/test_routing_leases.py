@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 
+from sluice.ledger.db import dsn_of as ledger_dsn_of
 from sluice.ledger.models import Model, Run, RunStatus
 from sluice.services.routing.claims import mark_queued
 from sluice.services.routing.leases import WEDGED_LEASES, Lease, LeaseKeeper, Renewed, apply_renewal
@@ -73,7 +74,7 @@ async def lease_left_s(api: Services, run_id: str) -> float:
 
 
 def dsn_of(api: Services) -> str:
-    return str(api.sessionmaker.kw["bind"].url.render_as_string(hide_password=False))
+    return ledger_dsn_of(api.sessionmaker)
 
 
 class Signals:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-from sqlalchemy.engine import make_url
+from sluice.ledger.pg import asyncpg_dsn
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,6 @@ def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: 
             cancelled.append(lease)
     return refused, cancelled
 
-
-def asyncpg_dsn(dsn: str) -> str:
-    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.claims_sql import any_accepted, queue_runs
+from sluice.ledger.db import dsn_of
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pg import HotPool
 from sluice.ledger.settlement import NotOwned
@@ -188,9 +189,9 @@ class RoutingWorker:
         # connections (ledger/pg.py); opened on first use, closed when serve() ends.
         # They reach the ledger as the session factory does (a test's proxy sits in front of both).
         # (A worker built without a session factory, to look at its policy, never opens it.)
-        self.pool = HotPool(dsn or "" if sessions is None else _dsn_of(sessions))
+        self.pool = HotPool(dsn or "" if sessions is None else dsn_of(sessions))
         self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
-        self.keeper = LeaseKeeper(dsn or _dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
+        self.keeper = LeaseKeeper(dsn or dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
         self.drivers: dict[str, RunDriver] = {}
         self._tasks: dict[str, asyncio.Task[TerminalRecord | None]] = {}
@@ -745,7 +746,3 @@ async def _cancelled(*tasks: asyncio.Task[None]) -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
-
-def _dsn_of(sessions: async_sessionmaker[AsyncSession]) -> str:
-    """The database URL the session factory is bound to (for the lease keeper's own connection)."""
-    return str(sessions.kw["bind"].url.render_as_string(hide_password=False))

@@ -31,6 +31,7 @@ from alembic import command
 from alembic.config import Config
 from sluice.ledger.db import configured_dsn, make_engine, make_sessionmaker
 from sluice.ledger.pg import HotPool
+from sluice.ledger.pg import asyncpg_dsn as asyncpg_dsn  # re-exported: tests import it from here
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -48,10 +49,6 @@ log = logging.getLogger(__name__)
 def with_database(dsn: str, database: str) -> str:
     """The same server and credentials, another database."""
     return make_url(dsn).set(database=database).render_as_string(hide_password=False)
-
-
-def asyncpg_dsn(dsn: str) -> str:
-    return make_url(dsn).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def alembic_config(dsn: str) -> Config:
