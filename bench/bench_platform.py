@@ -21,7 +21,10 @@ this client are reported apart, never in the platform figure):
   run-cost   platform CPU per run of 2 output tokens (concurrency 16)
   stream-64  platform CPU per delivered token, 64 concurrent 300-token streams
   stream-256 the same at 256
-  interrupt  runs ending INTERRUPTED among 1,000 runs at 256 concurrent streams
+  interrupt  runs ending INTERRUPTED among 1,000 runs at 256 concurrent streams of 100 tokens
+             (--interrupt-runs/--interrupt-tokens; --burn N loads the box with N CPU burners at
+             nice 0 meanwhile): the count of every outcome, the reason of each run that did not
+             complete, and the routing workers' lease log lines (renewals failed, leases lost, reaped)
   submit     Submit latency at 500 Submits/s offered open-loop (fixed arrival times, latency
              from the scheduled time) over 50 tenants round-robin across the gateways, routing
              workers stopped and the backlog claimed every 50 ms by a stand-in (as bench_submit);
@@ -48,7 +51,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -219,13 +222,43 @@ def outcome_counts(outcomes: Sequence[RunOutcome]) -> str:
     return ", ".join(f"{status} {count}" for status, count in sorted(counts.items()))
 
 
-def completed(outcomes: Sequence[RunOutcome]) -> int:
-    return sum(1 for outcome in outcomes if outcome.status == "COMPLETED")
+def ending_reasons(outcomes: Sequence[RunOutcome]) -> list[str]:
+    """Every run that did not complete, counted by its status and reason (the terminal's detail)."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        if outcome.status != "COMPLETED":
+            key = f"{outcome.status}: {outcome.detail or '(no detail)'}"
+            counts[key] = counts.get(key, 0) + 1
+    return [f"{count} x {reason}" for reason, count in sorted(counts.items(), key=lambda item: -item[1])]
 
 
-def interrupted_details(outcomes: Sequence[RunOutcome]) -> str:
-    details = {f"{o.status}: {o.detail[:80]}" for o in outcomes if o.status not in ("COMPLETED",)}
-    return "; ".join(sorted(details)[:3])
+LEASE_LOG_MARKS = ("lease lost", "lease renewal failed", "lease renewal of", "reaper:")
+
+
+def lease_log_lines(log_dir: Path) -> list[str]:
+    """How the routing workers' leases fared (their logs): lines per kind, and the first of each."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for path in sorted(log_dir.glob("routing-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            for mark in LEASE_LOG_MARKS:
+                if mark in line:
+                    counts[mark] = counts.get(mark, 0) + 1
+                    first.setdefault(mark, line.strip()[:200])
+    return [f"routing log: {counts[mark]} x '{mark}', first: {first[mark]}" for mark in LEASE_LOG_MARKS
+            if mark in counts] or ["routing log: no lease renewal failed, lost or reaped"]
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[None]:
+    """`count` busy-looping processes at nice 0 (the box loaded as by other work), stopped after."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 # Where a run's first token spends its time, from the ledger's timestamps (database clock, same box).
@@ -487,12 +520,18 @@ async def bench(args: argparse.Namespace) -> None:
             for line in stream_lines(label, outcomes, spent, background, idle):
                 print(line, flush=True)
         if "interrupt" in phases:
-            outcomes, spent = await phase_runs(meter, client, plan.interrupt_runs, 256, plan.interrupt_tokens)
+            runs = args.interrupt_runs or plan.interrupt_runs
+            tokens = args.interrupt_tokens or plan.interrupt_tokens
+            with burners(args.burn):
+                print(f"[{load()}; {args.burn} CPU burners at nice 0]", flush=True)
+                outcomes, spent = await phase_runs(meter, client, runs, 256, tokens)
+                loaded = load()
             interrupted = sum(1 for o in outcomes if o.status == "INTERRUPTED")
-            print(f"INTERRUPTED: {interrupted} of {len(outcomes)} runs ({plan.interrupt_tokens} tokens each,"
-                  f" 256 concurrent, {spent.wall_s:.0f} s); outcomes: {outcome_counts(outcomes)}"
-                  + (f"; e.g. {interrupted_details(outcomes)}"
-                     if len(outcomes) > completed(outcomes) else ""), flush=True)
+            print(f"INTERRUPTED: {interrupted} of {len(outcomes)} runs ({tokens} tokens each,"
+                  f" 256 concurrent, {spent.wall_s:.0f} s, {args.burn} CPU burners; at the end {loaded});"
+                  f" outcomes: {outcome_counts(outcomes)}", flush=True)
+            for line in ending_reasons(outcomes) + lease_log_lines(log_dir):
+                print(f"  {line}", flush=True)
         print(f"[{load()}]", flush=True)
         if "submit" in phases:
             await asyncio.to_thread(stack.stop_workers)
@@ -529,6 +568,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the phase --py-spy samples")
     parser.add_argument("--cost-runs", type=int, default=0,
                         help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")
+    parser.add_argument("--interrupt-runs", type=int, default=0,
+                        help="runs in the interrupt phase (default: the plan's, 256 quick, 1,000 full)")
+    parser.add_argument("--interrupt-tokens", type=int, default=0,
+                        help="output tokens per run in the interrupt phase (default: 40 quick, 100 full)")
+    parser.add_argument("--burn", type=int, default=0, metavar="N",
+                        help="N CPU-burning processes at nice 0 during the interrupt phase (a loaded box)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     asyncio.run(bench(parser.parse_args(argv)))
