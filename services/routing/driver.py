@@ -243,7 +243,7 @@ class RunDriver:
         now = time.monotonic()
         if not self.lease.valid(now):
             raise LeaseLost("refused by the ledger" if self.lease.refused
-                            else f"expired {now - self.lease.expires_at:.2f}s ago by the ledger's clock")
+                            else f"expired {now - self.lease.ends_by:.2f}s ago by the ledger's clock")
 
     async def run(self) -> TerminalRecord | None:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
@@ -374,7 +374,7 @@ class RunDriver:
         limit came closer. (A renewal moves the lease's end later: the old timer then wakes the driver
         once, early, and the next one is armed at the new end.) The window's end has its own timer,
         armed by the pump when a window opens."""
-        at = min(self._deadline, self.lease.expires_at)
+        at = min(self._deadline, self.lease.ends_by)
         if pump.first_token_at is None:
             at = min(at, pump.sent_at + self.settings.first_token_timeout_s)
         if self._horizon is not None:

@@ -1,20 +1,31 @@
 """Leases: the ledger is the only clock that ends a driver's ownership of a run.
 
-    claim (epoch e, expires T0) ──▶ driver works while  now < expires  and not refused
+    claim (epoch e, expires T0) ──▶ driver works while  now < ends_by  and not refused
                                           ▲
     LeaseKeeper thread ── every lease/5 ──┘  one UPDATE renews every lease of the process;
-      own event loop, own connection         each row returns how long its lease has left
+      own event loop, own connections        each row returns how long its lease has left
       (never behind token work, never        (ledger clock); missing rows = refused
        behind the shared pool)
 
-- A renewal returns, per run, the seconds left on its lease by the database's clock;
-  the driver's local deadline is `sent + remaining`, where `sent` is when the renewal
-  left this process: never later than the ledger's own deadline, whatever the latency.
-- A failed renewal (connection lost, PostgreSQL restarting) is retried every
-  RETRY_S on a fresh connection for as long as leases are valid: an outage shorter
-  than the lease interrupts nothing, and no driver stops on a local timer.
-- A driver stops only when a renewal is refused (its row no longer matches its epoch:
-  a reaper took the run after the lease expired) or its deadline passed.
+- A renewal returns, per run, the seconds left on its lease by the database's clock. The
+  statement ran somewhere between when it left this process (`sent`) and when its answer
+  came back (`answered`), so the ledger's deadline lies between `sent + remaining`
+  (expires_at: renew before it) and `answered + remaining` (ends_by: past it the lease has
+  truly expired by the ledger's clock, unless a renewal not yet answered moved it).
+- A renewal is never cut short while it may still save the leases: a slow database (a busy
+  box, a stall shorter than the lease) answers late but within the lease, and a renewal
+  cancelled at a fixed timeout and sent again behind a reconnect would never land (seen:
+  49 of 256 runs lost on a saturated box). Instead, an attempt unanswered after HEDGE_SHARE
+  of the lease it has left is joined by another on a fresh connection (a dead connection,
+  a backend that stopped), up to MAX_ATTEMPTS at once; the first answer wins and the others
+  are dropped. An attempt that fails (connection lost, PostgreSQL restarting) is followed by
+  another RETRY_S later, for as long as it takes: an outage shorter than the lease
+  interrupts nothing.
+- A driver stops only when a renewal is refused or the lease has truly expired (ends_by).
+  A renewal refuses a lease that expired in the ledger (a reaper may take that run), as well
+  as one whose epoch moved on or whose run ended: once the ledger's clock ended a lease, no
+  late renewal revives it, and the run ends INTERRUPTED through the reaper, never silently
+  regenerated.
 - Fencing: the epoch a driver was granted conditions every ledger write it makes
   (claims.py) and is stamped on every event it publishes; a reaper taking the run
   over publishes a fence with the next epoch first, after which every reader drops
@@ -23,7 +34,7 @@
   wedged for WEDGED_LEASES leases lets its leases lapse, so a stuck process cannot
   hold runs forever (a merely busy one beats every few hundred milliseconds).
 
-Lease-renewal lag (seconds a renewal completed after it was due) and failures are
+Lease-renewal lag (seconds a renewal completed after it was due) and failed attempts are
 metrics: sluice_lease_renewal_lag_seconds, sluice_lease_renewal_failures_total.
 """
 
@@ -43,25 +54,30 @@ from sluice.ledger.pg import asyncpg_dsn
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 0.2                # after a failed renewal, try again this soon
+RETRY_S = 0.2                # after a failed renewal attempt, try again this soon
 CONNECT_TIMEOUT_S = 1.0
+HEDGE_SHARE = 1 / 3          # an attempt unanswered after this share of the lease left: another one
+MIN_HEDGE_S = 0.1
+MAX_ATTEMPTS = 3             # attempts of one renewal in flight at once (one connection each)
+APPLICATION_NAME = "sluice-lease-keeper"    # how the keeper's backends show in pg_stat_activity
 WEDGED_LEASES = 4.0          # main loop silent this many leases: stop renewing (see module doc)
 HEARTBEAT_S = 0.25
 
 # One statement for every lease of the process. Rows another transaction holds locked (a driver
 # settling, Runs.Cancel, a reaper taking over) are skipped, not waited for: the renewal never queues
 # behind other work. A skipped row still ours by the snapshot is neither renewed nor refused this
-# round; only a row whose epoch moved on or that ended is refused.
+# round; a row whose epoch moved on, that ended, or whose lease expired by the ledger's clock (a
+# reaper may take it: it is no longer ours to renew) is refused.
 RENEW_SQL = """
     WITH p AS (
         SELECT * FROM unnest($2::uuid[], $3::bigint[], $4::bigint[], $5::int[])
                    AS p(id, epoch, last_sequence, output_tokens)
     ), ours AS (
         SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
-         WHERE r.status IN ('QUEUED', 'RUNNING')
+         WHERE r.status IN ('QUEUED', 'RUNNING') AND r.lease_expires_at > now()
     ), locked AS (
         SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
-         WHERE r.status IN ('QUEUED', 'RUNNING')
+         WHERE r.status IN ('QUEUED', 'RUNNING') AND r.lease_expires_at > now()
            FOR UPDATE OF r SKIP LOCKED
     ), renewed AS (
         UPDATE runs AS r
@@ -89,11 +105,17 @@ class Lease:
     expires_at: float            # monotonic; the ledger's deadline, never later
     last_sequence: int = 0       # durable progress, recorded with every renewal
     output_tokens: int = 0
-    refused: bool = False        # a renewal found the run under another epoch or ended
+    refused: bool = False        # a renewal found the run under another epoch, ended or expired
     cancel_requested: bool = False
+    answered_by: float = 0.0     # monotonic; the ledger's deadline, never earlier (0: expires_at)
+
+    @property
+    def ends_by(self) -> float:
+        """When the lease has truly expired by the ledger's clock, failing a renewal since."""
+        return max(self.expires_at, self.answered_by)
 
     def valid(self, now: float) -> bool:
-        return not self.refused and now < self.expires_at
+        return not self.refused and now < self.ends_by
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +127,10 @@ class Renewed:
                                  #   None: skipped this round (row locked by another transaction)
 
 
-def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: float) -> tuple[
-        list[Lease], list[Lease]]:
-    """Pure: move each lease's deadline to `sent_at + remaining`; returns (refused, newly cancelled)."""
+def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: float,
+                  answered_at: float | None = None) -> tuple[list[Lease], list[Lease]]:
+    """Pure: move each lease's deadline to `sent_at + remaining` and its end to `answered_at +
+    remaining` (the statement ran in between); returns (refused, newly cancelled)."""
     by_id = {row.run_id: row for row in renewed}
     refused, cancelled = [], []
     for lease in leases:
@@ -119,6 +142,8 @@ def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: 
         if row.remaining_s is None:
             continue
         lease.expires_at = max(lease.expires_at, sent_at + row.remaining_s)
+        if answered_at is not None:
+            lease.answered_by = max(lease.answered_by, answered_at + row.remaining_s)
         if row.cancel_requested and not lease.cancel_requested:
             lease.cancel_requested = True
             cancelled.append(lease)
@@ -150,6 +175,7 @@ class LeaseKeeper:
     _beat: float = field(default_factory=time.monotonic)    # the drivers' loop's last heartbeat
     _own_loop: asyncio.AbstractEventLoop | None = None      # the keeper thread's loop
     _poke: asyncio.Event | None = None                      # set (thread-safely) by hold(): renew now
+    _idle: Any = None                                       # the keeper's connection between renewals
     _heart: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -203,12 +229,11 @@ class LeaseKeeper:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _main(self) -> None:
-        connection: Any = None
         due = time.monotonic()       # when the next renewal is owed (lag is measured from here)
-        attempt = due                # when to try next (sooner than `due` after a failure)
+        attempt = due                # when to renew next
         self._own_loop, self._poke = asyncio.get_running_loop(), asyncio.Event()
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            connection = await self._connect()   # ready before the first lease arrives
+            self._idle = await self._connect()   # ready before the first lease arrives
         try:
             while not self._stopping.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -219,45 +244,87 @@ class LeaseKeeper:
                 if not held or time.monotonic() - self._beat > WEDGED_LEASES * self.lease_seconds:
                     due = attempt = time.monotonic() + self.interval_s
                     continue
-                try:
-                    if connection is None:
-                        connection = await self._connect()
-                    sent = time.monotonic()
-                    renewed = await self._renew(connection, [entry.lease for entry in held])
-                except (Exception, asyncio.CancelledError) as exc:  # retried on a fresh connection
-                    if self._stopping.is_set():
-                        break
-                    log.warning("lease renewal failed (%r); retrying in %.1fs", exc, RETRY_S)
-                    self.on_failed()
-                    await _closed(connection)
-                    connection = None
-                    attempt = time.monotonic() + RETRY_S
-                    continue
-                self.on_renewed(max(0.0, time.monotonic() - due))
-                took = time.monotonic() - sent
-                if took > self.interval_s:
+                answer = await self._renewal([entry.lease for entry in held])
+                if answer is None:           # stopping
+                    break
+                renewed, sent, answered = answer
+                self.on_renewed(max(0.0, answered - due))
+                if answered - sent > self.interval_s:
                     log.info("lease renewal of %d runs took %.2fs (%d skipped: rows locked), lag %.2fs",
-                             len(held), took, sum(row.remaining_s is None for row in renewed),
-                             time.monotonic() - due)
+                             len(held), answered - sent, sum(row.remaining_s is None for row in renewed),
+                             answered - due)
                 due = attempt = sent + self.interval_s
-                self._deliver(held, renewed, sent)
+                self._deliver(held, renewed, sent, answered)
         finally:
-            await _closed(connection)
+            _terminated(self._idle)
+            self._idle = None
+
+    async def _renewal(self, leases: list[Lease]) -> tuple[list[Renewed], float, float] | None:
+        """Renew `leases`: (rows, sent, answered) of the first attempt answered; None when stopping.
+        No attempt is cut short while it may still save the leases (module doc): one unanswered after
+        HEDGE_SHARE of the lease left is joined by another, on a fresh connection."""
+        attempts: dict[asyncio.Task[tuple[Any, list[Renewed]]], float] = {}   # attempt -> sent
+        start_at = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if now >= start_at and len(attempts) < MAX_ATTEMPTS:
+                    connection, self._idle = self._idle, None
+                    attempts[asyncio.create_task(self._attempt(connection, leases))] = now
+                    left = min(lease.expires_at for lease in leases) - now
+                    start_at = now + max(MIN_HEDGE_S, HEDGE_SHARE * left)
+                wait = min(HEARTBEAT_S, max(0.0, start_at - time.monotonic()))
+                if not attempts:
+                    await asyncio.sleep(wait)
+                    continue
+                done, _ = await asyncio.wait(attempts, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                answered = time.monotonic()
+                for task in done:
+                    sent = attempts.pop(task)
+                    error = task.exception()
+                    if error is None:
+                        connection, rows = task.result()
+                        if self._idle is None:
+                            self._idle = connection
+                        else:
+                            _terminated(connection)
+                        return rows, sent, answered
+                    log.warning("lease renewal attempt failed (%r); retrying in %.1fs", error, RETRY_S)
+                    self.on_failed()
+                    start_at = min(start_at, answered + RETRY_S)
+            return None
+        finally:
+            for task in attempts:
+                task.cancel()
+            await asyncio.gather(*attempts, return_exceptions=True)
+
+    async def _attempt(self, connection: Any, leases: list[Lease]) -> tuple[Any, list[Renewed]]:
+        """One renewal statement, on `connection` or a fresh one; the connection is closed on failure.
+        Bounded by a lease: an answer later than that cannot save a lease it renewed."""
+        try:
+            if connection is None:
+                connection = await self._connect()
+            return connection, await asyncio.wait_for(self._renew(connection, leases), self.lease_seconds)
+        except BaseException:
+            _terminated(connection)
+            raise
 
     async def _connect(self) -> Any:
         limit = max(CONNECT_TIMEOUT_S, self.lease_seconds / 3)
-        return await asyncio.wait_for(asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit), limit * 2)
+        return await asyncio.wait_for(asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit,
+                                                      server_settings={"application_name": APPLICATION_NAME}),
+                                      limit * 2)
 
     async def _renew(self, connection: Any, leases: list[Lease]) -> list[Renewed]:
         rows = await connection.fetch(
             RENEW_SQL, float(self.lease_seconds), [lease.run_id for lease in leases],
             [lease.epoch for lease in leases], [lease.last_sequence for lease in leases],
-            [lease.output_tokens for lease in leases], timeout=max(0.5, self.lease_seconds / 3))
+            [lease.output_tokens for lease in leases])
         return [Renewed(row["id"], row["ours"], bool(row["cancel_requested"]), row["remaining_s"])
                 for row in rows]
 
-    def _deliver(self, held: list[_Held], renewed: list[Renewed], sent: float) -> None:
-        refused, cancelled = apply_renewal([entry.lease for entry in held], renewed, sent)
+    def _deliver(self, held: list[_Held], renewed: list[Renewed], sent: float, answered: float) -> None:
+        refused, cancelled = apply_renewal([entry.lease for entry in held], renewed, sent, answered)
         callbacks = {id(entry.lease): entry for entry in held}
         assert self._loop is not None
         for lease in refused:
@@ -268,7 +335,8 @@ class LeaseKeeper:
                 self._loop.call_soon_threadsafe(callbacks[id(lease)].on_cancel)
 
 
-async def _closed(connection: Any) -> None:
+def _terminated(connection: Any) -> None:
+    """Close at once, without a round trip: the connection may be one that stopped answering."""
     if connection is not None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(connection.close(), 1.0)
+            connection.terminate()

@@ -6,6 +6,9 @@ outage of a chosen length without touching the shared server.
     proxy.lose_commit_ack(lambda sql: "queued_at" in sql)
         # the next COMMIT of a transaction that ran such a statement reaches PostgreSQL, which
         # commits it; its client's connection is then dropped before the acknowledgment arrives
+    await proxy.stall(1.5)  # every byte held, both ways, for 1.5 s; no connection reset (a database
+                            # that stopped answering, then goes on)
+    proxy.slow(0.9)         # from now on every answer arrives 0.9 s late (0: again at once)
 
 Losing an acknowledgment needs the PostgreSQL frontend protocol (no TLS): after the startup
 message every client message is a type byte, a length and a body. Statement texts are learnt from
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import struct
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +42,9 @@ class TcpProxy:
     down: bool = False
     cuts: int = 0
     lost_acks: int = 0
+    stalls: int = 0
+    delay_s: float = 0.0                               # slow(): every answer held this long
+    _held_until: float = 0.0                           # stall(): bytes wait until then (own loop's clock)
     _lose_after: Callable[[str], bool] | None = None   # armed: the statement that marks the transaction
     _links: set[asyncio.StreamWriter] = field(default_factory=set)
     _loop: asyncio.AbstractEventLoop | None = None
@@ -56,6 +62,15 @@ class TcpProxy:
     async def cut(self, seconds: float) -> None:
         """Reset every open connection and refuse new ones for `seconds`."""
         await self._on_own_loop(self._cut(seconds))
+
+    async def stall(self, seconds: float) -> None:
+        """Hold every byte, both ways, on every connection (new ones too) for `seconds`; nothing is
+        reset: the clients wait, then their statements run and answer."""
+        await self._on_own_loop(self._stall(seconds))
+
+    def slow(self, delay_s: float) -> None:
+        """Every answer from the server reaches its client `delay_s` late (each round trip too)."""
+        self.delay_s = delay_s
 
     async def close(self) -> None:
         if self._loop is None or self._thread is None:
@@ -80,6 +95,21 @@ class TcpProxy:
             writer.transport.abort()
         await asyncio.sleep(seconds)
         self.down = False
+
+    async def _stall(self, seconds: float) -> None:
+        self.stalls += 1
+        assert self._loop is not None
+        self._held_until = self._loop.time() + seconds
+        await asyncio.sleep(seconds)
+
+    async def _held(self, answer: bool) -> None:
+        """Wait out a stall (and, for an answer, the delay)."""
+        assert self._loop is not None
+        left = self._held_until - self._loop.time()
+        if left > 0:
+            await asyncio.sleep(left)
+        if answer and self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
 
     async def _close(self) -> None:
         if self.server is not None:
@@ -106,7 +136,7 @@ class TcpProxy:
         swallow = asyncio.Event()   # the client is gone: read the server's answer, drop it, then close
         try:
             await asyncio.gather(self._frontend(reader, upstream_writer, writer, swallow),
-                                 _answers(upstream_reader, writer, swallow))
+                                 _answers(upstream_reader, writer, swallow, self._held))
         finally:
             for end in (writer, upstream_writer):
                 self._links.discard(end)
@@ -147,6 +177,7 @@ class TcpProxy:
                         return
                     if query.startswith(("BEGIN", "COMMIT", "ROLLBACK")):
                         marked = False
+                await self._held(answer=False)
                 upstream.write(kind + size + body)
                 await upstream.drain()
         if not swallow.is_set():
@@ -154,13 +185,14 @@ class TcpProxy:
 
 
 async def _answers(reader: asyncio.StreamReader, client: asyncio.StreamWriter,
-                   swallow: asyncio.Event) -> None:
+                   swallow: asyncio.Event, held: Callable[[bool], Awaitable[None]]) -> None:
     """Server to client; once `swallow` is set, the server's next answer (the COMMIT's) is read and
     dropped, and the connection closed: the commit happened, its acknowledgment is lost."""
     with contextlib.suppress(OSError, asyncio.IncompleteReadError):
         while data := await reader.read(65536):
             if swallow.is_set():
                 break
+            await held(True)
             client.write(data)
             await client.drain()
     client.transport.abort()
