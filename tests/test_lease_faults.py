@@ -17,10 +17,12 @@ never the shared server's postmaster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from sluice.ledger.models import Run
 from sluice.services.routing.leases import APPLICATION_NAME, Lease, Renewed, apply_renewal
@@ -48,49 +50,25 @@ def test_a_lease_ends_by_the_ledgers_clock_when_the_answer_came_back_plus_what_w
 async def test_a_database_answering_every_renewal_late_but_within_the_lease_loses_no_lease(api: Services):
     # Each answer 0.9 s late: 45% of the lease, past a third of it (a fixed timeout of lease/3 cut
     # every renewal short and reconnected through the same slow link: no renewal ever landed).
-    url = make_url(dsn_of(api))
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    run_id, epoch = await queued_run(api)
-    signals = Signals()
-    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
-    lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
-    keeper.start()
-    try:
-        signals.hold(keeper, lease)
-        await until(lambda: len(signals.lags) >= 1)
+    async with held_lease(api, proxied=True) as (proxy, signals, lease):
         proxy.slow(0.45 * LEASE_S)
         renewed_before = len(signals.lags)
         lapsed = await lapses(lease, 3 * LEASE_S)
         renewed_slowly = len(signals.lags) - renewed_before
         proxy.slow(0.0)
         await asyncio.sleep(INTERVAL_S * 3)
-        left = await lease_left_s(api, run_id)
-    finally:
-        await keeper.close()
-        await proxy.close()
+        left = await lease_left_s(api, lease.run_id)
     assert lapsed == [] and renewed_slowly >= 3        # renewed all along, each answer late
     assert signals.refused == [] and left > LEASE_S - 0.6
 
 
 async def test_a_database_stalled_for_most_of_a_lease_loses_no_lease(api: Services):
     # Nothing answers, nothing is reset, for 0.7 of the lease: the renewal sent meanwhile lands after.
-    url = make_url(dsn_of(api))
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    run_id, epoch = await queued_run(api)
-    signals = Signals()
-    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
-    lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
-    keeper.start()
-    try:
-        signals.hold(keeper, lease)
-        await until(lambda: len(signals.lags) >= 1)
+    async with held_lease(api, proxied=True) as (proxy, signals, lease):
         stall = asyncio.create_task(proxy.stall(0.7 * LEASE_S))
         lapsed = await lapses(lease, 0.7 * LEASE_S + INTERVAL_S * 3)
         await stall
-        left = await lease_left_s(api, run_id)
-    finally:
-        await keeper.close()
-        await proxy.close()
+        left = await lease_left_s(api, lease.run_id)
     assert proxy.stalls == 1 and lapsed == [] and lease.valid(time.monotonic())
     assert signals.refused == [] and left > LEASE_S - 0.6
 
@@ -98,41 +76,25 @@ async def test_a_database_stalled_for_most_of_a_lease_loses_no_lease(api: Servic
 async def test_the_keepers_postgres_backend_stopped_longer_than_a_lease_loses_no_lease(api: Services):
     # The database is fine; the one backend serving the keeper hangs (stopped) past the lease's end: a
     # second attempt on a fresh connection renews in time.
-    run_id, epoch = await queued_run(api)
-    signals = Signals()
-    keeper = signals.keeper(dsn_of(api))
-    lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
-    keeper.start()
     stopped: int | None = None
-    try:
-        signals.hold(keeper, lease)
-        await until(lambda: len(signals.lags) >= 1)
-        renewals = len(signals.lags)
-        await until(lambda: len(signals.lags) > renewals)     # just renewed: its backend is idle
-        stopped = await keeper_backend(api)
-        os.kill(stopped, signal.SIGSTOP)
-        lapsed = await lapses(lease, 1.5 * LEASE_S)
-        os.kill(stopped, signal.SIGCONT)
-        stopped = None
+    async with held_lease(api) as (_, signals, lease):
+        try:
+            renewals = len(signals.lags)
+            await until(lambda: len(signals.lags) > renewals)     # just renewed: its backend is idle
+            stopped = await keeper_backend(api)
+            os.kill(stopped, signal.SIGSTOP)
+            lapsed = await lapses(lease, 1.5 * LEASE_S)
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
         await asyncio.sleep(INTERVAL_S * 3)
-        left = await lease_left_s(api, run_id)
-    finally:
-        if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
-        await keeper.close()
+        left = await lease_left_s(api, lease.run_id)
     assert lapsed == [] and lease.valid(time.monotonic())
     assert signals.refused == [] and left > LEASE_S - 0.6
 
 
 async def test_a_drivers_loop_busy_for_most_of_a_lease_keeps_its_leases(api: Services):
-    run_id, epoch = await queued_run(api)
-    signals = Signals()
-    keeper = signals.keeper(dsn_of(api))
-    lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
-    keeper.start()
-    try:
-        signals.hold(keeper, lease)
-        await until(lambda: len(signals.lags) >= 1)
+    async with held_lease(api) as (_, signals, lease):
         renewals = len(signals.lags)
         busy_until = time.monotonic() + 0.75 * LEASE_S
         lapsed_while_busy = False
@@ -140,41 +102,48 @@ async def test_a_drivers_loop_busy_for_most_of_a_lease_keeps_its_leases(api: Ser
             lapsed_while_busy = lapsed_while_busy or not lease.valid(time.monotonic())
         renewed_meanwhile = len(signals.lags) - renewals
         await asyncio.sleep(INTERVAL_S * 2)
-    finally:
-        await keeper.close()
     assert not lapsed_while_busy and lease.valid(time.monotonic())
     assert renewed_meanwhile >= 3 and signals.refused == []
 
 
 async def test_a_database_stalled_longer_than_the_lease_ends_it_and_the_ledger_refuses_to_revive_it(
         api: Services):
+    async with held_lease(api, proxied=True) as (proxy, signals, lease):
+        stall = asyncio.create_task(proxy.stall(1.5 * LEASE_S))
+        lapsed = await lapses(lease, 1.5 * LEASE_S)
+        await stall
+        await until(lambda: bool(signals.refused), timeout_s=LEASE_S * 2)
+        left = await lease_left_s(api, lease.run_id)
+    assert lapsed != [] and lease.refused and not lease.valid(time.monotonic())
+    assert set(signals.refused) == {lease.run_id}   # (held until its driver lets go: refused again)
+    assert left < 0                                # not revived: a reaper takes the run from here
+    async with api.sessionmaker() as session:
+        epoch_now = await session.scalar(select(Run.lease_epoch).where(Run.id == uuid.UUID(lease.run_id)))
+    assert epoch_now == lease.epoch
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def held_lease(api: Services, proxied: bool = False) -> AsyncIterator[tuple[TcpProxy, Signals, Lease]]:
+    """A claimed run's lease held by a keeper (reaching PostgreSQL through a proxy when `proxied`),
+    once the keeper renewed it a first time."""
     url = make_url(dsn_of(api))
     proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
     run_id, epoch = await queued_run(api)
     signals = Signals()
-    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
+    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+                            if proxied else dsn_of(api))
     lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
     keeper.start()
     try:
         signals.hold(keeper, lease)
         await until(lambda: len(signals.lags) >= 1)
-        stall = asyncio.create_task(proxy.stall(1.5 * LEASE_S))
-        lapsed = await lapses(lease, 1.5 * LEASE_S)
-        await stall
-        await until(lambda: bool(signals.refused), timeout_s=LEASE_S * 2)
-        left = await lease_left_s(api, run_id)
+        yield proxy, signals, lease
     finally:
         await keeper.close()
         await proxy.close()
-    assert lapsed != [] and lease.refused and not lease.valid(time.monotonic())
-    assert set(signals.refused) == {run_id}       # (held until its driver lets go: refused again)
-    assert left < 0                                # not revived: a reaper takes the run from here
-    async with api.sessionmaker() as session:
-        epoch_now = await session.scalar(select(Run.lease_epoch).where(Run.id == uuid.UUID(run_id)))
-    assert epoch_now == epoch
-
-
-# --- helpers ------------------------------------------------------------------------------------
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
