@@ -11,6 +11,10 @@
             ledger and scripted replica (tests/test_routing_driver.py): --streams runs of --tokens
             tokens at --driver-gap-ms per token, windows of --window-ms; CPU per token and per event,
             net of the scripted replica's own cost (measured alone first).
+  publish   the driver's hand-off to the event log alone: KafkaEventLog.publish of --streams runs'
+            DELTA events (--tokens/--tokens-per-event per run, one every --publish-gap-ms per run, each
+            run keeping its events in flight and awaiting them at its end, as the driver does) to a
+            private topic on the broker at --bootstrap; this process's CPU per event (the broker's apart).
 
 Prints figures only; never fails on timing. CPU-seconds, so a busy box slows it without skewing it
 much; run it twice to see the spread.
@@ -30,6 +34,9 @@ import uvloop
 from sluice.services import replica_client
 
 from bench.bench_replica import start_replica, stop_replica
+from bench.platform_stack import create_topic, delete_topic
+from sluice.eventlog.events import RunEventSequencer
+from sluice.eventlog.kafka import KafkaEventLog
 
 # The driver tests' fakes, imported by name so that the type check of bench/ does not extend to tests/.
 fakes = importlib.import_module("tests.test_routing_driver")
@@ -103,6 +110,40 @@ async def driver_path(args: argparse.Namespace) -> None:
               flush=True)
 
 
+async def publishers(log: KafkaEventLog, streams: int, events: int, gap_s: float, tokens: int) -> int:
+    async def one(index: int) -> int:
+        sequencer = RunEventSequencer(f"bench-publish-{index}-{time.time_ns()}", epoch=1)
+        acks = []
+        for _ in range(events):
+            event = sequencer.delta(list(range(tokens)), "tok " * tokens, int(time.time() * 1000))
+            acks.append(await log.publish(event))
+            await asyncio.sleep(gap_s)
+        await asyncio.wait(acks)
+        return len(acks)
+
+    return sum(await asyncio.gather(*(one(index) for index in range(streams))))
+
+
+async def publish_path(args: argparse.Namespace) -> None:
+    topic = await create_topic(args.bootstrap, 8)
+    log = KafkaEventLog(args.bootstrap, topic)
+    try:
+        await log.start()
+        await publishers(log, 8, 2, 0.0, 1)                # producer warm, partitions known
+        per_run = max(1, round(args.tokens / args.tokens_per_event))
+        for _ in range(args.rounds):
+            started, wall = cpu_seconds(), time.perf_counter()
+            events = await publishers(log, args.streams, per_run, args.publish_gap_ms / 1000,
+                                      round(args.tokens_per_event))
+            spent, wall = cpu_seconds() - started, time.perf_counter() - wall
+            print(f"publish: {args.streams} runs x {per_run} events every {args.publish_gap_ms:g} ms"
+                  f" ({events} events, {wall:.1f} s wall): {spent / events * 1e6:.1f} us CPU per event",
+                  flush=True)
+    finally:
+        await log.close()
+        await delete_topic(args.bootstrap, topic)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_data_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,11 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-delay-ms", type=int, default=100, help="the replica's step")
     parser.add_argument("--driver-gap-ms", type=float, default=10.0)
     parser.add_argument("--window-ms", type=float, default=25.0)
-    parser.add_argument("--only", choices=("replica", "driver"), default=None)
+    parser.add_argument("--tokens-per-event", type=float, default=2.5, help="publish: tokens per DELTA")
+    parser.add_argument("--publish-gap-ms", type=float, default=250.0, help="publish: a run's event spacing")
+    parser.add_argument("--bootstrap", default="127.0.0.1:19092", help="publish: the Kafka broker")
+    parser.add_argument("--only", choices=("replica", "driver", "publish"), default=None)
     args = parser.parse_args(argv)
-    if args.only != "replica":
+    if args.only in (None, "driver"):
         uvloop.run(driver_path(args))
-    if args.only != "driver":
+    if args.only in (None, "publish"):
+        uvloop.run(publish_path(args))
+    if args.only in (None, "replica"):
         with tempfile.TemporaryDirectory(prefix="bench-data-path-") as folder:
             process, address = start_replica({"engine": "simple", "token_delay_ms": args.token_delay_ms},
                                              Path(folder) / "replica.log")

@@ -29,17 +29,21 @@ judges a hung replica sooner than these limits, from its step time and scraped l
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import struct
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
+from sluice.services import replica_conn
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from sluice.replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
@@ -86,8 +90,12 @@ class _LoopState:
     # (address, request id) of streams open on this loop -> whether stop() was sent for them.
     stop_sent: dict[tuple[str, str], bool] = field(default_factory=dict)
     background: set[asyncio.Task[None]] = field(default_factory=set)   # stops for abandoned streams
-    streams: set[_OpenStream] = field(default_factory=set)   # open streams, watched by the sweeper
+    streams: set[_Watched] = field(default_factory=set)   # open streams, watched by the sweeper
     sweeper: asyncio.Task[None] | None = None
+    # Plaintext replicas' token streams (replica_conn): one HTTP/2 connection per address, and the
+    # connection being made for an address while the first streams to it wait.
+    connections: dict[str, replica_conn.ReplicaConnection] = field(default_factory=dict)
+    connecting: dict[str, asyncio.Future[replica_conn.ReplicaConnection]] = field(default_factory=dict)
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
@@ -140,9 +148,12 @@ def _stub(address: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
 
 
 async def close_channels() -> None:
-    """Close this event loop's channels (call before the loop ends)."""
+    """Close this event loop's channels and connections (call before the loop ends)."""
     state = _state()
     state.stubs.clear()
+    while state.connections:
+        _, connection = state.connections.popitem()
+        connection.close()
     channels = state.channels
     while channels:
         _, channel = channels.popitem()
@@ -265,19 +276,132 @@ def parse_chunk(response: service_pb2.ModelInferResponse, num_input_tokens: int,
     return TokenChunk(token_ids, num_input_tokens, reused_blocks)
 
 
+class _Watched(Protocol):
+    """A stream the loop's sweeper watches: silent for longer than `limit_s`, it is expired."""
+
+    last_activity: float                 # monotonic time of the last response (or of the send)
+    limit_s: float                       # the first-response limit, then the inactivity limit
+
+    def expire(self, silent_s: float) -> None:
+        """End the stream ReplicaLost: nothing came for `silent_s`."""
+
+
 @dataclass(slots=True, eq=False)      # identity: kept in a set
 class _OpenStream:
-    """A stream the sweeper watches: silent for longer than `limit_s`, it is ended ReplicaLost."""
+    """A grpc.aio stream (TLS replicas, `_exchange`) as the sweeper watches it."""
 
     call: Any                            # the grpc.aio stream-stream call
     address: str
     request_id: str
-    limit_s: float                       # the first-response limit, then the inactivity limit
-    last_activity: float                 # monotonic time of the last response (or of the send)
+    limit_s: float
+    last_activity: float
     error: ReplicaLost | None = None     # set by the sweeper before it cancels the call
 
+    def expire(self, silent_s: float) -> None:
+        if self.error is None:
+            self.error = ReplicaLost(ERR_LOST_INACTIVE.format(
+                address=self.address, seconds=silent_s, request_id=self.request_id))
+            self.call.cancel()
 
-def _watch(stream: _OpenStream) -> None:
+
+class _Generation:
+    """One request on a plaintext replica's shared HTTP/2 connection (replica_conn), as the
+    connection's sink for its stream: each response is parsed as it arrives, on the event loop, and
+    its tokens handed to `on_chunk` by a plain call (None: kept in `chunks` for an iterator, woken
+    through `waiter`). `ended` resolves when the replica sent the final response, or fails with the
+    ReplicaError that ended the request."""
+
+    __slots__ = ("address", "request_id", "num_input_tokens", "reused", "on_chunk", "chunks", "waiter",
+                 "limit_s", "inactivity_s", "last_activity", "connection", "stream_id", "ended")
+
+    def __init__(self, address: str, request_id: str, num_input_tokens: int,
+                 on_chunk: Callable[[TokenChunk], None] | None, first_timeout_s: float,
+                 inactivity_timeout_s: float, connection: replica_conn.ReplicaConnection) -> None:
+        self.address, self.request_id, self.num_input_tokens = address, request_id, num_input_tokens
+        self.reused = 0
+        self.on_chunk = on_chunk
+        self.chunks: collections.deque[TokenChunk] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.limit_s, self.inactivity_s = first_timeout_s, inactivity_timeout_s
+        self.last_activity = time.monotonic()
+        self.connection = connection
+        self.stream_id = 0
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # --- replica_conn.StreamSink ---
+
+    def message(self, body: bytes) -> None:
+        self.last_activity = time.monotonic()
+        self.limit_s = self.inactivity_s
+        try:
+            message = service_pb2.ModelStreamInferResponse.FromString(body)
+            if message.error_message:
+                raise ReplicaRejected(error_text(message.error_message))
+            response = message.infer_response
+            if not response.outputs:         # the empty final response
+                self._end(None)
+                return
+            chunk = parse_chunk(response, self.num_input_tokens, self.reused)
+        except ReplicaError as exc:
+            self._end(exc)
+            return
+        except DecodeError as exc:
+            self._end(ReplicaLost(ERR_LOST_RPC.format(address=self.address, request_id=self.request_id,
+                                                      code="INTERNAL", details=exc)))
+            return
+        self.reused = chunk.kv_cache_reused_blocks
+        if chunk.token_ids:                  # a final response may carry no tokens
+            if self.on_chunk is not None:
+                self.on_chunk(chunk)
+            else:
+                self.chunks.append(chunk)
+                self._wake()
+        if _is_final(response):
+            self._end(None)
+
+    def closed(self, code: str | None, details: str) -> None:
+        """The stream ended before the final response: the server closed it, or the connection went."""
+        self._end(ReplicaLost(ERR_LOST_EOF.format(address=self.address, request_id=self.request_id)
+                              if code is None else
+                              ERR_LOST_RPC.format(address=self.address, request_id=self.request_id,
+                                                  code=code, details=details)))
+
+    # --- the sweeper, the consumer ---
+
+    def expire(self, silent_s: float) -> None:
+        self._end(ReplicaLost(ERR_LOST_INACTIVE.format(address=self.address, seconds=silent_s,
+                                                       request_id=self.request_id)))
+
+    def abandon(self) -> None:
+        """The consumer is gone: drop the stream here (the caller stops it on the replica)."""
+        self._end(None)
+
+    async def wait(self) -> None:
+        """Until a chunk is kept or the request ended (the iterator's wake-up)."""
+        if self.chunks or self.ended.done():
+            return
+        waiter = self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _end(self, error: ReplicaError | None) -> None:
+        _state().streams.discard(self)
+        self.connection.cancel(self.stream_id)   # a no-op once the server ended the stream
+        if not self.ended.done():
+            if error is None:
+                self.ended.set_result(None)
+            else:
+                self.ended.set_exception(error)
+        self._wake()
+
+
+def _watch(stream: _Watched) -> None:
     """Register with this loop's sweeper, starting it if it is not running."""
     state = _state()
     state.streams.add(stream)
@@ -287,21 +411,64 @@ def _watch(stream: _OpenStream) -> None:
 
 async def _sweep(state: _LoopState) -> None:
     """One timer per event loop instead of one per read: every SWEEP_INTERVAL_S, end the streams that
-    have been silent past their limit. Exits when no stream is open (restarted by the next one)."""
+    have been silent past their limit, and let each connection check its keepalive. Exits when no
+    stream is open (restarted by the next one)."""
     while state.streams:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         now = time.monotonic()
         for stream in list(state.streams):
             silent = now - stream.last_activity
-            if stream.error is None and silent > stream.limit_s:
-                stream.error = ReplicaLost(ERR_LOST_INACTIVE.format(
-                    address=stream.address, seconds=silent, request_id=stream.request_id))
-                stream.call.cancel()
+            if silent > stream.limit_s:
+                stream.expire(silent)
+        for connection in list(state.connections.values()):
+            connection.check(now)
+
+
+async def _connection(address: str, request_id: str) -> replica_conn.ReplicaConnection:
+    """This loop's connection to `address`, made once for every stream that asks meanwhile."""
+    state = _state()
+    connection = state.connections.get(address)
+    if connection is not None and connection.usable:
+        return connection
+    pending = state.connecting.get(address)
+    if pending is None:
+        pending = state.connecting[address] = asyncio.ensure_future(replica_conn.connect(address))
+        pending.add_done_callback(lambda done: (state.connecting.pop(address, None),
+                                                done.cancelled() or done.exception()))
+    try:
+        connection = await asyncio.shield(pending)
+    except OSError as exc:
+        raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request_id, code="UNAVAILABLE",
+                                              details=exc)) from exc
+    state.connections[address] = connection
+    return connection
+
+
+async def _start(address: str, request: service_pb2.ModelInferRequest, num_input_tokens: int,
+                 on_chunk: Callable[[TokenChunk], None] | None, first_timeout_s: float,
+                 inactivity_timeout_s: float) -> _Generation:
+    """Send one request on its own stream of the address's shared connection."""
+    connection = await _connection(address, request.id)
+    generation = _Generation(address, request.id, num_input_tokens, on_chunk, first_timeout_s,
+                             inactivity_timeout_s, connection)
+    try:
+        generation.stream_id = connection.start(_STREAM_INFER, generation)
+    except ConnectionError as exc:
+        raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request.id, code="UNAVAILABLE",
+                                              details=exc)) from exc
+    _watch(generation)
+    with contextlib.suppress(ConnectionError):   # a lost connection told the generation already
+        await connection.send(generation.stream_id, request.SerializeToString())
+    return generation
+
+
+_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_timeout_s: float,
                     inactivity_timeout_s: float) -> AsyncIterator[service_pb2.ModelInferResponse]:
-    """Send one request on its own stream; yield its responses up to and including the final one.
+    """grpc.aio, for TLS replicas: send one request on its own stream; yield its responses up to and
+    including the final one.
 
     Reads are plain awaits: the silence limits are enforced by the loop's sweeper, which cancels a
     call that went quiet (its pending read then raises, and the sweeper's ReplicaLost is raised)."""
@@ -336,6 +503,18 @@ async def _exchange(address: str, request: service_pb2.ModelInferRequest, first_
         call.cancel()
 
 
+async def _tls_chunks(address: str, request: service_pb2.ModelInferRequest, num_input_tokens: int,
+                      first_timeout_s: float, inactivity_timeout_s: float) -> AsyncIterator[TokenChunk]:
+    reused = 0
+    async for response in _exchange(address, request, first_timeout_s, inactivity_timeout_s):
+        if not response.outputs:             # the empty final response
+            break
+        chunk = parse_chunk(response, num_input_tokens, reused)
+        reused = chunk.kv_cache_reused_blocks
+        if chunk.token_ids:                  # a final response may carry no tokens
+            yield chunk
+
+
 async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                           end_id: int | None = None, *, seed: int | None = None, streaming: bool = True,
                           cache_salt: int = 0,
@@ -352,19 +531,32 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, streaming=streaming,
                             cache_salt=cache_salt, temperature=temperature, top_p=top_p,
                             stop_words=stop_words)
-    num_input_tokens, reused = len(prompt_ids), 0
+    num_input_tokens = len(prompt_ids)
     stop_sent = _state().stop_sent
     key = (address, request_id)
     stop_sent[key] = False
     ended = False                                # the replica sent the final response, or is gone
+    generation: _Generation | None = None
+    reused = 0
     try:
-        async for response in _exchange(address, request, first_token_timeout_s, inactivity_timeout_s):
-            if not response.outputs:             # the empty final response
-                break
-            chunk = parse_chunk(response, num_input_tokens, reused)
-            reused = chunk.kv_cache_reused_blocks
-            if chunk.token_ids:                  # a final response may carry no tokens
+        if _tls.credentials is not None:
+            async for chunk in _tls_chunks(address, request, num_input_tokens, first_token_timeout_s,
+                                           inactivity_timeout_s):
+                reused = chunk.kv_cache_reused_blocks
                 yield chunk
+        else:
+            generation = await _start(address, request, num_input_tokens, None, first_token_timeout_s,
+                                      inactivity_timeout_s)
+            chunks = generation.chunks
+            while True:
+                while chunks:
+                    chunk = chunks.popleft()
+                    reused = chunk.kv_cache_reused_blocks
+                    yield chunk
+                if generation.ended.done():
+                    break
+                await generation.wait()
+            generation.ended.result()            # raises what ended the request
         ended = True
         stopped = stop_sent.get(key, False)
     except ReplicaError:
@@ -373,6 +565,8 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
     finally:
         stop_sent.pop(key, None)
         if not ended:
+            if generation is not None:
+                generation.abandon()
             _stop_in_background(address, request_id)
     if stopped:
         yield TokenChunk((), num_input_tokens, reused, stopped=True)
@@ -403,8 +597,15 @@ async def stop(address: str, request_id: str, timeout_s: float = 5.0) -> None:
     if (address, request_id) in stop_sent:
         stop_sent[(address, request_id)] = True
     request = build_request(request_id, [0], 1, stop=True)
-    async for _ in _exchange(address, request, timeout_s, timeout_s):
-        pass
+    if _tls.credentials is not None:
+        async for _ in _exchange(address, request, timeout_s, timeout_s):
+            pass
+        return
+    generation = await _start(address, request, 1, lambda chunk: None, timeout_s, timeout_s)
+    try:
+        await asyncio.shield(generation.ended)
+    finally:
+        generation.abandon()
 
 
 async def is_ready(address: str, timeout_s: float = 2.0) -> bool:

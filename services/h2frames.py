@@ -1,0 +1,144 @@
+"""HTTP/2 frames and gRPC message framing, pure (RFC 9113 §4, §6; gRPC's PROTOCOL-HTTP2): no I/O.
+
+Just what a gRPC client of one streaming RPC needs (services/replica_conn.py): cut a byte stream
+into frames, cut a stream's DATA into length-prefixed gRPC messages, and build the frames a
+client sends. Header blocks are left to hpack; flow-control accounting and stream state are the
+connection's.
+
+    frame:        | length (24) | type (8) | flags (8) | R + stream id (31) | payload ... |
+    gRPC message: | compressed (8) | length (32) | protobuf bytes ... |   (may span DATA frames)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+(DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE,
+ CONTINUATION) = range(10)
+
+END_STREAM = 0x1      # DATA, HEADERS
+ACK = 0x1             # SETTINGS, PING
+END_HEADERS = 0x4     # HEADERS, CONTINUATION
+PADDED = 0x8          # DATA, HEADERS
+PRIORITY_FLAG = 0x20  # HEADERS
+
+SETTINGS_HEADER_TABLE_SIZE = 0x1
+SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_FRAME_SIZE = 0x5
+
+CANCEL = 0x8          # RST_STREAM error code: the client no longer wants the stream
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65_535
+DEFAULT_MAX_FRAME = 16_384
+
+_HEAD = struct.Struct(">BHBBL")      # length split 8 + 16 bits, type, flags, stream id
+_SETTING = struct.Struct(">HL")
+_U32 = struct.Struct(">L")
+_GOAWAY = struct.Struct(">LL")
+_GRPC_PREFIX = struct.Struct(">BL")
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: int
+    flags: int
+    stream_id: int
+    payload: bytes
+
+
+def split_frames(buffer: bytes) -> tuple[list[Frame], bytes]:
+    """The complete frames at the start of `buffer`, and the incomplete rest (kept for the next read)."""
+    frames = []
+    pos, size = 0, len(buffer)
+    unpack = _HEAD.unpack_from
+    while size - pos >= 9:
+        high, low, kind, flags, stream_id = unpack(buffer, pos)
+        end = pos + 9 + (high << 16 | low)
+        if end > size:
+            break
+        frames.append(Frame(kind, flags, stream_id & 0x7FFFFFFF, buffer[pos + 9:end]))
+        pos = end
+    return frames, buffer[pos:]
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    length = len(payload)
+    return _HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def unpadded(frame_: Frame) -> bytes:
+    """A DATA or HEADERS frame's payload without its padding (and a HEADERS frame's priority fields)."""
+    payload = frame_.payload
+    start, end = 0, len(payload)
+    if frame_.flags & PADDED:
+        start, end = 1, end - payload[0]
+    if frame_.type == HEADERS and frame_.flags & PRIORITY_FLAG:
+        start += 5
+    return payload[start:end]
+
+
+def settings_frame(settings: dict[int, int]) -> bytes:
+    return frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(key, value) for key, value in settings.items()))
+
+
+def parse_settings(payload: bytes) -> dict[int, int]:
+    return dict(_SETTING.iter_unpack(payload[:len(payload) - len(payload) % 6]))
+
+
+def window_update(stream_id: int, increment: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(increment))
+
+
+def parse_u32(payload: bytes) -> int:
+    """A WINDOW_UPDATE's increment, a RST_STREAM's error code."""
+    return int(_U32.unpack_from(payload)[0]) & 0x7FFFFFFF
+
+
+def parse_goaway(payload: bytes) -> tuple[int, int]:
+    """(last stream id the server processes, error code)."""
+    last, code = _GOAWAY.unpack_from(payload)
+    return last & 0x7FFFFFFF, code
+
+
+def rst_stream(stream_id: int, code: int = CANCEL) -> bytes:
+    return frame(RST_STREAM, 0, stream_id, _U32.pack(code))
+
+
+def grpc_message(body: bytes) -> bytes:
+    """One uncompressed gRPC message as it travels in DATA frames."""
+    return _GRPC_PREFIX.pack(0, len(body)) + body
+
+
+class MessageReader:
+    """Cuts one stream's DATA into gRPC messages. A message may span frames and a frame may hold
+    several; the common case (a frame holding exactly one whole message) copies nothing."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The messages `data` completes, in order. Raises ValueError on a compressed message (this
+        client never asks for compression, so a server must not send one)."""
+        buffer = self._pending + data if self._pending else data
+        messages = []
+        pos, size = 0, len(buffer)
+        while size - pos >= 5:
+            compressed, length = _GRPC_PREFIX.unpack_from(buffer, pos)
+            if compressed:
+                raise ValueError("compressed gRPC message on a stream that asked for none")
+            end = pos + 5 + length
+            if end > size:
+                break
+            messages.append(buffer[pos + 5:end])
+            pos = end
+        self._pending = buffer[pos:]
+        return messages
+
+    def pending(self) -> bool:
+        return bool(self._pending)
