@@ -43,6 +43,14 @@ POLL_TIMEOUT_MS = 200
 # answering ten empty fetches a second each; at 500 ms ~17 ms/s, with delivery after an idle spell
 # unchanged (median 3-4 ms, max ~16 ms, publish at_once -> a follower, on the shared 2-core box).
 TAIL_FETCH_WAIT_MS = 500
+# At most one fetched batch per this interval while records flow. A fetch costs the gateway far more
+# than the records it carries (bench/bench_tail.py: ~0.7-0.9 ms of CPU per fetch against a few us per
+# record on the shared 2-core box), and with fetch_min_bytes 1 a busy partition answers every fetch
+# at once with the record or two published since the last: ~120 fetches/s per gateway at 200 events/s,
+# 1.5 records each. Taking a batch no sooner than this after the previous one bounds the fetches and
+# lets records gather in between; a record waits at most this long more, and a record after a quiet
+# spell (a run's first token, one run at a time) not at all: its fetch is already waiting at the broker.
+TAIL_BATCH_INTERVAL_MS = 20
 TAIL_FAILED = "the event log's live tail stopped: {error}"
 # Per partition. At seed 002's load (~6k events/s over 4 partitions) this reaches back
 # ~5 s, far more than a stream opened as its run starts needs (the ledger records the
@@ -136,8 +144,10 @@ class RecentRecords:
 
 class LiveTail:
     def __init__(self, bootstrap: str, topic: str, *, capacity: int = SUBSCRIPTION_CAPACITY,
-                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION) -> None:
+                 recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
+                 batch_interval_ms: float | None = None) -> None:
         self.bootstrap = bootstrap
+        self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
         self.topic = topic
         self.capacity = capacity
         self.recent_per_partition = recent_per_partition
@@ -147,6 +157,7 @@ class LiveTail:
         self._subscribers: dict[bytes, list[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
+        self.received: dict[int, int] = {}                   # partition -> records fetched (bench, tests)
 
     async def ensure_started(self, partitions: list[int]) -> None:
         """Start following `partitions` (the topic's, all of them) unless already running."""
@@ -202,13 +213,20 @@ class LiveTail:
                 self._recent[tp.partition] = RecentRecords(position, self.recent_per_partition)
             self._consumer = consumer
             self._ready.set_result(None)
+            loop = asyncio.get_running_loop()
+            interval = self.batch_interval_ms / 1000
             while True:
                 batches = await consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
+                taken = loop.time()
                 for tp, records in batches.items():
                     for record in records:
                         self._dispatch(tp.partition, record.offset, record.key, record.value)
                     if records:
                         self._next[tp.partition] = records[-1].offset + 1
+                        self.received[tp.partition] = self.received.get(tp.partition, 0) + len(records)
+                if batches and interval > 0:
+                    # The next fetch is already at the broker; its answer waits in the consumer until then.
+                    await asyncio.sleep(max(0.0, taken + interval - loop.time()))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
