@@ -178,28 +178,37 @@ class RunsService:
             parsed: uuid.UUID | None = uuid.UUID(run_id)
         except ValueError:
             parsed = None   # authenticated first all the same: a bad key is UNAUTHENTICATED whatever the id
-        async with self._hot.connection() as connection:
-            found = await stream_lookup(connection, key, parsed)
-        if not found.authenticated:
-            raise Unauthenticated(UNKNOWN_API_KEY)
-        require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
-        if found.run_id is None:
-            raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
-        # One span per Stream call, whichever door (a resumed stream is another span, with its own
-        # `after`), in the run's own trace. Not made the current span: a client that goes away closes
-        # this generator outside its context.
-        span = tracer().start_span("runs.stream", context=context_of(found.traceparent),
-                                   attributes={"sluice.run_id": run_id, "sluice.after": after})
-        sent = last = 0
-        try:
-            async for event in self._events_of(found, after):
-                sent, last = sent + 1, event.sequence
-                yield event
-        finally:
-            span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
-            span.end()
+        with contextlib.ExitStack() as waiting:
+            # Registered before the lookup: if the lookup finds no start yet, the NOTIFY that records it
+            # can only come after this, so the stream waits for it instead of reading the ledger again.
+            started = waiting.enter_context(self._started.waiter(str(parsed))) \
+                if self._started is not None and parsed is not None else None
+            async with self._hot.connection() as connection:
+                found = await stream_lookup(connection, key, parsed)
+            if not found.authenticated:
+                raise Unauthenticated(UNKNOWN_API_KEY)
+            require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
+            if found.run_id is None:
+                raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
+            if _stream_start(found.start, after) is not None:
+                waiting.close()          # the start is known: nothing to wait for
+                started = None
+            # One span per Stream call, whichever door (a resumed stream is another span, with its own
+            # `after`), in the run's own trace. Not made the current span: a client that goes away closes
+            # this generator outside its context.
+            span = tracer().start_span("runs.stream", context=context_of(found.traceparent),
+                                       attributes={"sluice.run_id": run_id, "sluice.after": after})
+            sent = last = 0
+            try:
+                async for event in self._events_of(found, after, started):
+                    sent, last = sent + 1, event.sequence
+                    yield event
+            finally:
+                span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
+                span.end()
 
-    async def _events_of(self, found: StreamLookup, after: int) -> AsyncIterator[runs_pb2.RunEvent]:
+    async def _events_of(self, found: StreamLookup, after: int,
+                         started: asyncio.Event | None) -> AsyncIterator[runs_pb2.RunEvent]:
         # The row just read usually has the start already (a resume, a finished run): no second read.
         known = found.run_id
         assert known is not None
@@ -208,7 +217,7 @@ class RunsService:
             # No events recorded yet (a stream opened right after Submit): the run's first event
             # goes out as soon as the log has it, without waiting for the ledger to say where it is.
             events = self.events.follow_from_first(str(known), after,
-                                                   lambda: self._recorded_position(known, after))
+                                                   lambda: self._recorded_position(known, after, started))
         elif start.position is None:
             return                       # the cursor is at or past the terminal event
         else:
@@ -226,11 +235,19 @@ class RunsService:
             raise Unavailable(str(exc), retry_after_ms=EVENT_LOG_RETRY_AFTER_MS,
                               reason=EVENT_LOG_UNAVAILABLE_REASON) from exc
 
-    async def _recorded_position(self, run_id: uuid.UUID, after: int) -> LogPosition | None:
-        return (await self._wait_for_events(run_id, after)).position
+    async def _recorded_position(self, run_id: uuid.UUID, after: int,
+                                 started: asyncio.Event | None) -> LogPosition | None:
+        return (await self._wait_for_events(run_id, after, started)).position
 
-    async def _wait_for_events(self, run_id: uuid.UUID, after: int) -> StreamStart:
-        """Wait until the run's events have a recorded start in the log (or nothing is left)."""
+    async def _wait_for_events(self, run_id: uuid.UUID, after: int,
+                               started_since_read: asyncio.Event | None = None) -> StreamStart:
+        """Wait until the run's events have a recorded start in the log (or nothing is left).
+        `started_since_read`: a waiter registered before the caller's own read of the ledger found no
+        start; the ledger is read again only once it is woken (or after WAIT_REPOLL_S): a stream opened
+        right after Submit is usually handed its run's first event live and never reads it at all."""
+        if started_since_read is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(started_since_read.wait(), WAIT_REPOLL_S)
         while True:
             if self._started is None:
                 start = await self._event_start(run_id, after)

@@ -1,0 +1,61 @@
+"""Where a Stream starts reading (services/runs.py): a Stream opened right after Submit, before any
+routing worker took the run, is handed every event live and never reads the ledger a second time
+for where the run's events start (issue 9: one lookup per stream, not two). Real PostgreSQL, Kafka
+and a Triton replica."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc.aio
+import pytest
+from sluice.services.runs import StreamStart
+
+from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
+from tests.support.routing_stack import Stack, collect, deltas_tokens
+
+pytestmark = pytest.mark.integration
+
+TOKENS = 6
+
+
+async def until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_without_reading_the_ledger_again(
+        stack: Stack):
+    runs = await stack.start_runs_server()
+    service = runs.service
+    assert service._started is not None
+    service._started.start()
+    await until(lambda: service._started.listening)       # the gateway's LISTEN is up (it is, once warm)
+    reads: list[uuid.UUID] = []
+    read_ledger = service._event_start
+
+    async def counted(run_id: uuid.UUID, after: int) -> StreamStart | None:
+        reads.append(run_id)
+        return await read_ledger(run_id, after)
+
+    service._event_start = counted  # type: ignore[method-assign]
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    run = await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
+        admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
+                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+        metadata=metadata)
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                         metadata=metadata)
+        reading = asyncio.create_task(collect(stream))
+        # No worker yet: the stream looked the run up (no start recorded) and waits on the live tail.
+        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
+        await stack.start_worker()
+        events: list[runs_pb2.RunEvent] = await reading
+    assert [event.sequence for event in events] == list(range(1, len(events) + 1))
+    assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
+    assert deltas_tokens(events) == TOKENS == events[-1].usage.output_tokens
+    assert reads == []
