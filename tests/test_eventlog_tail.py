@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiokafka import ConsumerRecord
 
 from sluice.eventlog.tail import LiveTail, RecentRecords, Subscription, SubscriptionOverflow
 
@@ -14,16 +15,19 @@ def tail_at(next_offsets: dict[int, int], *, capacity: int = 4, recent: int = 8)
     """A tail positioned as if its consumer had just started at `next_offsets` (no broker)."""
     tail = LiveTail("unused:0", "topic", capacity=capacity, recent_per_partition=recent)
     for partition, offset in next_offsets.items():
-        tail._next[partition] = offset
-        tail._recent[partition] = RecentRecords(offset, recent)
+        tail._start_following(partition, offset)
     return tail
 
 
 def feed(tail: LiveTail, partition: int, records: list[tuple[bytes, bytes]]) -> None:
-    """Dispatch `records` as one fetched batch, the way the tail's loop does."""
-    for key, value in records:
-        tail._dispatch(partition, tail._next[partition], key, value)
-        tail._next[partition] += 1
+    """Dispatch `records` as one fetched batch at the partition's next offsets, as the tail's loop does."""
+    first = tail._next[partition]
+    tail._dispatch_batch(partition, [record(partition, first + i, key, value)
+                                     for i, (key, value) in enumerate(records)])
+
+
+def record(partition: int, offset: int, key: bytes, value: bytes) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("topic", partition, offset, 0, 0, key, value, None, len(key), len(value), ())
 
 
 def test_recent_records_return_one_keys_records_from_an_offset_while_they_reach_back_that_far():
@@ -60,8 +64,8 @@ async def test_a_subscription_hands_over_its_whole_buffer_in_one_take():
 
 async def test_a_reader_that_falls_capacity_records_behind_is_cut_off_and_its_buffer_freed():
     tail = tail_at({0: 50}, capacity=4)
-    slow, _ = tail.subscribe("run-a", 0, 50)
-    fast, _ = tail.subscribe("run-a", 0, 50)
+    slow, _ = await tail.subscribe("run-a", 0, 50)
+    fast, _ = await tail.subscribe("run-a", 0, 50)
     feed(tail, 0, [(b"run-a", b"e1"), (b"run-a", b"e2")])
     assert await fast.take() == [b"e1", b"e2"]
     feed(tail, 0, [(b"run-a", b"e3"), (b"run-a", b"e4")])
@@ -75,11 +79,11 @@ async def test_a_reader_that_falls_capacity_records_behind_is_cut_off_and_its_bu
     assert await fast.take() == [b"e5"]
 
 
-def test_records_reach_only_the_subscriptions_of_their_run_at_or_after_their_start():
+async def test_records_reach_only_the_subscriptions_of_their_run_at_or_after_their_start():
     tail = tail_at({0: 10, 1: 0}, capacity=100)
     feed(tail, 0, [(b"run-a", b"early")])
-    a, recent_a = tail.subscribe("run-a", 0, 10)
-    b, recent_b = tail.subscribe("run-b", 0, 10)
+    a, recent_a = await tail.subscribe("run-a", 0, 10)
+    b, recent_b = await tail.subscribe("run-b", 0, 10)
     assert recent_a == [b"early"] and recent_b == []
     assert a.start_offset == 11
     feed(tail, 0, [(b"run-b", b"b1"), (b"run-a", b"a1"), (b"run-c", b"c1")])
@@ -87,10 +91,10 @@ def test_records_reach_only_the_subscriptions_of_their_run_at_or_after_their_sta
     assert list(a._items) == [b"a1"] and list(b._items) == [b"b1"]
 
 
-def test_a_subscription_from_before_what_the_tail_holds_gets_no_recent_records():
+async def test_a_subscription_from_before_what_the_tail_holds_gets_no_recent_records():
     tail = tail_at({0: 10}, recent=2)
     feed(tail, 0, [(b"run-a", b"x"), (b"run-a", b"y"), (b"run-a", b"z")])
-    _, recent = tail.subscribe("run-a", 0, 10)
+    _, recent = await tail.subscribe("run-a", 0, 10)
     assert recent is None                              # 10 was evicted: the caller replays from the log
-    _, recent = tail.subscribe("run-a", 0, 11)
+    _, recent = await tail.subscribe("run-a", 0, 11)
     assert recent == [b"y", b"z"]

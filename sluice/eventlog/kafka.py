@@ -172,7 +172,7 @@ class KafkaEventLog:
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
         tail = await self._ready_tail(run_id)
-        subscription, recent = tail.subscribe(run_id, start.partition, start.offset)
+        subscription, recent = await self._subscribe(tail, run_id, start.partition, start.offset)
         try:
             async for event in self._deliver(run_id, start, after, subscription, recent, []):
                 yield event
@@ -183,7 +183,7 @@ class KafkaEventLog:
                                 recorded_start: Callable[[], Awaitable[LogPosition | None]],
                                 ) -> AsyncIterator[runs_pb2.RunEvent]:
         tail = await self._ready_tail(run_id)
-        subscription, _ = tail.subscribe(run_id, await self.partition_of(run_id), -1)
+        subscription, _ = await self._subscribe(tail, run_id, await self.partition_of(run_id), -1)
         first_live = asyncio.ensure_future(subscription.take())
         ledger = asyncio.ensure_future(recorded_start())
         try:
@@ -271,10 +271,22 @@ class KafkaEventLog:
         """The process's tail, once a follow() started it."""
         return self._tail
 
+    async def _log_end(self, partition: int) -> int:
+        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
+        return await self.replay.log_end(partitions, partition)
+
+    @staticmethod
+    async def _subscribe(tail: LiveTail, run_id: str, partition: int,
+                         from_offset: int) -> tuple[Subscription, list[bytes] | None]:
+        try:
+            return await tail.subscribe(run_id, partition, from_offset)
+        except LOG_FAILURES as exc:
+            raise LogUnavailable(run_id, exc) from exc
+
     async def _ready_tail(self, run_id: str) -> LiveTail:
         if self._tail is None:
             self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
-                                  recent_per_partition=self.recent_per_partition)
+                                  recent_per_partition=self.recent_per_partition, end_offset=self._log_end)
         try:
             producer = await self._ready_producer()
             await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))

@@ -63,6 +63,13 @@ class SharedReplay:
             tp = TopicPartition(self.topic, partition)
             return int((await consumer.beginning_offsets([tp]))[tp])
 
+    async def log_end(self, partitions: list[int], partition: int) -> int:
+        """The partition's end (its high watermark: one past its last durable record)."""
+        async with self._lock:
+            consumer = await self._ready(partitions)
+            tp = TopicPartition(self.topic, partition)
+            return int((await consumer.end_offsets([tp]))[tp])
+
     async def read(self, key: bytes, partitions: list[int], partition: int, start: int,
                    end: int) -> list[bytes]:
         """The values of `key`'s records at offsets [start, end) of `partition` (one of `partitions`,

@@ -30,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,10 @@ TAIL_FAILED = "the event log's live tail stopped: {error}"
 # ~5 s, far more than a stream opened as its run starts needs (the ledger records the
 # run's first offset within milliseconds of publishing it); ~10 MB per process in all.
 RECENT_RECORDS_PER_PARTITION = 8192
+# How long the tail keeps fetching a partition after its last subscription ended: a stream resumed
+# within it finds its run's recent records still held, and a partition whose streams come and go is
+# not sought to its end for each one. A partition nobody streams from costs nothing after it.
+FOLLOW_LINGER_S = 10.0
 # A stream's backlog between the tail and its gRPC writer. A reader keeping up holds a
 # handful; at one event per token this is a few seconds of the fastest decode.
 SUBSCRIPTION_CAPACITY = 1024
@@ -145,22 +151,33 @@ class RecentRecords:
 class LiveTail:
     def __init__(self, bootstrap: str, topic: str, *, capacity: int = SUBSCRIPTION_CAPACITY,
                  recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
-                 batch_interval_ms: float | None = None) -> None:
+                 batch_interval_ms: float | None = None,
+                 end_offset: Callable[[int], Awaitable[int]] | None = None) -> None:
         self.bootstrap = bootstrap
-        self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
+        # Where a partition ends now. Not asked of the tail's own consumer when the caller has another
+        # connection: the broker answers one connection's requests in order, so the offsets request
+        # would wait behind the tail's long poll (up to TAIL_FETCH_WAIT_MS).
+        self._end_offset = end_offset or self._own_end_offset
         self.topic = topic
         self.capacity = capacity
         self.recent_per_partition = recent_per_partition
+        self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
         self._consumer: AIOKafkaConsumer | None = None
-        self._next: dict[int, int] = {}                      # partition -> next offset to dispatch
+        # The partitions followed now (fetched, unpaused): each one's next offset to dispatch, its
+        # recent records, its subscription count, and since when that count is 0 (None: it is not).
+        self._next: dict[int, int] = {}
         self._recent: dict[int, RecentRecords] = {}
+        self._followers: dict[int, int] = {}
+        self._idle_since: dict[int, float | None] = {}
+        self._following: dict[int, asyncio.Future[None]] = {}   # partitions being sought to their end
         self._subscribers: dict[bytes, list[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self.received: dict[int, int] = {}                   # partition -> records fetched (bench, tests)
 
     async def ensure_started(self, partitions: list[int]) -> None:
-        """Start following `partitions` (the topic's, all of them) unless already running."""
+        """Start the tail's consumer on `partitions` (the topic's, all of them, each paused until a
+        subscription needs it) unless already running."""
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._run(sorted(partitions)), name=f"tail-{self.topic}")
@@ -177,14 +194,24 @@ class LiveTail:
     def subscriptions(self) -> int:
         return sum(len(waiting) for waiting in self._subscribers.values())
 
-    def subscribe(self, run_id: str, partition: int,
-                  from_offset: int) -> tuple[Subscription, list[bytes] | None]:
+    @property
+    def followed(self) -> frozenset[int]:
+        """The partitions the tail fetches now."""
+        return frozenset(self._next)
+
+    async def subscribe(self, run_id: str, partition: int,
+                        from_offset: int) -> tuple[Subscription, list[bytes] | None]:
         """Register for the run's live records (call after ensure_started), with the run's recent
         records at offsets in [from_offset, subscription.start_offset) when the tail still holds
-        all of them (None: the caller replays that range from the log)."""
-        assert partition in self._next, f"partition {partition} is not followed by the tail of {self.topic}"
+        all of them (None: the caller replays that range from the log). The first subscription of a
+        partition starts following it at its end."""
+        while partition not in self._next:
+            await self._follow(partition)
+        # From here to the return nothing awaits: no record falls between the recent ones and the buffer.
         subscription = Subscription(run_id.encode(), partition, self._next[partition], self.capacity)
         self._subscribers.setdefault(subscription.run_key, []).append(subscription)
+        self._followers[partition] += 1
+        self._idle_since[partition] = None
         return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
     def recent(self, subscription: Subscription, from_offset: int) -> list[bytes] | None:
@@ -194,10 +221,59 @@ class LiveTail:
 
     def unsubscribe(self, subscription: Subscription) -> None:
         waiting = self._subscribers.get(subscription.run_key, [])
-        if subscription in waiting:
-            waiting.remove(subscription)
+        if subscription not in waiting:
+            return
+        waiting.remove(subscription)
         if not waiting:
             self._subscribers.pop(subscription.run_key, None)
+        partition = subscription.partition
+        if partition in self._followers:
+            self._followers[partition] -= 1
+            if self._followers[partition] == 0:
+                self._idle_since[partition] = time.monotonic()
+
+    async def _follow(self, partition: int) -> None:
+        """Start fetching `partition` from its end (one offsets request). Concurrent callers wait for the
+        first one's request, then check again (the caller loops until the partition is followed)."""
+        started = self._following.get(partition)
+        if started is not None:
+            await asyncio.wait({started})     # its outcome is the first caller's to raise
+            return
+        started = self._following[partition] = asyncio.get_running_loop().create_future()
+        try:
+            consumer = self._consumer
+            if consumer is None:
+                raise TailFailed(TAIL_FAILED.format(error="its consumer is not running"))
+            end = await self._end_offset(partition)
+            if self._consumer is not consumer:
+                raise TailFailed(TAIL_FAILED.format(error="its consumer stopped"))
+            tp = TopicPartition(self.topic, partition)
+            consumer.seek(tp, end)
+            consumer.resume(tp)
+            self._start_following(partition, end)
+        finally:
+            del self._following[partition]
+            started.set_result(None)
+
+    async def _own_end_offset(self, partition: int) -> int:
+        assert self._consumer is not None, "the tail's consumer is not running"
+        tp = TopicPartition(self.topic, partition)
+        return int((await self._consumer.end_offsets([tp]))[tp])
+
+    def _start_following(self, partition: int, position: int) -> None:
+        self._next[partition] = position
+        self._recent[partition] = RecentRecords(position, self.recent_per_partition)
+        self._followers[partition] = 0
+        self._idle_since[partition] = time.monotonic()
+
+    def _stop_idle(self, consumer: AIOKafkaConsumer, now: float) -> None:
+        """Stop fetching the partitions without a subscription for FOLLOW_LINGER_S (their recent records
+        go with them: a later subscription follows the partition afresh from its end)."""
+        for partition, since in list(self._idle_since.items()):
+            if since is not None and now - since >= FOLLOW_LINGER_S:
+                consumer.pause(TopicPartition(self.topic, partition))
+                for held in (self._next, self._recent, self._followers, self._idle_since):
+                    del held[partition]
 
     async def _run(self, partition_ids: list[int]) -> None:
         assert self._ready is not None
@@ -207,10 +283,7 @@ class LiveTail:
             await consumer.start()
             partitions = [TopicPartition(self.topic, p) for p in partition_ids]
             consumer.assign(partitions)
-            await consumer.seek_to_end(*partitions)
-            for tp in partitions:
-                position = self._next[tp.partition] = await consumer.position(tp)
-                self._recent[tp.partition] = RecentRecords(position, self.recent_per_partition)
+            consumer.pause(*partitions)      # nothing is fetched until a subscription needs it
             self._consumer = consumer
             self._ready.set_result(None)
             loop = asyncio.get_running_loop()
@@ -219,11 +292,8 @@ class LiveTail:
                 batches = await consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
                 taken = loop.time()
                 for tp, records in batches.items():
-                    for record in records:
-                        self._dispatch(tp.partition, record.offset, record.key, record.value)
-                    if records:
-                        self._next[tp.partition] = records[-1].offset + 1
-                        self.received[tp.partition] = self.received.get(tp.partition, 0) + len(records)
+                    self._dispatch_batch(tp.partition, records)
+                self._stop_idle(consumer, time.monotonic())
                 if batches and interval > 0:
                     # The next fetch is already at the broker; its answer waits in the consumer until then.
                     await asyncio.sleep(max(0.0, taken + interval - loop.time()))
@@ -238,11 +308,25 @@ class LiveTail:
                 for subscription in waiting:
                     subscription.fail(failure)
             self._subscribers.clear()
+            for held in (self._next, self._recent, self._followers, self._idle_since):
+                held.clear()
             self._ready = None   # the next stream starts a fresh tail
         finally:
             with contextlib.suppress(Exception):
                 await consumer.stop()
             self._consumer = None
+
+    def _dispatch_batch(self, partition: int, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        """One partition's fetched records, in offset order; none of a partition no longer followed,
+        none from before where it is followed from (a fetch answered across a pause and a new start)."""
+        self.received[partition] = self.received.get(partition, 0) + len(records)
+        position = self._next.get(partition)
+        if position is None or not records:
+            return
+        for record in records:
+            if record.offset >= position:
+                self._dispatch(partition, record.offset, record.key, record.value)
+        self._next[partition] = max(position, records[-1].offset + 1)
 
     def _dispatch(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> None:
         if key is None or value is None:
