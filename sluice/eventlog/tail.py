@@ -1,6 +1,7 @@
-"""One live tail per process: a consumer following the end of every partition of the
-events topic, handing each record to the streams that wait for its run, and keeping
-the most recent records of each partition for streams that join a run in progress.
+"""One live tail per process: a consumer following the end of the partitions of the events
+topic that some stream reads, handing each record to the streams that wait for its run, and
+keeping the most recent records of each followed partition for streams that join a run in
+progress.
 
 Without it every live Stream would hold its own consumer reading its run's whole
 partition (one connection per stream, each record fetched once per stream of its
@@ -13,9 +14,17 @@ partition). With it a stream costs a dictionary entry and a bounded buffer:
        │                      else from the process's shared replay reader
        └─ then the buffer     live records, as the tail reads them
 
-`subscribe` reads the position, the recent records and registers in one synchronous
-step, and the tail dispatches a fetched batch synchronously too, so no record falls
+`subscribe` reads the position, the recent records and registers with no await in
+between (once the partition is followed), and the tail dispatches a fetched batch synchronously too, so no record falls
 between the replay and the buffer; the reader's EventDeduper absorbs any overlap.
+
+A fetch costs a gateway far more than the records it carries, so the tail fetches only what
+its streams need: every partition is assigned but paused, a partition's first subscription
+seeks it to its end and resumes it (that end is its position p above: everything before it is
+replayed), and a partition without subscription for FOLLOW_LINGER_S is paused again, its recent
+records dropped. Each gateway holds some of the streams, so it fetches the partitions of those
+only, and an idle gateway fetches nothing. While records flow, batches are taken at most every
+TAIL_BATCH_INTERVAL_MS, so that each fetch carries several.
 
 Every record the tail hands out is below the partition's high watermark (a consumer
 reads nothing else), so a stream only ever sends durable events.
