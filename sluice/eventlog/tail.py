@@ -15,8 +15,9 @@ partition). With it a stream costs a dictionary entry and a bounded buffer:
        └─ then the buffer     live records, as the tail reads them
 
 `subscribe` reads the position, the recent records and registers with no await in
-between (once the partition is followed), and the tail dispatches a fetched batch synchronously too, so no record falls
-between the replay and the buffer; the reader's EventDeduper absorbs any overlap.
+between (once the partition is followed), and the tail dispatches a fetched batch
+synchronously too, so no record falls between the replay and the buffer; the reader's
+EventDeduper absorbs any overlap.
 
 A fetch costs a gateway far more than the records it carries, so the tail fetches only what
 its streams need: every partition is assigned but paused, a partition's first subscription
@@ -254,11 +255,12 @@ class LiveTail:
             if consumer is None:
                 raise TailFailed(TAIL_FAILED.format(error="its consumer is not running"))
             end = await self._end_offset(partition)
-            if self._consumer is not consumer:
+            still = self._consumer
+            if still is None or still is not consumer:
                 raise TailFailed(TAIL_FAILED.format(error="its consumer stopped"))
             tp = TopicPartition(self.topic, partition)
-            consumer.seek(tp, end)
-            consumer.resume(tp)
+            still.seek(tp, end)
+            still.resume(tp)
             self._start_following(partition, end)
         finally:
             del self._following[partition]
