@@ -220,18 +220,22 @@ class _Prepared:
 
 class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
-                 metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None,
+                 hot: HotPool | None = None) -> None:
         self._sessionmaker = sessionmaker
         self._settings = settings
         self._autocommit = autocommit_engine(sessionmaker)
         # The hot path's two statements run on raw asyncpg connections of the same database
-        # (ledger/admission_sql.py); opened on the first Submit, closed by close().
-        self.hot = HotPool(dsn_of(sessionmaker))
+        # (ledger/admission_sql.py): the gateway process's pool when given (its owner closes it),
+        # else one of our own, opened on the first Submit and closed by close().
+        self._owns_hot = hot is None
+        self.hot = hot or HotPool(dsn_of(sessionmaker))
         self.metrics = metrics or GatewayMetrics()
         self.ladder_metrics = ladder_metrics or LadderMetrics(self.metrics.registry)
 
     async def close(self) -> None:
-        await self.hot.close()
+        if self._owns_hot:
+            await self.hot.close()
 
     async def submit(self, metadata: Metadata, intent: SubmitIntent) -> Admitted:
         """Admit or refuse, timed and counted (GatewayMetrics) under the Submit span, whose
@@ -680,9 +684,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 
 def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                           config: Settings, metrics: GatewayMetrics | None = None) -> AdmissionService:
-    """Register Admission on `server`; returns the service (handy for in-process callers)."""
-    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics)
+                           config: Settings, metrics: GatewayMetrics | None = None,
+                           hot: HotPool | None = None) -> AdmissionService:
+    """Register Admission on `server`; returns the service (handy for in-process callers). `hot`: the
+    process's pool of raw connections (ledger/pg.py), shared with Runs; None: the service opens its own."""
+    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics, hot=hot)
     add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],
                         AdmissionServicer(service), FieldLimits.from_config(config))
     return service

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.pg import HotPool
 from sluice.services import eventloop, replica_client
 from sluice.services.admin_servicer import add_admin_servicer
 from sluice.services.admission import add_admission_servicer
@@ -148,8 +149,12 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
     # Before any server: a Submit's span (and the traceparent its run row keeps) needs the tracer.
     setup_telemetry(TelemetrySettings.from_config(config), "sluice-" + "+".join(sorted(roles)), registries)
     registry_sync = None
+    # One pool of raw asyncpg connections for the gateway's hot statements (Admission, Runs), opened
+    # on first use; the routing worker keeps its own (worker.pool).
+    hot = HotPool(config.database.url) if "gateway" in roles else None
     # grpc.health.v1 of every server here follows PostgreSQL and Kafka, and turns NOT_SERVING on drain.
-    monitor = DependencyMonitor({"postgresql": postgres_probe(engine),
+    probed = hot or (worker.pool if worker is not None else HotPool(config.database.url))
+    monitor = DependencyMonitor({"postgresql": postgres_probe(probed),
                                  "kafka": kafka_probe(configured_bootstrap(config.kafka))})
     try:
         if worker is not None:
@@ -157,8 +162,8 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                                                           worker.replicas_changed)
         if "gateway" in roles:
             gateway = grpc_server(config.gateway.reuse_port)
-            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics)
-            runs_service = add_runs_servicer(gateway, sessions, config, events)
+            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot)
+            runs_service = add_runs_servicer(gateway, sessions, config, events, hot)
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)
             monitor.servers.append(add_operability(gateway, GATEWAY_SERVICES))
@@ -228,6 +233,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             await runs_service.close()
         if admission is not None:
             await admission.close()
+        await probed.close()
         await events.close()
         await replica_client.close_channels()
         await engine.dispose()

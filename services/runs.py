@@ -110,10 +110,13 @@ def _stream_start(recorded: EventStart, after: int) -> StreamStart | None:
 
 class RunsService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
-                 lease_seconds: float, dsn: str | None = None, owner: str | None = None) -> None:
+                 lease_seconds: float, dsn: str | None = None, owner: str | None = None,
+                 hot: HotPool | None = None) -> None:
         self.sessions = sessions
-        # Stream's lookups on raw asyncpg connections (ledger/runs_sql.py); opened on first use.
-        self._hot = HotPool(dsn_of(sessions))
+        # The lookups on raw asyncpg connections (ledger/runs_sql.py): the gateway process's pool
+        # when given (its owner closes it), else our own, opened on first use.
+        self._owns_hot = hot is None
+        self._hot = hot or HotPool(dsn_of(sessions))
         self.events = events
         self.lease_seconds = lease_seconds
         self.owner = owner or f"runs:{os.getpid()}"
@@ -122,7 +125,8 @@ class RunsService:
     async def close(self) -> None:
         if self._started is not None:
             await self._started.close()
-        await self._hot.close()
+        if self._owns_hot:
+            await self._hot.close()
 
     async def _own_run(self, session: AsyncSession, metadata: Metadata, run_id: str,
                        *, lock: bool = False) -> Run:
@@ -319,10 +323,11 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
 
 
 def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                      config: Settings, events: EventLog) -> RunsService:
+                      config: Settings, events: EventLog, hot: HotPool | None = None) -> RunsService:
     """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
-    started and closed by the caller on the server's event loop)."""
-    service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url)
+    started and closed by the caller on the server's event loop); `hot` its pool of raw connections
+    (ledger/pg.py), shared with Admission (None: the service opens its own)."""
+    service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url, hot=hot)
     add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
                         FieldLimits.from_config(config))
     return service

@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from sluice.ledger.db import make_engine, make_sessionmaker
+from sluice.ledger.pg import HotPool
 from sluice.services.admission import add_admission_servicer
 from sluice.services.main import GATEWAY_SERVICES
 from sluice.services.operability import DependencyMonitor, add_operability, kafka_probe, postgres_probe
@@ -97,9 +98,10 @@ async def seconds_until(channel: grpc.aio.Channel, service: str, wanted: int, li
 
 async def test_health_follows_postgresql_stopping_and_returning(throwaway_postgres: ThrowawayPostgres):
     engine = make_engine(throwaway_postgres.dsn)
+    hot = HotPool(throwaway_postgres.dsn)
     server = grpc.aio.server()
-    admission = add_admission_servicer(server, make_sessionmaker(engine), load_settings())
-    monitor = DependencyMonitor({"postgresql": postgres_probe(engine),
+    admission = add_admission_servicer(server, make_sessionmaker(engine), load_settings(), hot=hot)
+    monitor = DependencyMonitor({"postgresql": postgres_probe(hot),
                                  "kafka": kafka_probe(configured_bootstrap(load_settings().kafka))})
     operability = add_operability(server, GATEWAY_SERVICES)
     monitor.servers.append(operability)
@@ -128,6 +130,7 @@ async def test_health_follows_postgresql_stopping_and_returning(throwaway_postgr
         await channel.close()
         await server.stop(None)
         await admission.close()
+        await hot.close()
         await engine.dispose()
 
 
@@ -145,6 +148,55 @@ async def test_an_unreachable_kafka_is_not_serving():
         assert monitor.failing and monitor.failing[0].startswith("kafka")
     finally:
         await server.stop(None)
+
+
+async def test_the_kafka_probe_holds_one_connection_while_the_broker_keeps_it_open():
+    """Six probes of the real broker open one connection (each used to open its own)."""
+    probe = kafka_probe(configured_bootstrap(load_settings().kafka))
+    try:
+        for _ in range(6):
+            await probe()
+        assert probe.connects == 1
+    finally:
+        probe.close()
+
+
+async def test_the_kafka_probe_fails_once_the_broker_closes_its_connection_and_is_gone():
+    """A stand-in broker (a TCP listener) that closes its connections and stops listening, as a broker
+    going down does: the next probe sees the held connection closed and fails to open another."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def accept(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    listener = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    monitor = DependencyMonitor({"kafka": kafka_probe(f"127.0.0.1:{port}")})
+    await monitor.probe_once()
+    await monitor.probe_once()
+    assert monitor.failing == ()
+    listener.close()
+    await listener.wait_closed()
+    for writer in accepted:
+        writer.close()
+    await asyncio.sleep(0.1)             # the FIN reaches the probe's connection
+    await monitor.probe_once()
+    assert monitor.failing and monitor.failing[0].startswith("kafka")
+    await monitor.stop()
+
+
+async def test_the_kafka_probe_opens_a_fresh_connection_every_reconnect_interval():
+    """A broker silent behind a partition keeps the held connection open: a fresh one every
+    reconnect_s is what notices it."""
+    probe = kafka_probe(configured_bootstrap(load_settings().kafka), reconnect_s=0.2)
+    try:
+        await probe()
+        await probe()
+        await asyncio.sleep(0.25)
+        await probe()
+        assert probe.connects == 2
+    finally:
+        probe.close()
 
 
 def reflected(address: str) -> tuple[list[str], list[str]]:
