@@ -91,3 +91,20 @@ async def test_without_a_notification_the_poll_still_brings_the_change(gateway: 
         await until(lambda: "r1" not in addresses(registry))
     finally:
         await sync.close()
+
+
+async def test_while_its_listen_is_up_the_sync_does_not_poll(gateway: Gateway, database_dsn: str):
+    """The NOTIFY brings every change while LISTEN is up: the table is read once at start, once when
+    LISTEN is established, then not again for as long as nothing changes (not every 0.5 s)."""
+    sync = await follow_durable_registry(ReplicaRegistry(BOOTSTRAP), gateway.sessionmaker, database_dsn,
+                                         lambda: None)
+    try:
+        listener = sync._listener
+        assert listener is not None
+        await until(lambda: listener.listening)
+        await asyncio.sleep(0.1)             # the read LISTEN's establishment asked for
+        reads = sync.reads
+        await asyncio.sleep(1.6)             # three polls at the 0.5 s interval
+        assert sync.reads == reads
+    finally:
+        await sync.close()
