@@ -327,7 +327,8 @@ def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[
     """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
     started and closed by the caller on the server's event loop); `hot` its pool of raw connections
     (ledger/pg.py), shared with Admission (None: the service opens its own)."""
-    service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url, hot=hot)
+    service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url,
+                          hot=hot)
     add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
                         FieldLimits.from_config(config))
     return service

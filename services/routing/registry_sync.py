@@ -111,8 +111,9 @@ class RegistrySync:
             except Exception:
                 log.exception("replica registry sync failed; retrying")
             listening = self._listener is not None and self._listener.listening
+            interval = self._listening_poll_s if listening else self._poll_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._listening_poll_s if listening else self._poll_s)
+                await asyncio.wait_for(self._wake.wait(), interval)
 
 
 async def follow_durable_registry(

@@ -41,7 +41,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from opentelemetry import trace
 from sluice.ledger.channels import CANCEL_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.claims_sql import any_accepted, queue_runs
@@ -82,6 +81,7 @@ from sluice.services.routing.observability import (
     span_attributes,
 )
 from sluice.services.routing.run_ledger import SqlRunLedger
+from sluice.services.routing.scrape import fetch_metrics
 from sluice.services.telemetry import context_of, tracer
 from sluice.services.traffic import LadderMetrics, TrafficSettings
 from sluice.services.trust_scope import cache_salt, scope_of
@@ -203,7 +203,6 @@ class RoutingWorker:
         self.keeper.on_renewed = self.metrics.lease_renewed
         self.keeper.on_failed = self.metrics.lease_renewal_failed
         self.health.sync([spec.name for spec in registry.specs()], time.time())
-        self._http: aiohttp.ClientSession | None = None   # for scrapes; opened by the scrape loop
         self._stopping = asyncio.Event()   # set by stop(): claim nothing more
         # Set by admission's NOTIFY of a new run: one flag, so a burst of notifications while a claim
         # is in flight coalesces into ONE more claim pass, never one pass per notification.
@@ -257,9 +256,6 @@ class RoutingWorker:
             await self.keeper.close()
             for listener in listeners:
                 await listener.close()
-            if self._http is not None:
-                await self._http.close()
-                self._http = None
             await self.pool.close()
 
     def stop(self) -> None:
@@ -593,21 +589,17 @@ class RoutingWorker:
         """Scrape every replica's metrics endpoint at once (a slow one delays no other)."""
         specs = [spec for spec in self.registry.specs() if spec.metrics_url]
         if specs:
-            if self._http is None:
-                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S))
-            await asyncio.gather(*(self._scrape(self._http, spec) for spec in specs))
+            await asyncio.gather(*(self._scrape(spec) for spec in specs))
         return False
 
-    async def _scrape(self, http: aiohttp.ClientSession, spec: ReplicaSpec) -> None:
+    async def _scrape(self, spec: ReplicaSpec) -> None:
         started = time.perf_counter()
         try:
-            async with http.get(spec.metrics_url) as response:
-                response.raise_for_status()
-                text = await response.text()
+            text = await fetch_metrics(spec.metrics_url, SCRAPE_TIMEOUT_S)
             previous = self.loads.snapshot(spec.name)
             snapshot = record_scrape(self.loads, self.policy, spec.name, text)
             self._alive_at[spec.name] = time.monotonic()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:   # ScrapeError is a ValueError
             self.metrics.scrape_failed(spec.name, time.perf_counter() - started)
             if self.registry.get(spec.name) is not None:   # not removed while we waited
                 self.health.record_failure(spec.name, time.time())
