@@ -106,10 +106,10 @@ def terminal_event_of(record: TerminalRecord) -> runs_pb2.RunEvent:
 
 
 async def publish_terminal(log: EventLog, sessions: async_sessionmaker[AsyncSession],
-                           record: TerminalRecord) -> LogPosition:
-    """Steps 2 and 3."""
+                           record: TerminalRecord, pool: HotPool | None = None) -> LogPosition:
+    """Steps 2 and 3 (step 3 on `pool`'s connection when given, see record_published)."""
     position = await log.append(terminal_event_of(record))
-    await record_published(sessions, record, position)
+    await record_published(sessions, record, position, pool)
     return position
 
 

@@ -29,14 +29,11 @@ from typing import Any
 import grpc.aio
 from sluice.ledger.channels import CANCEL_CHANNEL, EVENTS_CHANNEL
 from sluice.ledger.db import dsn_of
-from sluice.ledger.models import TERMINAL_STATUSES, KeyScope, Model, Run, RunStatus
+from sluice.ledger.models import TERMINAL_STATUSES, KeyScope, RunStatus
 from sluice.ledger.pg import HotPool
-from sluice.ledger.pricing import cost_micros
-from sluice.ledger.repositories import RunRepository
-from sluice.ledger.routes import route_of
+from sluice.ledger.run_calls_sql import CallerRun, get_run_view, request_cancel, run_status
 from sluice.ledger.runs_sql import EventStart, StreamLookup, event_start, stream_lookup
-from sluice.ledger.settlement import settled_usage
-from sluice.services.auth import Metadata, api_key_from_metadata, authenticate, require_scope_of
+from sluice.services.auth import Metadata, api_key_from_metadata, require_scope_of
 from sluice.services.errors import (
     UNKNOWN_API_KEY,
     InvalidArgument,
@@ -47,12 +44,11 @@ from sluice.services.errors import (
     grpc_errors,
 )
 from sluice.services.finish import Ending, TerminalRecord, publish_terminal, settle_and_fix_terminal
-from sluice.services.notify import ChannelListener, notify
+from sluice.services.notify import ChannelListener
 from sluice.services.routes import route_message
 from sluice.services.telemetry import context_of, tracer
 from sluice.services.traffic import priority_to_proto
 from sluice.services.validation import FieldLimits, add_checked_service
-from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings
@@ -81,15 +77,6 @@ WAIT_REPOLL_S = 5.0
 
 def _ms(value: Any) -> int:
     return int(value.timestamp() * 1000) if value is not None else 0
-
-
-def final_cursor(run: Run) -> int:
-    """The cursor GetRun reports. A terminal run's terminal sequence is fixed in the same
-    transaction as its settlement, before the event is published; reporting it (rather than
-    the durable-progress column, which catches up only after the publish) keeps GetRun in
-    step with a client that already holds the terminal event, and matches Stream, which
-    treats `after >= terminal_sequence` as the end of the run."""
-    return run.terminal_sequence if run.terminal_sequence is not None else run.last_sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,49 +115,41 @@ class RunsService:
         if self._owns_hot:
             await self._hot.close()
 
-    async def _own_run(self, session: AsyncSession, metadata: Metadata, run_id: str,
-                       *, lock: bool = False) -> Run:
-        tenant = await authenticate(session, metadata)
+    async def _caller_run(self, metadata: Metadata, run_id: str) -> tuple[uuid.UUID, CallerRun]:
+        """The caller's run (GetRun, Cancel): the key authenticated and tenant-scoped, the run its
+        tenant's, one statement (ledger/run_calls_sql.py); raises as the caller must answer."""
+        key = api_key_from_metadata(metadata)
         try:
-            parsed = uuid.UUID(run_id)
+            parsed: uuid.UUID | None = uuid.UUID(run_id)
         except ValueError:
-            raise NotFound(RUN_NOT_FOUND.format(run_id=run_id)) from None
-        run = await RunRepository(session).get_for_tenant(tenant.id, parsed, lock=lock)
-        if run is None:
+            parsed = None   # authenticated first all the same: a bad key is UNAUTHENTICATED whatever the id
+        async with self._hot.connection() as connection:
+            found = await get_run_view(connection, key, parsed)
+        if not found.authenticated:
+            raise Unauthenticated(UNKNOWN_API_KEY)
+        require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
+        if found.run is None or parsed is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
-        return run
+        return parsed, found
 
     # --- GetRun -------------------------------------------------------------------------------
 
     async def get_run(self, metadata: Metadata, run_id: str) -> runs_pb2.Run:
-        async with self.sessions() as session:
-            run = await self._own_run(session, metadata, run_id)
-            usage = await self._usage(session, run)
+        _, found = await self._caller_run(metadata, run_id)
+        run = found.run
+        assert run is not None
+        usage = run.usage
         return runs_pb2.Run(
-            run_id=str(run.id), request_key=run.request_key, model_version=run.model_version,
-            status=status_value(run.status), replica=run.replica or "", input_tokens=run.input_tokens,
-            max_output_tokens=run.max_output_tokens, usage=usage, created_at_ms=_ms(run.created_at),
-            started_at_ms=_ms(run.started_at), finished_at_ms=_ms(run.finished_at),
-            deadline_at_ms=_ms(run.deadline_at), last_sequence=final_cursor(run), detail=run.detail or "",
-            cached_input_tokens=run.cached_input_tokens, route=route_message(route_of(run)),
-            priority=priority_to_proto(run.priority))
-
-    @staticmethod
-    async def _usage(session: AsyncSession, run: Run) -> common_pb2.TokenUsage:
-        settled = await settled_usage(session, run.id)
-        if settled is not None:
-            return common_pb2.TokenUsage(input_tokens=settled.input_tokens,
-                                         cached_input_tokens=settled.cached_input_tokens,
-                                         output_tokens=settled.output_tokens, cost_micros=settled.cost_micros)
-        # In flight: what is consumed so far (durable output tokens), priced the way settlement will.
-        model = await session.get(Model, run.model_version)
-        assert model is not None, f"run {run.id} names unknown model {run.model_version}"
-        charged_input = run.input_tokens if run.replica is not None else 0
-        return common_pb2.TokenUsage(
-            input_tokens=charged_input, cached_input_tokens=run.cached_input_tokens,
-            output_tokens=run.output_tokens,
-            cost_micros=cost_micros(model, charged_input, min(run.cached_input_tokens, charged_input),
-                                    run.output_tokens))
+            run_id=str(run.run_id), request_key=run.request_key, model_version=run.model_version,
+            status=status_value(run.status.value), replica=run.replica or "", input_tokens=run.input_tokens,
+            max_output_tokens=run.max_output_tokens,
+            usage=common_pb2.TokenUsage(input_tokens=usage.input_tokens,
+                                        cached_input_tokens=usage.cached_input_tokens,
+                                        output_tokens=usage.output_tokens, cost_micros=usage.cost_micros),
+            created_at_ms=_ms(run.created_at), started_at_ms=_ms(run.started_at),
+            finished_at_ms=_ms(run.finished_at), deadline_at_ms=_ms(run.deadline_at),
+            last_sequence=run.cursor, detail=run.detail or "", cached_input_tokens=run.cached_input_tokens,
+            route=route_message(run.route), priority=priority_to_proto(run.priority))
 
     # --- Stream -------------------------------------------------------------------------------
 
@@ -274,26 +253,35 @@ class RunsService:
     # --- Cancel -------------------------------------------------------------------------------
 
     async def cancel(self, metadata: Metadata, run_id: str) -> runs_pb2.CancelResponse:
+        """Cancel's common case, a run in progress, is one statement after the caller's lookup: the
+        request recorded with its NOTIFY to the driving worker. A run still ACCEPTED (no worker holds
+        it) ends here, settled CANCELLED in a transaction that locks it first: claiming locks the row
+        too, so it is either ours to end or the worker's to stop. Statuses only move forward, so a
+        run that moved between two looks is looked at again and the loop ends."""
+        parsed, found = await self._caller_run(metadata, run_id)
+        assert found.status is not None
+        status, requested = found.status, found.cancel_requested
         record: TerminalRecord | None = None
-        async with self.sessions() as session, session.begin():
-            run = await self._own_run(session, metadata, run_id, lock=True)
-            status = RunStatus(run.status)
-            if status in TERMINAL_STATUSES:
-                pass  # nothing to cancel; report the final status
-            elif status is RunStatus.ACCEPTED:
-                # No routing worker holds it (claiming locks the row we hold), so it ends here.
-                record = await settle_and_fix_terminal(
-                    session, str(run.id), Ending(RunStatus.CANCELLED, 0, 0, DETAIL_CANCELLED_BEFORE_START),
-                    self.owner, self.lease_seconds)
-                status = RunStatus.CANCELLED
-            elif run.cancel_requested_at is None:
-                await session.execute(update(Run).where(Run.id == run.id)
-                                      .values(cancel_requested_at=func.now())
-                                      .execution_options(synchronize_session=False))
+        while status not in TERMINAL_STATUSES and not (requested and status is not RunStatus.ACCEPTED):
+            async with self._hot.connection() as connection:
+                if status is RunStatus.ACCEPTED:
+                    async with connection.transaction():
+                        status, requested = await run_status(connection, parsed, lock=True)
+                        if status is RunStatus.ACCEPTED:
+                            record = await settle_and_fix_terminal(
+                                connection, str(parsed),
+                                Ending(RunStatus.CANCELLED, 0, 0, DETAIL_CANCELLED_BEFORE_START),
+                                self.owner, self.lease_seconds)
+                            status = RunStatus.CANCELLED
+                    continue
                 # Delivered on commit to the driving worker's LISTEN; its lease renewal polls too.
-                await notify(session, CANCEL_CHANNEL, str(run.id))
+                recorded = await request_cancel(connection, parsed, CANCEL_CHANNEL)
+                if recorded is not None:
+                    status = recorded
+                    break
+                status, requested = await run_status(connection, parsed)
         if record is not None:
-            await publish_terminal(self.events, self.sessions, record)
+            await publish_terminal(self.events, self.sessions, record, self._hot)
         return runs_pb2.CancelResponse(run_id=run_id, status=status_value(status.value))
 
 
