@@ -33,7 +33,8 @@ from sluice.traffic.route import RouteRecord
 
 _VIEW = Statement.of("""
 SELECT k.id AS key_id, k.key_hash, k.key_salt, k.scope,
-       (k.last_used_at IS NULL OR k.last_used_at < now() - CAST(:last_used_resolution AS interval)) AS key_stale,
+       (k.last_used_at IS NULL
+        OR k.last_used_at < now() - CAST(:last_used_resolution AS interval)) AS key_stale,
        r.id, r.request_key, r.model_version, r.status, r.replica, r.input_tokens, r.max_output_tokens,
        r.created_at, r.started_at, r.finished_at, r.deadline_at, r.last_sequence, r.terminal_sequence,
        r.detail, r.cached_input_tokens, r.output_tokens, r.priority, r.requested_model, r.route_reason,

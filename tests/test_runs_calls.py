@@ -19,14 +19,14 @@ import grpc.aio
 import pytest
 from sluice.ledger.channels import CANCEL_CHANNEL
 from sluice.ledger.db import dsn_of
+from sluice.ledger.keys import generate_key
 from sluice.ledger.models import ApiKey, KeyScope, Run
+from sluice.ledger.pg import asyncpg_dsn
 from sluice.services.runs import RunsService, RunsServicer
 from sluice.services.validation import FieldLimits, add_checked_service
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from sluice.ledger.keys import generate_key
-from sluice.ledger.pg import asyncpg_dsn
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, get_run, prompt_of
 from tests.test_admission_hot_path import RecordingPool, record_statements
