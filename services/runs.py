@@ -75,6 +75,22 @@ DETAIL_CANCELLED_BEFORE_START = "cancelled by the caller before a replica took t
 WAIT_REPOLL_S = 5.0
 
 
+def _run_uuid(run_id: str) -> uuid.UUID | None:
+    """The run id as a UUID; None for one that cannot name a run (NOT_FOUND, but only once the key
+    is authenticated: a bad key is UNAUTHENTICATED whatever the id)."""
+    try:
+        return uuid.UUID(run_id)
+    except ValueError:
+        return None
+
+
+def _check_caller(authenticated: bool, scope: KeyScope) -> None:
+    """A known key (UNAUTHENTICATED otherwise) of the tenant scope (PERMISSION_DENIED otherwise)."""
+    if not authenticated:
+        raise Unauthenticated(UNKNOWN_API_KEY)
+    require_scope_of(scope, "this tenant API", KeyScope.TENANT)
+
+
 def _ms(value: Any) -> int:
     return int(value.timestamp() * 1000) if value is not None else 0
 
@@ -119,15 +135,10 @@ class RunsService:
         """The caller's run (GetRun, Cancel): the key authenticated and tenant-scoped, the run its
         tenant's, one statement (ledger/run_calls_sql.py); raises as the caller must answer."""
         key = api_key_from_metadata(metadata)
-        try:
-            parsed: uuid.UUID | None = uuid.UUID(run_id)
-        except ValueError:
-            parsed = None   # authenticated first all the same: a bad key is UNAUTHENTICATED whatever the id
+        parsed = _run_uuid(run_id)
         async with self._hot.connection() as connection:
             found = await get_run_view(connection, key, parsed)
-        if not found.authenticated:
-            raise Unauthenticated(UNKNOWN_API_KEY)
-        require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
+        _check_caller(found.authenticated, found.scope)
         if found.run is None or parsed is None:
             raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
         return parsed, found
@@ -157,10 +168,7 @@ class RunsService:
         if after < 0:
             raise InvalidArgument(NEGATIVE_CURSOR.format(after=after))
         key = api_key_from_metadata(metadata)
-        try:
-            parsed: uuid.UUID | None = uuid.UUID(run_id)
-        except ValueError:
-            parsed = None   # authenticated first all the same: a bad key is UNAUTHENTICATED whatever the id
+        parsed = _run_uuid(run_id)
         with contextlib.ExitStack() as waiting:
             # Registered before the lookup: if the lookup finds no start yet, the NOTIFY that records it
             # can only come after this, so the stream waits for it instead of reading the ledger again.
@@ -168,9 +176,7 @@ class RunsService:
                 if self._started is not None and parsed is not None else None
             async with self._hot.connection() as connection:
                 found = await stream_lookup(connection, key, parsed)
-            if not found.authenticated:
-                raise Unauthenticated(UNKNOWN_API_KEY)
-            require_scope_of(found.scope, "this tenant API", KeyScope.TENANT)
+            _check_caller(found.authenticated, found.scope)
             if found.run_id is None:
                 raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
             if _stream_start(found.start, after) is not None:

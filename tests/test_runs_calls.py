@@ -19,27 +19,19 @@ import grpc.aio
 import pytest
 from sluice.ledger.channels import CANCEL_CHANNEL
 from sluice.ledger.db import dsn_of
-from sluice.ledger.keys import generate_key
-from sluice.ledger.models import ApiKey, KeyScope, Run
+from sluice.ledger.models import KeyScope, Run
 from sluice.ledger.pg import asyncpg_dsn
-from sluice.services.runs import RunsService, RunsServicer
-from sluice.services.validation import FieldLimits, add_checked_service
+from sluice.services.runs import RunsService
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from sluice.v1 import common_pb2, runs_pb2, runs_pb2_grpc
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, get_run, prompt_of
 from tests.test_admission_hot_path import RecordingPool, record_statements
+from tests.test_runs_stream_keys import UnreadLog, add_key, serve_runs
 
 pytest_plugins = ["tests.support.db", "tests.support.ledger_services"]
 pytestmark = pytest.mark.integration
-
-
-class UnreadLog:
-    """An event log that must not be read (nothing here publishes or streams)."""
-
-    def __getattr__(self, name: str) -> object:
-        raise AssertionError(f"the event log was used ({name})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,27 +45,8 @@ async def runs(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[
     service = RunsService(sessionmaker, UnreadLog(), lease_seconds=10.0)   # type: ignore[arg-type]
     recording = RecordingPool(service._hot)
     service._hot = recording   # type: ignore[assignment]
-    server = grpc.aio.server()
-    add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
-                        FieldLimits())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield RunsApi(runs_pb2_grpc.RunsStub(channel), recording)
-    finally:
-        await channel.close()
-        await server.stop(None)
-        await service.close()
-
-
-async def add_key(session: AsyncSession, tenant_id: uuid.UUID | None, scope: KeyScope = KeyScope.TENANT,
-                  expires_at: dt.datetime | None = None, revoked_at: dt.datetime | None = None) -> str:
-    key = generate_key()
-    session.add(ApiKey(id=uuid.uuid4(), tenant_id=tenant_id, key_hash=key.key_hash, key_prefix=key.prefix,
-                       key_salt=key.salt, scope=scope.value, expires_at=expires_at, revoked_at=revoked_at))
-    await session.flush()
-    return key.secret
+    async with serve_runs(service) as stub:
+        yield RunsApi(stub, recording)
 
 
 async def set_run(sessionmaker: async_sessionmaker[AsyncSession], run_id: str, **values: object) -> None:

@@ -8,6 +8,7 @@ ledger alone and no event log is needed (the stub refuses to be read)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
@@ -41,7 +42,13 @@ class UnreadLog:
 
 @pytest.fixture
 async def runs(sessionmaker: async_sessionmaker[AsyncSession]) -> AsyncIterator[runs_pb2_grpc.RunsStub]:
-    service = RunsService(sessionmaker, UnreadLog(), lease_seconds=10.0)   # type: ignore[arg-type]
+    async with serve_runs(RunsService(sessionmaker, UnreadLog(), lease_seconds=10.0)) as stub:  # type: ignore[arg-type]
+        yield stub
+
+
+@contextlib.asynccontextmanager
+async def serve_runs(service: RunsService) -> AsyncIterator[runs_pb2_grpc.RunsStub]:
+    """`service` on a free loopback port; closed on the way out."""
     server = grpc.aio.server()
     add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
                         FieldLimits())
