@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,7 @@ from sluice.services.tokenization import encode
 
 from bench.bench_submit import _claim_backlog
 from bench.platform_stack import (
+    CLOCK_TICKS,
     COMPONENTS,
     CpuMeter,
     CpuSample,
@@ -458,6 +460,83 @@ def idle_line(spent: Spent) -> str:
 
 
 PHASES = ("ttft", "runs", "stream64", "stream256", "interrupt", "submit")
+# Kafka's request logger at debug (infra/kafka.sh with KAFKA_REQUEST_LOG=debug) writes one
+# "Completed request:" line per request, naming its api as requestApiKeyName (the broker's own
+# requests, such as its heartbeat to the controller, are counted too).
+COMPLETED_REQUEST = re.compile(rb'Completed request:.*?"requestApiKeyName":"(\w+)"')
+
+
+class BrokerThreads:
+    """The broker JVM's CPU over a phase by thread (names with their digits folded: request handlers,
+    network threads, JIT compilers, GC, the KRaft raft loop...), from /proc/PID/task: where a broker's
+    CPU goes without JMX."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self._before: dict[str, tuple[str, float]] = {}
+
+    def _threads(self) -> dict[str, tuple[str, float]]:
+        threads: dict[str, tuple[str, float]] = {}
+        if self.pid is None:
+            return threads
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                stat = Path(f"/proc/{self.pid}/task/{task}/stat").read_text()
+                name = re.sub(r"\d+", "#", stat[stat.index("(") + 1:stat.rindex(")")])
+                fields = stat[stat.rindex(")") + 2:].split()
+                threads[task] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        return threads
+
+    def mark(self) -> None:
+        self._before = self._threads()
+
+    def line(self, wall_s: float, top: int = 6) -> str:
+        groups: dict[str, float] = {}
+        for task, (name, cpu) in self._threads().items():
+            groups[name] = groups.get(name, 0.0) + cpu - self._before.get(task, (name, 0.0))[1]
+        ranked = sorted(groups.items(), key=lambda item: -item[1])[:top]
+        parts = ", ".join(f"{name} {cpu / wall_s * 1e3:.0f}" for name, cpu in ranked)
+        return f"  broker CPU by thread: {parts} ms/s"
+
+
+class RequestCounter:
+    """Broker requests by api over a phase, from the broker's log (a private broker started with
+    KAFKA_REQUEST_LOG=debug: every client of it is counted, so give it no other users)."""
+
+    def __init__(self, log: Path | None) -> None:
+        self.log = log
+        self._offset = 0
+
+    def mark(self) -> None:
+        if self.log is not None:
+            self._offset = self.log.stat().st_size
+
+    def counts(self) -> dict[str, int]:
+        assert self.log is not None
+        with self.log.open("rb") as file:
+            file.seek(self._offset)
+            text = file.read()
+        counts: dict[str, int] = {}
+        for match in COMPLETED_REQUEST.finditer(text):
+            name = match.group(1).decode().lower()
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def rate_line(self, seconds: float) -> str:
+        counts = self.counts()
+        parts = ", ".join(f"{name} {count / seconds:.1f}" for name, count in counts.items())
+        total = sum(counts.values()) / seconds
+        return f"  broker requests per second with the stack idle: {total:.1f} ({parts})"
+
+    def line(self, events: int, runs: int) -> str:
+        if self.log is None:
+            return "  (broker requests not counted: --request-log)"
+        counts = self.counts()
+        total = sum(counts.values())
+        parts = ", ".join(f"{name} {count / max(events, 1):.3f}" for name, count in
+                          sorted(counts.items(), key=lambda item: -item[1]))
+        return (f"  broker requests per delivered event: {total / max(events, 1):.3f} ({parts});"
+                f" {total / max(runs, 1):.1f} per run, {total} in all")
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -484,6 +563,15 @@ async def bench(args: argparse.Namespace) -> None:
               f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
               flush=True)
         await bounded(8, 4, lambda: client.run(4))                     # warm channels, tails, pools
+        if args.warm_broker:
+            # The broker's JIT compiles its produce/fetch paths under load: a phase that comes first
+            # after an idle broker would pay that compilation. Not counted in any phase.
+            started = time.perf_counter()
+            await bounded(args.warm_broker, 64, lambda: client.run(plan.stream_tokens))
+            print(f"broker warmed: {args.warm_broker} runs of {plan.stream_tokens} tokens, 64 concurrent,"
+                  f" {time.perf_counter() - started:.1f} s, before any measured phase", flush=True)
+        requests = RequestCounter(Path(args.request_log) if args.request_log else None)
+        threads = BrokerThreads(meter.kafka)
         print(f"[{load()}]", flush=True)
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
@@ -491,8 +579,14 @@ async def bench(args: argparse.Namespace) -> None:
         profiles = start_profiles(stack, args.py_spy, log_dir) \
             if args.py_spy and args.py_spy_phase == "idle" else []
         idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
+        requests.mark()
+        threads.mark()
         _, idle = await measured(meter, asyncio.sleep(idle_s))
         print(f"idle stack: {idle_line(idle)}", flush=True)
+        if args.request_log:
+            print(requests.rate_line(idle.wall_s), flush=True)
+        if args.broker_threads:
+            print(threads.line(idle.wall_s), flush=True)
         await print_profiles(profiles, f"{args.py_spy} s of the idle stack")
         phases = set(args.phases.split(","))
         if "ttft" in phases:
@@ -502,23 +596,35 @@ async def bench(args: argparse.Namespace) -> None:
             cost_runs = args.cost_runs or plan.cost_runs
             profiles = start_profiles(stack, args.py_spy, log_dir) \
                 if args.py_spy and args.py_spy_phase == "runs" else []
+            requests.mark()
+            threads.mark()
             outcomes, spent = await phase_runs(meter, client, cost_runs, 16, 2)
             print(f"CPU per run of 2 tokens ({cost_runs} runs, 16 concurrent;"
                   f" {outcome_counts(outcomes)}): {spent.split(len(outcomes), 'ms', 1e3)}", flush=True)
             events = sum(o.events for o in outcomes) / max(len(outcomes), 1)
             print(f"  {spent.wall_s:.1f} s wall, {len(outcomes) / spent.wall_s:.0f} runs/s,"
                   f" {events:.2f} events per run delivered", flush=True)
+            print(requests.line(sum(o.events for o in outcomes), len(outcomes)), flush=True)
+            if args.broker_threads:
+                print(threads.line(spent.wall_s), flush=True)
             await print_profiles(profiles, f"{args.py_spy} s of the run-cost phase")
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
-        for width, runs in ((w, r) for w, r in widths if f"stream{w}" in phases):
+        passes = range(1, args.stream_passes + 1)
+        for width, runs, pass_no in ((w, r, p) for w, r in widths if f"stream{w}" in phases for p in passes):
             profiles = start_profiles(stack, args.py_spy, log_dir) \
                 if args.py_spy and width == 64 and args.py_spy_phase == "stream64" else []
             print(f"[{load()}]", flush=True)
+            requests.mark()
+            threads.mark()
             outcomes, spent = await phase_runs(meter, client, runs, width, plan.stream_tokens)
             await print_profiles(profiles, f"{args.py_spy} s of stream-64")
-            label = f"{width} concurrent {plan.stream_tokens}-token streams"
+            label = f"{width} concurrent {plan.stream_tokens}-token streams" \
+                + (f" (pass {pass_no} of {args.stream_passes})" if args.stream_passes > 1 else "")
             for line in stream_lines(label, outcomes, spent, background, idle):
                 print(line, flush=True)
+            print(requests.line(sum(o.events for o in outcomes), len(outcomes)), flush=True)
+            if args.broker_threads:
+                print(threads.line(spent.wall_s), flush=True)
         if "interrupt" in phases:
             runs = args.interrupt_runs or plan.interrupt_runs
             tokens = args.interrupt_tokens or plan.interrupt_tokens
@@ -574,6 +680,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="output tokens per run in the interrupt phase (default: 40 quick, 100 full)")
     parser.add_argument("--burn", type=int, default=0, metavar="N",
                         help="N CPU-burning processes at nice 0 during the interrupt phase (a loaded box)")
+    parser.add_argument("--stream-passes", type=int, default=1,
+                        help="run each stream phase this many times in a row, each reported (warm-up check)")
+    parser.add_argument("--warm-broker", type=int, default=0, metavar="RUNS",
+                        help="before any measured phase, this many stream-length runs at 64 concurrent"
+                             " (the broker's JIT warm-up), not counted")
+    parser.add_argument("--request-log", default="", metavar="KAFKA_LOG",
+                        help="count broker requests per event from this broker log (a private broker"
+                             " started with KAFKA_REQUEST_LOG=debug)")
+    parser.add_argument("--broker-threads", action="store_true",
+                        help="after each run/stream phase, the broker's CPU by thread (from /proc)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
     asyncio.run(bench(parser.parse_args(argv)))

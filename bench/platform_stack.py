@@ -22,6 +22,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from sluice.ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_mode
 
 from bench.bench_replica import free_ports, group_cpu_seconds, start_replica, stop_replica
 from bench.bench_submit import _admin, _migrate, _url
+from sluice.config import load_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -230,13 +232,24 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def kafka_pid() -> int | None:
+def kafka_pid(bootstrap: str | None = None) -> int | None:
+    """The broker JVM serving `bootstrap` (default: the configured one): several may run on one box
+    (a private broker on other ports, a CI dry run), and measuring the wrong one would be silent. A
+    broker is matched by the listeners line of the properties file its command line names; with no
+    match, the first broker found."""
+    port = (bootstrap or load_settings().kafka.bootstrap).rsplit(":", 1)[-1]
+    first: int | None = None
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if KAFKA_MAIN_CLASS in Path(f"/proc/{entry}/cmdline").read_bytes():
+                arguments = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if KAFKA_MAIN_CLASS not in arguments:
+                    continue
+                first = first or int(entry)
+                properties = Path(arguments[arguments.index(KAFKA_MAIN_CLASS) + 1].decode()).read_text()
+                if re.search(rf"^listeners=.*PLAINTEXT://[^,:]*:{port}\b", properties, re.MULTILINE):
                     return int(entry)
-    return None
+    return first
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,9 @@
 #   start: format storage on first use, then launch the broker in the background (pid file).
 #   wait:  the port answers AND a metadata request works (60 s), then the events topic exists.
 # Jars come from infra/kafka/target/libs (assembled by infra/setup.sh with Maven).
+# KAFKA_REQUEST_LOG=debug (at start): the broker logs one line per request it completes (api, client,
+# times) to its log, for counting requests (bench_platform --request-log); it costs CPU itself, so
+# never with figures of CPU.
 SCRIPT_TAG=kafka
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -58,7 +61,7 @@ log.retention.ms=$RETENTION_MS
 # A single local consumer group should not wait 3 s for members that never come.
 group.initial.rebalance.delay.ms=0
 PROPS
-  write_kafka_log4j "$LOG4J_CONF" "$KAFKA_LOG"
+  write_kafka_log4j "$LOG4J_CONF" "$KAFKA_LOG" "${KAFKA_REQUEST_LOG:-warn}"
 }
 
 java_run() {

@@ -70,8 +70,10 @@ wait_gone() {
   [[ ! -e "/proc/$1" ]]
 }
 
-# write_kafka_log4j CONF LOGFILE -> a log4j2 config for a Kafka node logging to LOGFILE (rolled at
-# 50 MB, 3 kept; request and state-change chatter at warn). Shared by kafka.sh and kafka_cluster.sh.
+# write_kafka_log4j CONF LOGFILE [REQUEST_LEVEL] -> a log4j2 config for a Kafka node logging to LOGFILE
+# (rolled at 50 MB, 3 kept; state-change chatter at warn, the request logger at REQUEST_LEVEL, default
+# warn: debug writes a line per request, which is how bench_platform --request-log counts them).
+# Shared by kafka.sh and kafka_cluster.sh.
 write_kafka_log4j() {
   cat >"$1" <<XML
 <?xml version="1.0" encoding="UTF-8"?>
@@ -84,7 +86,7 @@ write_kafka_log4j() {
     </RollingFile>
   </Appenders>
   <Loggers>
-    <Logger name="kafka.request.logger" level="warn"/>
+    <Logger name="kafka.request.logger" level="${3:-warn}"/>
     <Logger name="state.change.logger" level="warn"/>
     <Logger name="org.apache.kafka.controller" level="info"/>
     <Root level="info"><AppenderRef ref="file"/></Root>
