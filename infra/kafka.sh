@@ -60,12 +60,30 @@ $(kafka_replication_properties 1 1)
 log.retention.ms=$RETENTION_MS
 # A single local consumer group should not wait 3 s for members that never come.
 group.initial.rebalance.delay.ms=0
+# Sized for a small box (dev, CI: 2 cores), where the broker's CPU is mostly fixed costs: one network
+# thread and two request handlers carry this load (requests are ~100/s, each a few hundred us), and
+# the idle threads of the defaults (3 and 8) only add wake-ups.
+num.network.threads=1
+num.io.threads=2
+# The controller writes a no-op record to the metadata log this often so that brokers can tell a live
+# controller from a stale one (KIP-835); the default 500 ms costs the idle node ~2 raft appends and
+# metadata publications a second. One node is its own controller: 5 s is plenty.
+metadata.max.idle.interval.ms=5000
 PROPS
   write_kafka_log4j "$LOG4J_CONF" "$KAFKA_LOG" "${KAFKA_REQUEST_LOG:-warn}"
 }
 
+# The broker's JVM, sized for a small shared box (dev, CI: 2 cores) where its CPU is mostly fixed
+# costs, not per-record work (bench_platform --broker-threads): KAFKA_JVM_FLAGS replaces them.
+#   TieredStopAtLevel=1  C1 only: the default tiered C2 spent 80-150 ms CPU/s compiling through the
+#                        broker's first minutes of load (and still ~20 ms/s hours later); C1 code is
+#                        compiled in a fraction of that, and is fast enough at these request rates
+#   UseSerialGC          one GC thread and no concurrent marking/refinement threads; young pauses on
+#                        this heap are a few ms (records live in the page cache, not the heap)
+read -r -a JVM_FLAGS <<<"${KAFKA_JVM_FLAGS:--Xms128m -Xmx512m -XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC}"
+
 java_run() {
-  "$JAVA" -Xms128m -Xmx512m -Djava.awt.headless=true \
+  "$JAVA" "${JVM_FLAGS[@]}" -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$LOG4J_CONF" -cp "$LIBS/*" "$@"
 }
 
@@ -95,7 +113,7 @@ cmd_start() {
   : >"$KAFKA_OUT"
   # setsid: the broker gets a session of its own, so it outlives the shell, terminal or
   # agent session that started it and no process-group kill aimed at the caller reaches it.
-  setsid nohup "$JAVA" -Xms128m -Xmx512m -Djava.awt.headless=true \
+  setsid nohup "$JAVA" "${JVM_FLAGS[@]}" -Djava.awt.headless=true \
     -Dlog4j2.configurationFile="$LOG4J_CONF" -cp "$LIBS/*" kafka.Kafka "$PROPS" \
     >>"$KAFKA_OUT" 2>&1 </dev/null &
   echo $! >"$PID_FILE"
