@@ -37,6 +37,14 @@ during the run-cost phase or with the stack idle instead; submit: the gateway al
 submit phase) and prints each one's top five functions by own time. --cost-runs N sets the
 run-cost phase's size (longer phases: steadier figures, room for a profile). The line "idle
 stack" is each component's CPU per second with nothing to do.
+
+Before anything is measured, --warm-broker RUNS (default 64) stream-length runs at 64 concurrent
+warm the broker: a JVM compiles its produce and fetch paths during its first heavy load, and the
+phase that came first after an idle broker used to pay for that (with the default tiered C2 JIT
+the first 64-stream phase spent 60-150 ms CPU/s in the compiler threads). The figures are the
+steady state's; --warm-broker 0 shows the cold one. Broker analysis (use a private broker, see
+infra/kafka.sh): --stream-passes N repeats each stream phase, --broker-threads prints the broker's
+CPU by thread per phase, --request-log counts its requests per event by api.
 """
 
 from __future__ import annotations
@@ -682,9 +690,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="N CPU-burning processes at nice 0 during the interrupt phase (a loaded box)")
     parser.add_argument("--stream-passes", type=int, default=1,
                         help="run each stream phase this many times in a row, each reported (warm-up check)")
-    parser.add_argument("--warm-broker", type=int, default=0, metavar="RUNS",
+    parser.add_argument("--warm-broker", type=int, default=64, metavar="RUNS",
                         help="before any measured phase, this many stream-length runs at 64 concurrent"
-                             " (the broker's JIT warm-up), not counted")
+                             " (the broker's JIT warm-up), not counted; 0: none (default 64)")
     parser.add_argument("--request-log", default="", metavar="KAFKA_LOG",
                         help="count broker requests per event from this broker log (a private broker"
                              " started with KAFKA_REQUEST_LOG=debug)")

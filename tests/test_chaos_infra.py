@@ -8,6 +8,7 @@ Part of `make chaos` (SLUICE_CHAOS=1); tests/support/chaos.py holds the invarian
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -48,12 +49,13 @@ def kill_single_broker(env: dict[str, str]) -> None:
     os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def throwaway_broker() -> Iterator[dict[str, str]]:
-    """A single Kafka broker of its own (ports, data dir)."""
+@contextlib.contextmanager
+def single_broker(name: str, **extra_env: str) -> Iterator[dict[str, str]]:
+    """A single Kafka broker of its own (ports, data dir) started by infra/kafka.sh; yields its
+    SLUICE_* environment (with `extra_env`, e.g. KAFKA_REQUEST_LOG)."""
     broker, controller = free_ports(2)
-    env = {"SLUICE_PATHS__DATA_DIR": throwaway_dir("chaos-kafka"),
-           "SLUICE_KAFKA__BOOTSTRAP": f"127.0.0.1:{broker}", "SLUICE_KAFKA__CONTROLLER_PORT": str(controller)}
+    env = {"SLUICE_PATHS__DATA_DIR": throwaway_dir(name), "SLUICE_KAFKA__BOOTSTRAP": f"127.0.0.1:{broker}",
+           "SLUICE_KAFKA__CONTROLLER_PORT": str(controller), **extra_env}
     infra("kafka.sh", "start", env)
     try:
         infra("kafka.sh", "wait", env)
@@ -61,6 +63,12 @@ def throwaway_broker() -> Iterator[dict[str, str]]:
     finally:
         infra("kafka.sh", "stop", env)
         shutil.rmtree(env["SLUICE_PATHS__DATA_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def throwaway_broker() -> Iterator[dict[str, str]]:
+    with single_broker("chaos-kafka") as env:
+        yield env
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ class KafkaEventLog:
 
     @classmethod
     def from_config(cls, config: Settings) -> KafkaEventLog:
-        return cls(bootstrap=configured_bootstrap(config.kafka), topic=config.kafka.events_topic)
+        return cls(bootstrap=configured_bootstrap(config.kafka), topic=config.kafka.events_topic,
+                   linger_ms=config.kafka.producer_linger_ms)
 
     async def _ready_producer(self) -> AIOKafkaProducer:
         async with self._producer_lock:

@@ -54,6 +54,9 @@ POLL_TIMEOUT_MS = 200
 # record's delivery). At 100 ms, two idle gateways spent ~27 ms CPU/s (and the broker its share)
 # answering ten empty fetches a second each; at 500 ms ~17 ms/s, with delivery after an idle spell
 # unchanged (median 3-4 ms, max ~16 ms, publish at_once -> a follower, on the shared 2-core box).
+# Not longer: aiokafka keeps one fetch in flight per broker, so a partition resumed for a new stream
+# is fetched only once the fetch held for the partitions already followed returns. At 5 s a run's
+# first event on a newly followed partition, beside an idle followed one, waited 2.7-3.7 s (3 of 4).
 TAIL_FETCH_WAIT_MS = 500
 # At most one fetched batch per this interval while records flow. A fetch costs the gateway far more
 # than the records it carries (bench/bench_tail.py: ~0.7-0.9 ms of CPU per fetch against a few us per
