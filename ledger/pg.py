@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, cast
@@ -131,6 +133,9 @@ class HotPool:
         self.size = size
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
+        # Monotonic time a connection was last handed back without an error: PostgreSQL answered
+        # then, so a health probe that finds this recent need not ask again (services/operability.py).
+        self.answered_at = -math.inf
 
     async def _open(self) -> asyncpg.Pool:
         async with self._opening:
@@ -144,6 +149,7 @@ class HotPool:
         pool = self._pool or await self._open()
         async with pool.acquire() as connection:
             yield connection
+        self.answered_at = time.monotonic()
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -6,8 +6,9 @@ PostgreSQL (`SELECT 1`) and Kafka (a TCP connection to a bootstrap broker) every
 service of the server NOT_SERVING within about 1.5 s and back to SERVING once it answers again.
 
 Both probes are paid per second by every process, busy or idle (issue 9), so each is one cheap look:
-- PostgreSQL: one `SELECT 1` on the process's hot asyncpg pool (ledger/pg.py), one round trip; a
-  SQLAlchemy checkout wrapped it in BEGIN and ROLLBACK, three statements and ~0.6 ms of client CPU.
+- PostgreSQL: one `SELECT 1` on the process's hot asyncpg pool (ledger/pg.py), one round trip (a
+  SQLAlchemy checkout wrapped it in BEGIN and ROLLBACK: three statements, ~0.6 ms of client CPU),
+  and none at all while the process's own statements on that pool got answers within the interval.
 - Kafka: the probe keeps one idle TCP connection to a broker and asks only whether it is still
   open: a broker that stops or dies closes it (seen at the next probe, then a new connection is
   the probe until one succeeds). A connection is a broker's costliest request (~0.6 ms of its CPU
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,9 +76,13 @@ def add_operability(server: grpc.aio.Server, services: Sequence[str]) -> Operabi
     return Operability(servicer, tuple(services))
 
 
-def postgres_probe(pool: HotPool) -> Probe:
-    """`SELECT 1` on one of `pool`'s connections (a lost one is replaced by the pool's next acquire)."""
+def postgres_probe(pool: HotPool, fresh_s: float = PROBE_INTERVAL_S) -> Probe:
+    """`SELECT 1` on one of `pool`'s connections (a lost one is replaced by the pool's next acquire),
+    unless the process's own statements on `pool` got an answer within `fresh_s`: a busy process then
+    pays nothing for its health."""
     async def probe() -> None:
+        if time.monotonic() - pool.answered_at < fresh_s:
+            return
         async with pool.connection() as connection:
             await connection.fetchval("SELECT 1")
     return probe

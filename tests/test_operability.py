@@ -150,6 +150,36 @@ async def test_an_unreachable_kafka_is_not_serving():
         await server.stop(None)
 
 
+async def test_the_postgresql_probe_asks_only_when_the_pool_has_not_had_an_answer_lately(database_dsn: str):
+    """A busy process's own statements are its health: the probe sends SELECT 1 only when the pool's
+    last answer is older than its freshness window."""
+    pool = HotPool(database_dsn, size=1)            # one connection: its query log sees everything
+    sent: list[str] = []
+    try:
+        async with pool.connection() as connection:
+            connection.add_query_logger(lambda query: sent.append(query.query))
+        probe = postgres_probe(pool, fresh_s=0.3)
+        await probe()
+        assert sent == []                           # answered a moment ago (the logger's own acquire)
+        await asyncio.sleep(0.35)
+        await probe()
+        assert sent == ["SELECT 1"]
+        await probe()
+        assert sent == ["SELECT 1"]                 # the probe's own answer counts too
+    finally:
+        await pool.close()
+
+
+async def test_the_postgresql_probe_fails_when_nobody_answers():
+    pool = HotPool(f"postgresql+asyncpg://nobody@127.0.0.1:{free_ports(1)[0]}/none")
+    monitor = DependencyMonitor({"postgresql": postgres_probe(pool)})
+    try:
+        await monitor.probe_once()
+        assert monitor.failing and monitor.failing[0].startswith("postgresql")
+    finally:
+        await pool.close()
+
+
 async def test_the_kafka_probe_holds_one_connection_while_the_broker_keeps_it_open():
     """Six probes of the real broker open one connection (each used to open its own)."""
     probe = kafka_probe(configured_bootstrap(load_settings().kafka))
