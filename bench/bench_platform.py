@@ -570,7 +570,10 @@ async def bench(args: argparse.Namespace) -> None:
               f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
               f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
               flush=True)
-        await bounded(8, 4, lambda: client.run(4))                     # warm channels, tails, pools
+        # Warm channels, tails and pools at the run-cost phase's concurrency (16): a pool still growing
+        # there charged each new connection's start (fork, SCRAM, type introspection: ~25 per bench,
+        # ~1 ms a run) to the runs.
+        await bounded(32, 16, lambda: client.run(4))
         if args.warm_broker:
             # The broker's JIT compiles its produce/fetch paths under load: a phase that comes first
             # after an idle broker would pay that compilation. Not counted in any phase.
