@@ -6,7 +6,11 @@
     mark_published    the TERMINAL event is durable: the run's publisher lease ends
 
 The two writes NOTIFY the run's Streams in their RETURNING clause (delivered at the statement's
-commit), so a write and its notification are one round trip.
+commit), so a write and its notification are one round trip. mark_published notifies only for a
+run that never went RUNNING (cancelled or ended before its first event): a Stream waits for a
+NOTIFY only while the run's start is unrecorded, and RUNNING's own NOTIFY already ended that wait
+for every other run. A NOTIFY wakes every listening backend of the database and reaches every
+gateway's listener: one per run fewer (issue 9).
 
 An unknown key and another tenant's run are told apart as the ORM path does: no row at all is
 an unknown (or revoked, or expired) key; a row without a run is a run this tenant does not have.
@@ -55,7 +59,7 @@ UPDATE runs
        event_partition = COALESCE(event_partition, :partition),
        event_first_offset = COALESCE(event_first_offset, :first_offset)
  WHERE id = :run_id
-RETURNING pg_notify(:channel, :payload)
+RETURNING CASE WHEN started_at IS NULL THEN pg_notify(:channel, :payload) END
 """)
 
 _START = Statement.of("""
@@ -113,7 +117,8 @@ async def mark_running(connection: Executor, run_id: str, epoch: int, first: Log
 async def mark_published(connection: Executor, run_id: str, sequence: int,
                          position: LogPosition, channel: str) -> None:
     """The TERMINAL event (`sequence`, at `position`) is durable: record it, end the publisher's lease.
-    A run whose only event is its terminal one starts where that event sits."""
+    A run whose only event is its terminal one starts where that event sits; its Streams are notified
+    on `channel` (a run that went RUNNING notified them then)."""
     await rows_of(connection).row(_MARK_PUBLISHED, {
         "run_id": uuid.UUID(run_id), "sequence": sequence, "partition": position.partition,
         "first_offset": position.offset, "channel": channel, "payload": run_id})

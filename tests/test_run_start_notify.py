@@ -1,0 +1,65 @@
+"""Which ledger writes NOTIFY a run's Streams (ledger/runs_sql.py), on the real PostgreSQL: RUNNING
+always (it records where the run's events start); terminal-published only for a run that never went
+RUNNING (its start is recorded then). A Stream waits for a NOTIFY only while the start is unrecorded."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+from sluice.ledger.channels import EVENTS_CHANNEL
+from sluice.ledger.db import dsn_of
+from sluice.ledger.pg import asyncpg_dsn
+from sluice.ledger.runs_sql import mark_published, mark_running
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.eventlog.interface import LogPosition
+from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, prompt_of
+
+pytestmark = pytest.mark.integration
+
+EPOCH = 1
+
+
+async def queued_run(api, sessionmaker: async_sessionmaker[AsyncSession], name: str) -> str:  # type: ignore[no-untyped-def]
+    async with sessionmaker() as session, session.begin():
+        tenant = await add_tenant(session, name)
+    run_id = (await api.submit(tenant, prompt_of(4), 4)).run_id
+    async with sessionmaker() as session, session.begin():
+        await session.execute(text("UPDATE runs SET status = 'QUEUED', lease_epoch = :epoch WHERE id = :id"),
+                              {"epoch": EPOCH, "id": uuid.UUID(run_id)})
+    return str(run_id)
+
+
+async def heard_within(queue: asyncio.Queue[str], seconds: float) -> list[str]:
+    await asyncio.sleep(seconds)
+    heard = []
+    while not queue.empty():
+        heard.append(queue.get_nowait())
+    return heard
+
+
+async def test_published_notifies_only_a_run_that_never_went_running(api, sessionmaker):  # type: ignore[no-untyped-def]
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, api.tokenizer, DEFAULT_MODEL)
+    ran = await queued_run(api, sessionmaker, "acme")
+    never_ran = await queued_run(api, sessionmaker, "globex")
+    dsn = asyncpg_dsn(dsn_of(sessionmaker))
+    listener, writer = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener(EVENTS_CHANNEL, lambda _c, _p, _ch, payload: heard.put_nowait(payload))
+    try:
+        assert await mark_running(writer, ran, EPOCH, LogPosition(0, 10), 1, EVENTS_CHANNEL)
+        assert await heard_within(heard, 0.3) == [ran]
+        await mark_published(writer, ran, 3, LogPosition(0, 12), EVENTS_CHANNEL)
+        await mark_published(writer, never_ran, 1, LogPosition(0, 20), EVENTS_CHANNEL)
+        assert await heard_within(heard, 0.3) == [never_ran]
+        row = await writer.fetchrow("SELECT event_partition, event_first_offset, terminal_published FROM runs"
+                                    " WHERE id = $1", uuid.UUID(never_ran))
+        assert tuple(row) == (0, 20, True)            # its start is its terminal event's position
+    finally:
+        await listener.close()
+        await writer.close()
