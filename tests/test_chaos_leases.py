@@ -1,5 +1,6 @@
 """Leases on the real stack (DESIGN.md "Leases and fencing", issue 9 point 6): a routing worker whose
-PostgreSQL stalls, or whose event loop is kept busy, for less than a lease interrupts no run, and every
+PostgreSQL stalls, answers every statement late, or whose event loop is kept busy, for less than a
+lease interrupts no run, and every
 run completes with exactly its tokens; a stall longer than the lease ends the runs INTERRUPTED from
 their last durable event (reaped behind a fence), never regenerated: each client's events stop at a
 sequence it saw, followed by the terminal event that records the interruption.
@@ -100,6 +101,20 @@ async def test_a_database_stall_shorter_than_the_lease_interrupts_no_run(stack: 
         await proxy.stall(0.7 * TEST_LEASE_SECONDS)
         results = await asyncio.gather(*streams)
     assert proxy.stalls == 1
+    assert [(e[-1].status, e[-1].detail) for e in results] == [(COMPLETED, "")] * RUNS
+    assert [deltas_tokens(e) for e in results] == [TOKENS] * RUNS and all(map(contiguous, results))
+    await assert_settled_once_as_streamed(stack, run_ids, results)
+
+
+async def test_a_database_answering_late_but_within_the_lease_interrupts_no_run(stack: Stack):
+    # Every answer to the worker 0.4 of a lease late (a database on a saturated box) for two leases:
+    # renewals land late but within the lease; nothing cuts them short.
+    async with proxied_worker(stack) as (proxy, _), SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        run_ids, streams = await streaming(stack, sdk)
+        proxy.slow(0.4 * TEST_LEASE_SECONDS)
+        await asyncio.sleep(2 * TEST_LEASE_SECONDS)
+        proxy.slow(0.0)
+        results = await asyncio.gather(*streams)
     assert [(e[-1].status, e[-1].detail) for e in results] == [(COMPLETED, "")] * RUNS
     assert [deltas_tokens(e) for e in results] == [TOKENS] * RUNS and all(map(contiguous, results))
     await assert_settled_once_as_streamed(stack, run_ids, results)

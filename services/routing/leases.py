@@ -56,9 +56,11 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 0.2                # after a failed renewal attempt, try again this soon
 CONNECT_TIMEOUT_S = 1.0
-HEDGE_SHARE = 1 / 3          # an attempt unanswered after this share of the lease left: another one
+HEDGE_SHARE = 1 / 2          # an attempt unanswered after this share of the lease left: another one
 MIN_HEDGE_S = 0.1
 MAX_ATTEMPTS = 3             # attempts of one renewal in flight at once (one connection each)
+ATTEMPT_LEASES = 2.0         # an attempt (connecting included) given up after this many leases: a
+                             #   connection that silent is dead (a late answer is still a verdict)
 APPLICATION_NAME = "sluice-lease-keeper"    # how the keeper's backends show in pg_stat_activity
 WEDGED_LEASES = 4.0          # main loop silent this many leases: stop renewing (see module doc)
 HEARTBEAT_S = 0.25
@@ -151,6 +153,14 @@ def apply_renewal(leases: Sequence[Lease], renewed: Sequence[Renewed], sent_at: 
 
 
 
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """A keeper connection and its renewal statement, prepared when it connected."""
+
+    connection: Any              # asyncpg.Connection
+    renew: Any                   # asyncpg.PreparedStatement of RENEW_SQL
+
+
 @dataclass(slots=True)
 class _Held:
     lease: Lease
@@ -175,7 +185,7 @@ class LeaseKeeper:
     _beat: float = field(default_factory=time.monotonic)    # the drivers' loop's last heartbeat
     _own_loop: asyncio.AbstractEventLoop | None = None      # the keeper thread's loop
     _poke: asyncio.Event | None = None                      # set (thread-safely) by hold(): renew now
-    _idle: Any = None                                       # the keeper's connection between renewals
+    _idle: _Link | None = None                              # the keeper's connection between renewals
     _heart: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -263,14 +273,14 @@ class LeaseKeeper:
         """Renew `leases`: (rows, sent, answered) of the first attempt answered; None when stopping.
         No attempt is cut short while it may still save the leases (module doc): one unanswered after
         HEDGE_SHARE of the lease left is joined by another, on a fresh connection."""
-        attempts: dict[asyncio.Task[tuple[Any, list[Renewed]]], float] = {}   # attempt -> sent
+        attempts: dict[asyncio.Task[tuple[_Link, list[Renewed]]], float] = {}   # attempt -> sent
         start_at = time.monotonic()
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if now >= start_at and len(attempts) < MAX_ATTEMPTS:
-                    connection, self._idle = self._idle, None
-                    attempts[asyncio.create_task(self._attempt(connection, leases))] = now
+                    link, self._idle = self._idle, None
+                    attempts[asyncio.create_task(self._attempt(link, leases))] = now
                     left = min(lease.expires_at for lease in leases) - now
                     start_at = now + max(MIN_HEDGE_S, HEDGE_SHARE * left)
                 wait = min(HEARTBEAT_S, max(0.0, start_at - time.monotonic()))
@@ -283,11 +293,11 @@ class LeaseKeeper:
                     sent = attempts.pop(task)
                     error = task.exception()
                     if error is None:
-                        connection, rows = task.result()
+                        link, rows = task.result()
                         if self._idle is None:
-                            self._idle = connection
+                            self._idle = link
                         else:
-                            _terminated(connection)
+                            _terminated(link)
                         return rows, sent, answered
                     log.warning("lease renewal attempt failed (%r); retrying in %.1fs", error, RETRY_S)
                     self.on_failed()
@@ -298,26 +308,38 @@ class LeaseKeeper:
                 task.cancel()
             await asyncio.gather(*attempts, return_exceptions=True)
 
-    async def _attempt(self, connection: Any, leases: list[Lease]) -> tuple[Any, list[Renewed]]:
-        """One renewal statement, on `connection` or a fresh one; the connection is closed on failure.
-        Bounded by a lease: an answer later than that cannot save a lease it renewed."""
+    async def _attempt(self, link: _Link | None, leases: list[Lease]) -> tuple[_Link, list[Renewed]]:
+        """One renewal statement, on `connection` or a fresh one (closed on failure). Not cut short
+        while it may still answer: on a slow link, connecting alone takes several round trips."""
+        limit = ATTEMPT_LEASES * self.lease_seconds
         try:
-            if connection is None:
-                connection = await self._connect()
-            return connection, await asyncio.wait_for(self._renew(connection, leases), self.lease_seconds)
+            async with asyncio.timeout(limit):
+                if link is None:
+                    link = await self._connect(limit)
+                return link, await self._renew(link, leases)
         except BaseException:
-            _terminated(connection)
+            _terminated(link)
             raise
 
-    async def _connect(self) -> Any:
-        limit = max(CONNECT_TIMEOUT_S, self.lease_seconds / 3)
-        return await asyncio.wait_for(asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit,
-                                                      server_settings={"application_name": APPLICATION_NAME}),
-                                      limit * 2)
+    async def _connect(self, limit: float | None = None) -> _Link:
+        """A connection with the renewal statement prepared (its types looked up): on a connection
+        made at start, while the database answers quickly, a first renewal then costs one round trip
+        (unprepared, it cost several: a keeper starting as the database turned slow lost its leases)."""
+        limit = limit or max(CONNECT_TIMEOUT_S, self.lease_seconds / 3)
 
-    async def _renew(self, connection: Any, leases: list[Lease]) -> list[Renewed]:
-        rows = await connection.fetch(
-            RENEW_SQL, float(self.lease_seconds), [lease.run_id for lease in leases],
+        async def connected() -> _Link:
+            connection = await asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit,
+                                               server_settings={"application_name": APPLICATION_NAME})
+            try:
+                return _Link(connection, await connection.prepare(RENEW_SQL))
+            except BaseException:
+                connection.terminate()
+                raise
+        return await asyncio.wait_for(connected(), limit * 2)
+
+    async def _renew(self, link: _Link, leases: list[Lease]) -> list[Renewed]:
+        rows = await link.renew.fetch(
+            float(self.lease_seconds), [lease.run_id for lease in leases],
             [lease.epoch for lease in leases], [lease.last_sequence for lease in leases],
             [lease.output_tokens for lease in leases])
         return [Renewed(row["id"], row["ours"], bool(row["cancel_requested"]), row["remaining_s"])
@@ -335,8 +357,8 @@ class LeaseKeeper:
                 self._loop.call_soon_threadsafe(callbacks[id(lease)].on_cancel)
 
 
-def _terminated(connection: Any) -> None:
+def _terminated(link: _Link | None) -> None:
     """Close at once, without a round trip: the connection may be one that stopped answering."""
-    if connection is not None:
+    if link is not None:
         with contextlib.suppress(Exception):
-            connection.terminate()
+            link.connection.terminate()
