@@ -13,25 +13,26 @@ nothing answers); Kafka and the replicas carry on. `make test` runs 4 runs per f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.ledger.models import RunStatus, UsageEntry
-from sluice.services.routing.app import policy_from_config, registry_from_config
-from sluice.services.routing.worker import DETAIL_DRIVER_LOST, RoutingWorker, WorkerSettings, new_owner_id
+from sluice.services.routing.worker import DETAIL_DRIVER_LOST
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
-from sqlalchemy.engine import make_url
 
 from sluice.v1 import common_pb2, runs_pb2
 from tests.support.chaos import FULL
 from tests.support.ledger_factories import budget_row
-from tests.support.routing_stack import TEST_LEASE_SECONDS, TOKEN_DELAY_MS, Stack, collect, deltas_tokens
-from tests.support.tcp_proxy import TcpProxy
+from tests.support.routing_stack import (
+    TEST_LEASE_SECONDS,
+    TOKEN_DELAY_MS,
+    Stack,
+    collect,
+    deltas_tokens,
+    proxied_worker,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -40,26 +41,6 @@ RUNS = 16 if FULL else 4
 TOKENS = 250                     # at TOKEN_DELAY_MS (20 ms): 5 s per run, longer than any fault here
 COMPLETED = common_pb2.RUN_STATUS_COMPLETED
 INTERRUPTED = common_pb2.RUN_STATUS_INTERRUPTED
-
-
-@contextlib.asynccontextmanager
-async def proxied_worker(stack: Stack) -> AsyncIterator[tuple[TcpProxy, RoutingWorker]]:
-    """A routing worker that reaches PostgreSQL only through a proxy: its pool, keeper, reaper, LISTENs."""
-    url = make_url(stack.config.database.url)
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    engine = make_engine(proxied)
-    worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("stall")),
-                           make_sessionmaker(engine), stack.events, policy_from_config(stack.config),
-                           registry_from_config(stack.config), dsn=proxied)
-    serving = asyncio.create_task(worker.serve(drain_s=0.5))
-    try:
-        yield proxy, worker
-    finally:
-        worker.stop()
-        await serving
-        await engine.dispose()
-        await proxy.close()
 
 
 Streams = list[asyncio.Task[list[runs_pb2.RunEvent]]]

@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc.aio
 import pytest
+from sluice.ledger.db import make_engine, make_sessionmaker
 from sluice.ledger.models import Run
 from sluice.ledger.seed import TINY_CHAT, read_chat_template
 from sluice.services import replica_client
@@ -36,6 +37,7 @@ from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.runs import RunsService, add_runs_servicer
 from sluice.services.usage import add_usage_servicer
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings, load_settings
@@ -45,6 +47,7 @@ from sluice.v1 import routing_pb2_grpc, runs_pb2
 from tests.support import REPO_ROOT
 from tests.support.ledger_factories import ModelSpec, TenantHandle, add_model, add_tenant
 from tests.support.replica_proc import ReplicaProcess, free_ports, kill_replica, start_replica, stop_replica
+from tests.support.tcp_proxy import TcpProxy
 
 TOKENIZER = "tiny-chat/tokenizer.json"
 MODEL = ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096,
@@ -348,6 +351,26 @@ async def open_stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSe
         await built.close()
         await channel.close()
         await replica_client.close_channels()
+
+
+@contextlib.asynccontextmanager
+async def proxied_worker(stack: Stack) -> AsyncIterator[tuple[TcpProxy, RoutingWorker]]:
+    """A routing worker that reaches PostgreSQL only through a proxy: its pool, keeper, reaper, LISTENs."""
+    url = make_url(stack.config.database.url)
+    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    engine = make_engine(proxied)
+    worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("stall")),
+                           make_sessionmaker(engine), stack.events, policy_from_config(stack.config),
+                           registry_from_config(stack.config), dsn=proxied)
+    serving = asyncio.create_task(worker.serve(drain_s=0.5))
+    try:
+        yield proxy, worker
+    finally:
+        worker.stop()
+        await serving
+        await engine.dispose()
+        await proxy.close()
 
 
 @pytest.fixture
