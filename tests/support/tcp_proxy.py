@@ -159,8 +159,8 @@ class TcpProxy:
                 size = await reader.readexactly(4)
                 body = await reader.readexactly(struct.unpack("!i", size)[0] - 4)
                 if kind == b"P":                          # Parse: name, query
-                    name, query = body.split(b"\0", 2)[:2]
-                    statements[name] = query.decode(errors="replace")
+                    name, parsed = body.split(b"\0", 2)[:2]
+                    statements[name] = parsed.decode(errors="replace")
                 elif kind == b"B":                        # Bind: portal, statement
                     statement = body.split(b"\0", 2)[1]
                     marks = self._lose_after
