@@ -48,7 +48,7 @@ from sluice.eventlog.tail import (
 from sluice.v1 import runs_pb2
 
 POLL_TIMEOUT_MS = 200
-LINGER_MS = 5            # how long the producer waits to fill a batch across runs
+LINGER_MS = 20           # how long the producer fills a batch across runs ([kafka].producer_linger_ms)
 PARTITION_CACHE = 8192   # runs whose partition is remembered
 
 
