@@ -1,0 +1,203 @@
+"""services/replica_conn.py and h2frames.py: the replica's token streams over one HTTP/2 connection.
+
+A scripted HTTP/2 peer on loopback plays the server frame by frame (the real replica is exercised
+through replica_client in test_replica.py); the keepalive is driven with explicit clock values."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import hpack
+import pytest
+from sluice.services import h2frames as h2
+from sluice.services import replica_conn
+from sluice.services.replica_conn import ReplicaConnection
+
+PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+@dataclass
+class Sink:
+    messages: list[bytes] = field(default_factory=list)
+    ends: list[tuple[str | None, str]] = field(default_factory=list)
+
+    def message(self, body: bytes) -> None:
+        self.messages.append(body)
+
+    def closed(self, code: str | None, details: str) -> None:
+        self.ends.append((code, details))
+
+
+class Peer:
+    """The server side of one connection: reads the client's frames, writes what a test scripts."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder = hpack.Encoder()
+        self.buffer = b""
+
+    async def handshake(self, settings: dict[int, int] | None = None) -> None:
+        assert await self.reader.readexactly(len(h2.PREFACE)) == h2.PREFACE
+        self.writer.write(h2.settings_frame(settings or {}))
+
+    async def next_frame(self, *skip: int) -> h2.Frame:
+        """The client's next frame, passing over the types in `skip`."""
+        while True:
+            frames, rest = h2.split_frames(self.buffer)
+            if frames:
+                frame = frames[0]
+                self.buffer = self.buffer[9 + len(frame.payload):]
+                if frame.type in skip:
+                    continue
+                return frame
+            self.buffer = rest + await self.reader.read(65536)
+
+    def headers(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool = False) -> None:
+        self.writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS | (h2.END_STREAM if end_stream else 0), stream_id,
+                                   self.encoder.encode(headers)))
+
+    def data(self, stream_id: int, payload: bytes) -> None:
+        self.writer.write(h2.frame(h2.DATA, 0, stream_id, payload))
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[ReplicaConnection, asyncio.Queue[Peer]]]:
+    peers: asyncio.Queue[Peer] = asyncio.Queue()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await peers.put(Peer(reader, writer))
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connection = await replica_conn.connect(f"127.0.0.1:{port}")
+    try:
+        yield connection, peers
+    finally:
+        connection.close()
+        server.close()
+
+
+SETUP = (h2.SETTINGS, h2.WINDOW_UPDATE)   # the client's preface frames
+
+
+def test_frames_are_cut_where_they_end_and_a_partial_frame_waits_for_the_next_read():
+    stream = h2.frame(h2.DATA, 0, 3, b"abc") + h2.frame(h2.PING, h2.ACK, 0, b"12345678")
+    frames, rest = h2.split_frames(stream[:-2])
+    assert [(f.type, f.flags, f.stream_id, f.payload) for f in frames] == [(h2.DATA, 0, 3, b"abc")]
+    frames, rest = h2.split_frames(rest + stream[-2:])
+    assert [(f.type, f.payload) for f in frames] == [(h2.PING, b"12345678")] and rest == b""
+
+
+def test_grpc_messages_are_cut_across_and_within_data_frames():
+    one, two, three = h2.grpc_message(b"first"), h2.grpc_message(b""), h2.grpc_message(b"third" * 10)
+    reader = h2.MessageReader()
+    assert reader.feed(one + two + three[:7]) == [b"first", b""]
+    assert reader.pending()
+    assert reader.feed(three[7:]) == [b"third" * 10] and not reader.pending()
+
+
+async def test_a_stream_hands_over_each_message_in_order_then_the_trailers_status(served):
+    connection, peers = served
+    sink = Sink()
+    stream_id = connection.start(PATH, sink)
+    await connection.send(stream_id, b"request")
+    peer = await peers.get()
+    await peer.handshake()
+    headers = await peer.next_frame(*SETUP)
+    assert headers.type == h2.HEADERS and headers.stream_id == stream_id
+    request = await peer.next_frame(*SETUP)
+    assert h2.MessageReader().feed(request.payload) == [b"request"]
+    peer.headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+    both = h2.grpc_message(b"one") + h2.grpc_message(b"two")
+    peer.data(stream_id, both + h2.grpc_message(b"three")[:4])
+    peer.data(stream_id, h2.grpc_message(b"three")[4:])
+    peer.headers(stream_id, [("grpc-status", "14"), ("grpc-message", "going down")], end_stream=True)
+    await asyncio.wait_for(_until(lambda: sink.ends), 5)
+    assert sink.messages == [b"one", b"two", b"three"]
+    assert sink.ends == [("UNAVAILABLE", "going down")] and connection.open_streams == 0
+
+
+async def test_a_request_larger_than_the_peers_window_waits_for_its_window_updates(served):
+    connection, peers = served
+    sink = Sink()
+    stream_id = connection.start(PATH, sink)
+    peer = await peers.get()
+    await peer.handshake({h2.SETTINGS_INITIAL_WINDOW_SIZE: 100})
+    await peer.next_frame(h2.WINDOW_UPDATE)          # the client's SETTINGS
+    assert (await peer.next_frame(h2.WINDOW_UPDATE)).type == h2.HEADERS
+    acked = await peer.next_frame()
+    assert (acked.type, acked.flags) == (h2.SETTINGS, h2.ACK)   # the window of 100 now applies
+    body = bytes(range(256)) * 2                     # 512 bytes + the 5-byte prefix
+    sending = asyncio.ensure_future(connection.send(stream_id, body))
+    received = b""
+    while len(received) < len(body) + 5:
+        frame = await peer.next_frame(*SETUP)
+        assert frame.type == h2.DATA and len(frame.payload) <= 100
+        received += frame.payload
+        assert not sending.done() or len(received) == len(body) + 5
+        if len(received) % 100 == 0:                 # the window is spent: nothing more until it opens
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(peer.next_frame(*SETUP), 0.1)
+            peer.writer.write(h2.window_update(stream_id, 100))
+    await asyncio.wait_for(sending, 5)
+    assert h2.MessageReader().feed(received) == [body]
+
+
+async def test_goaway_ends_the_streams_above_its_last_id_and_no_new_stream_starts(served):
+    connection, peers = served
+    sinks = [Sink(), Sink(), Sink()]
+    ids = [connection.start(PATH, sink) for sink in sinks]
+    peer = await peers.get()
+    await peer.handshake()
+    peer.writer.write(h2.frame(h2.GOAWAY, 0, 0, ids[1].to_bytes(4, "big") + (0).to_bytes(4, "big")))
+    await asyncio.wait_for(_until(lambda: sinks[2].ends), 5)
+    assert sinks[2].ends == [("UNAVAILABLE", replica_conn.ERR_GOAWAY.format(code=0))]
+    assert sinks[0].ends == sinks[1].ends == [] and connection.open_streams == 2
+    assert not connection.usable
+    with pytest.raises(ConnectionError):
+        connection.start(PATH, Sink())
+
+
+async def test_a_silent_peer_is_pinged_and_its_streams_end_unavailable_when_the_ping_goes_unanswered(served):
+    connection, peers = served
+    sink = Sink()
+    connection.start(PATH, sink)
+    peer = await peers.get()
+    await peer.handshake()
+    await asyncio.sleep(0.05)                        # the SETTINGS arrive: the peer's last word
+    heard = connection.last_received
+    connection.check(heard + replica_conn.KEEPALIVE_S / 2)
+    connection.check(heard + replica_conn.KEEPALIVE_S + 0.1)          # silent long enough: a ping
+    ping = await asyncio.wait_for(peer.next_frame(*SETUP, h2.HEADERS), 5)
+    assert ping.type == h2.PING and not ping.flags & h2.ACK
+    connection.check(heard + replica_conn.KEEPALIVE_S + 0.1 + replica_conn.KEEPALIVE_TIMEOUT_S / 2)
+    await asyncio.sleep(0.05)
+    assert sink.ends == []                           # still within the ping's timeout
+    connection.check(heard + replica_conn.KEEPALIVE_S + 0.2 + replica_conn.KEEPALIVE_TIMEOUT_S)
+    await asyncio.wait_for(_until(lambda: sink.ends), 5)
+    assert sink.ends == [("UNAVAILABLE", replica_conn.ERR_KEEPALIVE.format(
+        seconds=replica_conn.KEEPALIVE_TIMEOUT_S + 0.1))]
+
+
+async def test_a_ping_answered_keeps_the_connection_and_the_peers_pings_are_answered(served):
+    connection, peers = served
+    sink = Sink()
+    connection.start(PATH, sink)
+    peer = await peers.get()
+    await peer.handshake()
+    await asyncio.sleep(0.05)
+    heard = connection.last_received
+    connection.check(heard + replica_conn.KEEPALIVE_S + 0.1)
+    ping = await asyncio.wait_for(peer.next_frame(*SETUP, h2.HEADERS), 5)
+    peer.writer.write(h2.frame(h2.PING, h2.ACK, 0, ping.payload) + h2.frame(h2.PING, 0, 0, b"peer-png"))
+    answer = await asyncio.wait_for(peer.next_frame(*SETUP), 5)
+    assert (answer.type, answer.flags, answer.payload) == (h2.PING, h2.ACK, b"peer-png")
+    connection.check(connection.last_received + replica_conn.KEEPALIVE_TIMEOUT_S / 2)
+    assert sink.ends == [] and connection.usable
+
+
+async def _until(condition, step: float = 0.01) -> None:
+    while not condition():
+        await asyncio.sleep(step)
