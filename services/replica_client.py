@@ -352,7 +352,11 @@ class _Generation:
         self.reused = chunk.kv_cache_reused_blocks
         if chunk.token_ids:                  # a final response may carry no tokens
             if self.on_chunk is not None:
-                self.on_chunk(chunk)
+                try:
+                    self.on_chunk(chunk)
+                except Exception as exc:     # the consumer's failure ends its request, not the connection
+                    self._end(exc)
+                    return
             else:
                 self.chunks.append(chunk)
                 self._wake()
@@ -390,7 +394,7 @@ class _Generation:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def _end(self, error: ReplicaError | None) -> None:
+    def _end(self, error: Exception | None) -> None:
         _state().streams.discard(self)
         self.connection.cancel(self.stream_id)   # a no-op once the server ended the stream
         if not self.ended.done():
@@ -570,6 +574,43 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
             _stop_in_background(address, request_id)
     if stopped:
         yield TokenChunk((), num_input_tokens, reused, stopped=True)
+
+
+async def generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                   end_id: int | None = None, *, on_chunk: Callable[[TokenChunk], None],
+                   seed: int | None = None, cache_salt: int = 0, temperature: float | None = None,
+                   top_p: float | None = None, stop_words: Sequence[Sequence[int]] = (),
+                   first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+                   inactivity_timeout_s: float = DEFAULT_INACTIVITY_TIMEOUT_S) -> None:
+    """stream_generate, pushed: each chunk is handed to `on_chunk` as its response is parsed, on the
+    event loop by a plain call from the connection's data_received (no task wake-up per token: the
+    routing driver's hot path, issue 9.1). Returns when the replica ended the stream (the stopped
+    marker is not delivered); raises what stream_generate raises, or what `on_chunk` raised. When
+    cancelled or its consumer failed, the request is stopped on the replica in the background, as
+    an abandoned stream is."""
+    if _tls.credentials is not None:
+        async for chunk in stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id, seed=seed,
+                                           cache_salt=cache_salt, temperature=temperature, top_p=top_p,
+                                           stop_words=stop_words, first_token_timeout_s=first_token_timeout_s,
+                                           inactivity_timeout_s=inactivity_timeout_s):
+            if chunk.token_ids:
+                on_chunk(chunk)
+        return
+    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
+                            temperature=temperature, top_p=top_p, stop_words=stop_words)
+    generation = await _start(address, request, len(prompt_ids), on_chunk, first_token_timeout_s,
+                              inactivity_timeout_s)
+    ended = False                                # the replica sent the final response, or is gone
+    try:
+        await generation.ended
+        ended = True
+    except ReplicaError:
+        ended = True
+        raise
+    finally:
+        if not ended:                            # cancelled, or the consumer failed
+            generation.abandon()
+            _stop_in_background(address, request_id)
 
 
 def _stop_in_background(address: str, request_id: str) -> None:

@@ -115,6 +115,28 @@ async def test_two_concurrent_requests_stream_together(replica: ReplicaProcess):
     assert pair_s < 1.5 * solo_s, f"two streams took {pair_s:.2f}s, one {solo_s:.2f}s: not in flight together"
 
 
+async def test_pushed_chunks_match_the_iterated_ones_and_a_failing_consumer_ends_only_its_own_request(
+        replica: ReplicaProcess):
+    # generate() hands chunks over from the connection's reader that every stream to the replica
+    # shares: a consumer that raises must end its own request with its error, not the connection.
+    pushed: list[TokenChunk] = []
+    seen = 0
+
+    def failing(chunk: TokenChunk) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 3:
+            raise LookupError("consumer failed")
+
+    results = await asyncio.gather(
+        rc.generate(replica.grpc_address, "pushed-ok", [11, 12, 13], 12, on_chunk=pushed.append),
+        rc.generate(replica.grpc_address, "pushed-bad", [11, 12, 13], 12, on_chunk=failing),
+        return_exceptions=True)
+    assert results[0] is None and isinstance(results[1], LookupError) and seen == 3
+    assert pushed == await collect(replica.grpc_address, "iterated", [11, 12, 13], 12)
+    assert tokens_of(pushed) == expected([11, 12, 13], 12)
+
+
 async def test_stop_ends_the_stream_early_and_the_replica_keeps_serving(replica: ReplicaProcess):
     stream = rc.stream_generate(replica.grpc_address, "stop-me", [5, 6], 500)
     received: list[TokenChunk] = []

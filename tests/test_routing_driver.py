@@ -127,6 +127,12 @@ class ScriptedReplicas:
                         sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
         return self._stream(address, self.scripts[address])
 
+    async def generate(self, address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                       end_id: int | None = None, *, cache_salt: int = 0, sampling: Sampling = ENGINE_DEFAULT,
+                       on_chunk: Callable[[TokenChunk], None]) -> None:
+        async for chunk in self._stream(address, self.scripts[address]):
+            on_chunk(chunk)
+
     async def _stream(self, address: str, script: Script) -> AsyncIterator[TokenChunk]:
         stopped = self._stopped.setdefault(address, asyncio.Event())
         for chunk in script.chunks:

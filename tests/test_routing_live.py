@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -166,18 +166,14 @@ class SilentAt:
         self.stopped: list[str] = []
         self._stops: dict[str, asyncio.Event] = {}
 
-    def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
-                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
+    async def generate(self, address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                       end_id: int | None = None, *, cache_salt: int = 0, sampling: Sampling = ENGINE_DEFAULT,
+                       on_chunk: Callable[[TokenChunk], None]) -> None:
         if address != self.address:
-            return TRITON.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
-                                          cache_salt=cache_salt, sampling=sampling)
-        return self._silent(request_id)
-
-    async def _silent(self, request_id: str) -> AsyncIterator[TokenChunk]:
-        stop = self._stops.setdefault(request_id, asyncio.Event())
-        await stop.wait()
-        yield TokenChunk((), 0, 0, stopped=True)
+            await TRITON.generate(address, request_id, prompt_ids, max_new_tokens, end_id,
+                                  cache_salt=cache_salt, sampling=sampling, on_chunk=on_chunk)
+            return
+        await self._stops.setdefault(request_id, asyncio.Event()).wait()
 
     async def stop(self, address: str, request_id: str) -> None:
         if address != self.address:

@@ -82,9 +82,10 @@ __all__ = ["DETAIL_CANCELLED", "DETAIL_EXPIRED", "LeaseLost", "RunDriver", "Targ
 
 
 class ReplicaClient(Protocol):
-    def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
-                        max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
-                        sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
+    async def generate(self, address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                       end_id: int | None = None, *, cache_salt: int = 0, sampling: Sampling = ENGINE_DEFAULT,
+                       on_chunk: Callable[[TokenChunk], None]) -> None:
+        """Stream a generation, handing each chunk to `on_chunk` as it arrives; return at its end."""
         ...
 
     async def stop(self, address: str, request_id: str) -> None:
@@ -94,10 +95,18 @@ class ReplicaClient(Protocol):
 class _ModuleReplicaClient:
     """The Triton client module as a ReplicaClient."""
 
+    async def generate(self, address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
+                       end_id: int | None = None, *, cache_salt: int = 0, sampling: Sampling = ENGINE_DEFAULT,
+                       on_chunk: Callable[[TokenChunk], None]) -> None:
+        # A 0 field is left out: the replica then applies its default (TensorRT-LLM's).
+        await replica_client.generate(address, request_id, prompt_ids, max_new_tokens, end_id,
+                                      on_chunk=on_chunk, cache_salt=cache_salt,
+                                      temperature=sampling.temperature or None, top_p=sampling.top_p or None,
+                                      seed=sampling.seed or None)
+
     def stream_generate(self, address: str, request_id: str, prompt_ids: Sequence[int],
                         max_new_tokens: int, end_id: int | None = None, *, cache_salt: int = 0,
                         sampling: Sampling = ENGINE_DEFAULT) -> AsyncIterator[TokenChunk]:
-        # A 0 field is left out: the replica then applies its default (TensorRT-LLM's).
         return replica_client.stream_generate(address, request_id, prompt_ids, max_new_tokens, end_id,
                                               cache_salt=cache_salt, temperature=sampling.temperature or None,
                                               top_p=sampling.top_p or None, seed=sampling.seed or None)
@@ -145,6 +154,7 @@ class _Pump:
     coalescer: DeltaCoalescer
     wake: asyncio.Event
     sent_at: float                          # monotonic: the request left for the replica
+    cap: int                                # the run's max output tokens (the budget reserved for them)
     done: bool = False
     error: BaseException | None = None
     received_tokens: int = 0
@@ -167,6 +177,31 @@ class _Pump:
     def _window_closed(self) -> None:
         self.window_timer = None
         self.wake.set()
+
+    def take(self, chunk: TokenChunk) -> None:
+        """A chunk from the replica, handed over as its response is parsed (ReplicaClient.generate)."""
+        self.reused_blocks = max(self.reused_blocks, chunk.kv_cache_reused_blocks)
+        # Never more than the cap the budget reserved for, whatever the replica sends.
+        tokens = chunk.token_ids[:self.cap - self.received_tokens]
+        if not tokens:
+            return
+        arrived = time.monotonic()
+        first = self.first_token_at is None
+        if first:
+            self.first_token_at, self.first_token_wall = arrived, time.time()
+        self.last_token_at = arrived
+        self.received_tokens += len(tokens)
+        # The driver sleeps until a window closes: it is woken by the run's first token (published
+        # at once), by a window that is due as soon as it holds these tokens (full, or no window),
+        # and otherwise by the timer the token that opens a window arms for the window's end.
+        # Tokens that join an open window wake nobody: one driver wake-up per event.
+        coalescer = self.coalescer
+        opens = not coalescer.pending()
+        coalescer.add(tokens, arrived * 1000)
+        if first or coalescer.due(arrived * 1000):
+            self.wake.set()
+        elif opens:
+            self.arm_window(coalescer.window_ms / 1000)
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
@@ -299,7 +334,7 @@ class RunDriver:
     async def _attempt(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder) -> Attempt:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
         pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens), self._wake,
-                     time.monotonic())
+                     time.monotonic(), self.claim.max_output_tokens)
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
@@ -392,33 +427,9 @@ class RunDriver:
         claim = self.claim
         salt = claim.cache_salt if self.settings.cache_salt_id else 0
         try:
-            stream = self.replicas.stream_generate(self.address, claim.run_id, claim.prompt_token_ids,
-                                                   claim.max_output_tokens, claim.end_id,
-                                                   cache_salt=salt, sampling=claim.sampling)
-            async for chunk in stream:
-                pump.reused_blocks = max(pump.reused_blocks, chunk.kv_cache_reused_blocks)
-                # Never more than the cap the budget reserved for, whatever the replica sends.
-                room = claim.max_output_tokens - pump.received_tokens
-                tokens = chunk.token_ids[:room]
-                if not tokens:
-                    continue
-                arrived = time.monotonic()
-                first = pump.first_token_at is None
-                if first:
-                    pump.first_token_at, pump.first_token_wall = arrived, time.time()
-                pump.last_token_at = arrived
-                pump.received_tokens += len(tokens)
-                # The driver sleeps until a window closes: it is woken by the run's first token (published
-                # at once), by a window that is due as soon as it holds these tokens (full, or no window),
-                # and otherwise by the timer the token that opens a window arms for the window's end.
-                # Tokens that join an open window wake nobody: one driver wake-up per event.
-                coalescer = pump.coalescer
-                opens = not coalescer.pending()
-                coalescer.add(tokens, arrived * 1000)
-                if first or coalescer.due(arrived * 1000):
-                    pump.wake.set()
-                elif opens:
-                    pump.arm_window(coalescer.window_ms / 1000)
+            await self.replicas.generate(self.address, claim.run_id, claim.prompt_token_ids,
+                                         claim.max_output_tokens, claim.end_id, cache_salt=salt,
+                                         sampling=claim.sampling, on_chunk=pump.take)
         except Exception as exc:  # the outcome is decided by outcome.decide
             pump.error = exc
         finally:
