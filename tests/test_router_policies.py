@@ -265,6 +265,43 @@ def test_a_restart_empties_the_replicas_prefill_queue():
     assert policy.prefill_backlog("r0", 1.0) == 0
 
 
+def test_a_follow_up_leaves_its_conversations_replica_when_that_replicas_queue_outweighs_the_saving():
+    # Session affinity is cache knowledge priced by the cost, not an override: a home deep in prefill
+    # loses the turn as any holder would.
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))   # no load bound
+    busy = [prefill_view("r0"), prefill_view("r1", kv_used=5000)]   # 100 blocks/s each; r1 decodes 5,000
+    first = request("a1", turn(7, 1), conversation="c7")            # 24 tokens: 6 blocks
+    assert route(policy, first, busy, now=0.0).replica == "r0"      # 64 x 6 against 64 x 6 + 5,000
+    policy.on_finished(first, "r0", 0.5)
+    assert route(policy, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"  # 200 queued
+    # Turn 2 (8 blocks). Home r0, credited with all but the last block: 64 x (1 + 200 queued) + 200
+    # in flight = 12,864; r1: 64 x 8 + 5,000 = 5,512.
+    away = policy.choose(request("a2", turn(7, 2), conversation="c7"), busy, 1.0)
+    assert away is not None and (away.replica, away.outcome) == ("r1", OUTCOME_BALANCED_AWAY)
+    # 1.9 s later 10 blocks are left: r0 costs 64 x (1 + 10) + 200 = 904, and the turn goes home.
+    home = policy.choose(request("a2", turn(7, 2), conversation="c7"), busy, 2.9)
+    assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
+
+
+def test_the_conversations_replica_is_credited_with_the_answer_the_index_never_saw():
+    # The index learns prompts; the replica also caches each answer. Turn 10 (24 blocks) extends turn
+    # 1's 6 recorded blocks by 18 the index has not seen, all of them cached on the home but the newest
+    # message.
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
+    first = request("a1", turn(7, 1), conversation="c7")
+    assert route(policy, first, [prefill_view("r0"), prefill_view("r1")], now=0.0).replica == "r0"
+    policy.on_finished(first, "r0", 0.5)
+    views = [prefill_view("r0", kv_used=1000), prefill_view("r1")]
+    # Home: 64 x 1 + 1,000 decode = 1,064 against r1's 64 x 24 = 1,536.
+    follow_up = policy.choose(request("a10", turn(7, 10), conversation="c7"), views, 2.0)
+    assert follow_up is not None and (follow_up.replica, follow_up.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
+    # It expects only the 6 recorded blocks cached there (the queue it adds is the rest).
+    assert follow_up.predicted_cached_tokens == 6 * BS
+    # The same prompt from no known conversation: r0 by the index alone, 64 x 18 + 1,000 = 2,152.
+    anonymous = policy.choose(request("x10", turn(7, 10)), views, 2.0)
+    assert anonymous is not None and anonymous.replica == "r1"
+
+
 # -- prefix_aware: the imbalance bound -----------------------------------------------------------
 
 

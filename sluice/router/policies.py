@@ -337,20 +337,16 @@ class PrefixAware:
             return None
         self._observe(candidates, now)
 
-        scored, mean_load, most, least = self._score(request, candidates, now)
+        # The oracle sees each replica's cache exactly; a conversation's home could only blind it.
+        home = self._conversation_replica(request) if self._probe is None else None
+        scored, mean_load, most, least = self._score(request, candidates, now, home)
         limit = load_limit(mean_load, options.imbalance_bound, options.imbalance_slack)
         eligible = [entry for entry in scored if entry[_LOAD] <= limit]
 
-        # The oracle sees each replica's cache exactly; session affinity could only blind it.
-        sticky = self._conversation_replica(request) if self._probe is None else None
-        if sticky is not None:
-            for entry in eligible:
-                if entry[_VIEW].name == sticky:
-                    return self._decide(request, entry, OUTCOME_AFFINITY_HIT)
-
         best = min(eligible)
-        sticky_bypassed = sticky is not None and any(entry[_VIEW].name == sticky for entry in scored)
-        if best[_OVERLAP] < most or sticky_bypassed:
+        if best[_VIEW].name == home:
+            outcome = OUTCOME_AFFINITY_HIT
+        elif best[_OVERLAP] < most or (home is not None and any(entry[_VIEW].name == home for entry in scored)):
             outcome = OUTCOME_BALANCED_AWAY
         elif most > least:
             outcome = OUTCOME_AFFINITY_HIT
@@ -375,11 +371,12 @@ class PrefixAware:
             index.expire(now)
             self._last_expiry = now
 
-    def _score(self, request: RouteRequest, candidates: Sequence[ReplicaView],
-               now: float) -> tuple[list[_Scored], float, int, int]:
+    def _score(self, request: RouteRequest, candidates: Sequence[ReplicaView], now: float,
+               home: str | None) -> tuple[list[_Scored], float, int, int]:
         """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
-        mean load and the highest and lowest overlap among them. One pass, no builtin calls
-        per candidate: this loop is most of the decision's cost after hashing."""
+        mean load and the highest and lowest overlap among them (the index's, `home`'s credit
+        aside). One pass, no builtin calls per candidate: this loop is most of the decision's
+        cost after hashing."""
         overlaps, on_gpu, stride = self._overlaps(request, candidates)
         weight = self.options.prefill_weight
         own_count = self._in_flight.count
@@ -412,7 +409,11 @@ class PrefixAware:
             weighted = load * slowness
             capacity = view.kv_capacity_blocks
             uncached: float = -(-prompt_tokens // view.block_size) - overlap
-            if on_gpu is not None:              # blocks found only in host memory cost a copy
+            if name == home:
+                # The conversation's replica holds its previous prompt and that prompt's answer,
+                # which the index never saw: credited with the whole prompt but the last block.
+                uncached = 1.0
+            elif on_gpu is not None:            # blocks found only in host memory cost a copy
                 uncached += view.host_block_cost * (overlap - on_gpu[name] * stride)
             # Prompt blocks queued ahead delay this prompt's first token as its own uncached ones do.
             rate = view.prefill_tokens_per_s if view.prefill_tokens_per_s > 0.0 else default_rate / slowness
