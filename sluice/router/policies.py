@@ -91,9 +91,23 @@ time-averaged load CoV was no better (0.023 against 0.020). The slack keeps
 the bound meaningful at low loads, where a relative bound alone would force
 strict rotation.
 
-Session affinity. A request with a conversation id goes back to the replica
-that served the conversation's previous turn while that replica is within the
-bound and has not restarted since; otherwise the cost decides.
+Session affinity, as cache knowledge in the cost. The replica that served a
+conversation's previous turn (and has not restarted since) holds that turn's
+prompt and its answer; the index learned the prompt only (the policy never
+sees output tokens). So the cost credits that replica with the whole prompt but
+its last block: the new user message, which the policy cannot tell apart from
+the answer, is credited too, a bias towards the home of one message's blocks.
+The home then wins the turn unless its prefill queue and decode load outweigh
+the conversation's own blocks elsewhere, which with the queue capped at 2,048
+tokens happens only while the conversation is short. Until issue 17 the home
+took every turn within the bound whatever its queue: bench_routing agent (4
+replicas, 30 s, seeds 11-13; tool outputs of ~400 tokens, up to 1,500, arrive
+in bursts at one replica) p95 TTFT 79 -> 62 ms at 80% of capacity, SGLang's
+cache_aware 93; on chat-shaped workloads, whose turns bring ~120 new tokens,
+1-3 ms slower (chat at 50% 15 -> 16 ms, bursty at 50% 15 -> 18, SGLang 16
+and 18), because the queue counts each home turn's answer as still to prefill.
+The prefill queue records the blocks beyond the index's overlap (answer and
+message): predicted_cached_tokens stays what the index knows.
 
 Long-context pool. Prompts longer than ``long_context_threshold_tokens`` go
 to replicas marked ``long_context`` and shorter ones stay off them, each
@@ -104,7 +118,7 @@ Outcomes (counted by router.metrics):
 - ``affinity_hit``: sent to the conversation's replica, or to a replica holding
   the longest cached prefix when candidates differed;
 - ``balanced_away``: a replica holding more of the prompt (or the conversation's
-  replica) was passed over for load;
+  replica) was passed over for its load or its prefill queue;
 - ``fallback``: every candidate held the same prefix (often none, or just the
   shared system prompt), so load alone decided.
 """
@@ -344,9 +358,10 @@ class PrefixAware:
         eligible = [entry for entry in scored if entry[_LOAD] <= limit]
 
         best = min(eligible)
+        home_passed_over = home is not None and any(entry[_VIEW].name == home for entry in scored)
         if best[_VIEW].name == home:
             outcome = OUTCOME_AFFINITY_HIT
-        elif best[_OVERLAP] < most or (home is not None and any(entry[_VIEW].name == home for entry in scored)):
+        elif best[_OVERLAP] < most or home_passed_over:
             outcome = OUTCOME_BALANCED_AWAY
         elif most > least:
             outcome = OUTCOME_AFFINITY_HIT
