@@ -265,15 +265,21 @@ def test_a_restart_empties_the_replicas_prefill_queue():
     assert policy.prefill_backlog("r0", 1.0) == 0
 
 
-def test_a_follow_up_leaves_its_conversations_replica_when_that_replicas_queue_outweighs_the_saving():
-    # Session affinity is cache knowledge priced by the cost, not an override: a home deep in prefill
-    # loses the turn as any holder would.
-    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))   # no load bound
+def test_with_home_in_cost_a_follow_up_leaves_a_home_whose_queue_outweighs_the_saving():
+    # With home_in_cost, session affinity is cache knowledge priced by the cost, not an override: a home
+    # deep in prefill loses the turn as any holder would.
+    options = replace(EXACT, imbalance_bound=10.0, imbalance_slack=100)                # no load bound
+    sticky = PrefixAware(options)                                                      # the default
+    policy = PrefixAware(replace(options, home_in_cost=1))
     busy = [prefill_view("r0"), prefill_view("r1", kv_used=5000)]   # 100 blocks/s each; r1 decodes 5,000
     first = request("a1", turn(7, 1), conversation="c7")            # 24 tokens: 6 blocks
-    assert route(policy, first, busy, now=0.0).replica == "r0"      # 64 x 6 against 64 x 6 + 5,000
-    policy.on_finished(first, "r0", 0.5)
-    assert route(policy, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"  # 200 queued
+    for each in (sticky, policy):
+        assert route(each, first, busy, now=0.0).replica == "r0"    # 64 x 6 against 64 x 6 + 5,000
+        each.on_finished(first, "r0", 0.5)
+        assert route(each, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"  # 200 queued
+    # By default the home takes every turn within the bound, whatever its queue.
+    kept = sticky.choose(request("a2", turn(7, 2), conversation="c7"), busy, 1.0)
+    assert kept is not None and (kept.replica, kept.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
     # Turn 2 (8 blocks). Home r0, credited with all but the last block: 64 x (1 + 200 queued) + 200
     # in flight = 12,864; r1: 64 x 8 + 5,000 = 5,512.
     away = policy.choose(request("a2", turn(7, 2), conversation="c7"), busy, 1.0)
@@ -283,11 +289,11 @@ def test_a_follow_up_leaves_its_conversations_replica_when_that_replicas_queue_o
     assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
 
 
-def test_the_conversations_replica_is_credited_with_the_answer_the_index_never_saw():
+def test_with_home_in_cost_the_conversations_replica_is_credited_with_the_answer_the_index_never_saw():
     # The index learns prompts; the replica also caches each answer. Turn 10 (24 blocks) extends turn
     # 1's 6 recorded blocks by 18 the index has not seen, all of them cached on the home but the newest
     # message.
-    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100, home_in_cost=1))
     first = request("a1", turn(7, 1), conversation="c7")
     assert route(policy, first, [prefill_view("r0"), prefill_view("r1")], now=0.0).replica == "r0"
     policy.on_finished(first, "r0", 0.5)

@@ -91,23 +91,27 @@ time-averaged load CoV was no better (0.023 against 0.020). The slack keeps
 the bound meaningful at low loads, where a relative bound alone would force
 strict rotation.
 
-Session affinity, as cache knowledge in the cost. The replica that served a
-conversation's previous turn (and has not restarted since) holds that turn's
-prompt and its answer; the index learned the prompt only (the policy never
-sees output tokens). So the cost credits that replica with the whole prompt but
-its last block: the new user message, which the policy cannot tell apart from
-the answer, is credited too, a bias towards the home of one message's blocks.
-The home then wins the turn unless its prefill queue and decode load outweigh
-the conversation's own blocks elsewhere, which with the queue capped at 2,048
-tokens happens only while the conversation is short. Until issue 17 the home
-took every turn within the bound whatever its queue: bench_routing agent (4
-replicas, 30 s, seeds 11-13; tool outputs of ~400 tokens, up to 1,500, arrive
-in bursts at one replica) p95 TTFT 79 -> 62 ms at 80% of capacity, SGLang's
-cache_aware 93; on chat-shaped workloads, whose turns bring ~120 new tokens,
-1-3 ms slower (chat at 50% 15 -> 16 ms, bursty at 50% 15 -> 18, SGLang 16
-and 18), because the queue counts each home turn's answer as still to prefill.
-The prefill queue records the blocks beyond the index's overlap (answer and
-message): predicted_cached_tokens stays what the index knows.
+Session affinity. A request with a conversation id goes back to the replica
+that served the conversation's previous turn while that replica is within the
+bound and has not restarted since; otherwise the cost decides.
+
+With ``home_in_cost = 1`` (not the default) that replica is instead credited in
+the cost: it holds the previous turn's prompt and its answer, while the index
+learned the prompt only (the policy never sees output tokens), so the cost
+counts it as holding the whole prompt but its last block (the new user
+message, which the policy cannot tell apart from the answer, is credited too:
+a bias towards the home of one message's blocks). The home then keeps the turn
+unless its prefill queue and decode load outweigh the conversation's own blocks
+elsewhere, which with the queue capped at 2,048 tokens happens only while the
+conversation is short. bench_routing (4 replicas, 30 s, seeds 11,12): agent,
+whose tool outputs (~400 tokens, up to 1,500) queue up at one replica, p95 TTFT
+55 -> 45 ms at 50% of capacity and 78 -> 63 ms at 80% (SGLang's cache_aware 62
+and 87); but chat 15 -> 16 / 17 -> 18 ms and bursty 16 -> 18 ms at 50%
+(SGLang 17: a loss), because each home turn still enters the prefill queue
+with its answer, which the home has cached: in chat, whose answers (~350
+tokens) outweigh the messages (~120), the queue is overstated and turns leave
+homes they should have kept (hit rate 91.4 -> 90.8%). Pricing the message
+alone needs the answer's length, which the policy interface does not carry.
 
 Long-context pool. Prompts longer than ``long_context_threshold_tokens`` go
 to replicas marked ``long_context`` and shorter ones stay off them, each
@@ -118,7 +122,7 @@ Outcomes (counted by router.metrics):
 - ``affinity_hit``: sent to the conversation's replica, or to a replica holding
   the longest cached prefix when candidates differed;
 - ``balanced_away``: a replica holding more of the prompt (or the conversation's
-  replica) was passed over for its load or its prefill queue;
+  replica) was passed over for load (or, with home_in_cost, its prefill queue);
 - ``fallback``: every candidate held the same prefix (often none, or just the
   shared system prompt), so load alone decided.
 """
@@ -157,6 +161,9 @@ class PolicyOptions:
     # Queued prompt tokens counted at most (seed 003's engine step budget, max_num_tokens): the queue
     # decides among replicas whose caches save about as much, never against a larger saving
     prefill_queue_cap_tokens: int = 2048
+    # 1: a conversation's replica is credited in the cost instead of taking every turn within the
+    # bound (see "Session affinity"); 0 by default: it cost chat-shaped workloads what it won on agents
+    home_in_cost: int = 0
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, float]) -> PolicyOptions:
@@ -353,10 +360,15 @@ class PrefixAware:
 
         # The oracle sees each replica's cache exactly; a conversation's home could only blind it.
         home = self._conversation_replica(request) if self._probe is None else None
-        scored, mean_load, most, least = self._score(request, candidates, now, home)
+        scored, mean_load, most, least = self._score(
+            request, candidates, now, home if options.home_in_cost else None)
         limit = load_limit(mean_load, options.imbalance_bound, options.imbalance_slack)
         eligible = [entry for entry in scored if entry[_LOAD] <= limit]
 
+        if home is not None and not options.home_in_cost:
+            for entry in eligible:
+                if entry[_VIEW].name == home:
+                    return self._decide(request, entry, OUTCOME_AFFINITY_HIT)
         best = min(eligible)
         home_passed_over = home is not None and any(entry[_VIEW].name == home for entry in scored)
         if best[_VIEW].name == home:
