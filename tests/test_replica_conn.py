@@ -160,8 +160,10 @@ async def test_goaway_ends_the_streams_above_its_last_id_and_no_new_stream_start
         connection.start(PATH, Sink())
 
 
-async def test_a_silent_peer_is_pinged_and_its_streams_end_unavailable_when_the_ping_goes_unanswered(served):
-    connection, peers = served
+async def pinged(connection: ReplicaConnection,
+                 peers: asyncio.Queue[Peer]) -> tuple[Sink, Peer, float, h2.Frame]:
+    """One stream open and the peer silent since its SETTINGS: `check` sends nothing within
+    KEEPALIVE_S of the peer's last word, then a ping (returned, with when the peer last spoke)."""
     sink = Sink()
     connection.start(PATH, sink)
     peer = await peers.get()
@@ -172,6 +174,12 @@ async def test_a_silent_peer_is_pinged_and_its_streams_end_unavailable_when_the_
     connection.check(heard + replica_conn.KEEPALIVE_S + 0.1)          # silent long enough: a ping
     ping = await asyncio.wait_for(peer.next_frame(*SETUP, h2.HEADERS), 5)
     assert ping.type == h2.PING and not ping.flags & h2.ACK
+    return sink, peer, heard, ping
+
+
+async def test_a_silent_peer_is_pinged_and_its_streams_end_unavailable_when_the_ping_goes_unanswered(served):
+    connection, peers = served
+    sink, _, heard, _ = await pinged(connection, peers)
     connection.check(heard + replica_conn.KEEPALIVE_S + 0.1 + replica_conn.KEEPALIVE_TIMEOUT_S / 2)
     await asyncio.sleep(0.05)
     assert sink.ends == []                           # still within the ping's timeout
@@ -183,14 +191,7 @@ async def test_a_silent_peer_is_pinged_and_its_streams_end_unavailable_when_the_
 
 async def test_a_ping_answered_keeps_the_connection_and_the_peers_pings_are_answered(served):
     connection, peers = served
-    sink = Sink()
-    connection.start(PATH, sink)
-    peer = await peers.get()
-    await peer.handshake()
-    await asyncio.sleep(0.05)
-    heard = connection.last_received
-    connection.check(heard + replica_conn.KEEPALIVE_S + 0.1)
-    ping = await asyncio.wait_for(peer.next_frame(*SETUP, h2.HEADERS), 5)
+    sink, peer, _, ping = await pinged(connection, peers)
     peer.writer.write(h2.frame(h2.PING, h2.ACK, 0, ping.payload) + h2.frame(h2.PING, 0, 0, b"peer-png"))
     answer = await asyncio.wait_for(peer.next_frame(*SETUP), 5)
     assert (answer.type, answer.flags, answer.payload) == (h2.PING, h2.ACK, b"peer-png")
