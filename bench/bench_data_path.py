@@ -1,12 +1,13 @@
 """CPU per token of the routing worker's two per-token hot paths, each alone in this process
 (issue 9.1): `python -m bench.bench_data_path [--streams 64] [--tokens 100]`.
 
-  replica   the replica read path: `replica_client.stream_generate` over --streams concurrent streams
-            from one simple-engine Triton replica at --token-delay-ms per step (one gRPC message per
-            token per stream, as TensorRT-LLM streams); this process's CPU per token (getrusage),
-            the replica's apart. What is left here is grpc.aio's own cost per message (a completion
-            handed from its poller thread to the event loop, a read op started per message): the
-            floor of reading a token in a Python process.
+  replica   the replica read path over --streams concurrent streams from one simple-engine Triton
+            replica at --token-delay-ms per step (one gRPC message per token per stream, as
+            TensorRT-LLM streams), both ways replica_client offers it: `generate` (chunks pushed
+            from the shared HTTP/2 connection's reader, the driver's path) and `stream_generate`
+            (an async iterator: a task wake-up per chunk); this process's CPU per token
+            (getrusage), the replica's apart. (grpc.aio, before services/replica_conn.py: ~85 us
+            per token for a bare read loop, ~100 through the client's layers.)
   driver    RunDriver's loop (services/routing/driver.py) with the driver tests' in-memory event log,
             ledger and scripted replica (tests/test_routing_driver.py): --streams runs of --tokens
             tokens at --driver-gap-ms per token, windows of --window-ms; CPU per token and per event,
@@ -62,14 +63,29 @@ async def read_streams(address: str, streams: int, tokens: int) -> int:
     return sum(await asyncio.gather(*(one(index) for index in range(streams))))
 
 
+async def push_streams(address: str, streams: int, tokens: int) -> int:
+    async def one(index: int) -> int:
+        received = [0]
+
+        def take(chunk: replica_client.TokenChunk) -> None:
+            received[0] += len(chunk.token_ids)
+
+        await replica_client.generate(address, f"bench-push-{index}-{time.time_ns()}", PROMPT_IDS, tokens,
+                                      on_chunk=take)
+        return received[0]
+
+    return sum(await asyncio.gather(*(one(index) for index in range(streams))))
+
+
 async def replica_path(args: argparse.Namespace, address: str) -> None:
-    await read_streams(address, 4, 4)                        # channel and replica warm
+    await read_streams(address, 4, 4)                        # connection and replica warm
     for _ in range(args.rounds):
-        started, wall = cpu_seconds(), time.perf_counter()
-        received = await read_streams(address, args.streams, args.tokens)
-        spent, wall = cpu_seconds() - started, time.perf_counter() - wall
-        print(f"replica reads: {args.streams} streams x {args.tokens} tokens ({received} received,"
-              f" {wall:.1f} s wall): {spent / received * 1e6:.1f} us CPU per token", flush=True)
+        for way, read in (("pushed (generate)", push_streams), ("iterated (stream_generate)", read_streams)):
+            started, wall = cpu_seconds(), time.perf_counter()
+            received = await read(address, args.streams, args.tokens)
+            spent, wall = cpu_seconds() - started, time.perf_counter() - wall
+            print(f"replica reads, {way}: {args.streams} streams x {args.tokens} tokens ({received} received,"
+                  f" {wall:.1f} s wall): {spent / received * 1e6:.1f} us CPU per token", flush=True)
     await replica_client.close_channels()
 
 
