@@ -345,10 +345,12 @@ def plot(rows: Sequence[Row], workload: str, out_dir: Path) -> Path | None:
     loads = sorted({row.load for row in chosen})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / max(len(loads), 1)
+    # Bars by policy name, so that a load missing some policy's row (--policies, a merged table)
+    # leaves a gap under the right label instead of shifting the others.
+    names = [name for name in POLICIES if any(row.policy == name for row in chosen)]
     for offset, load in enumerate(loads):
         at_load = [row for row in chosen if row.load == load]
-        names = [row.policy for row in at_load]
-        xs = [index + offset * width for index in range(len(names))]
+        xs = [names.index(row.policy) + offset * width for row in at_load]
         panels: tuple[tuple[Callable[[Row], float], str], ...] = (
             (lambda row: row.ttft_p95_s * 1e3, "p95 TTFT (ms, log)"),
             (lambda row: row.goodput, "goodput (req/s within SLO)"),
