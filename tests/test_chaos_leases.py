@@ -27,7 +27,6 @@ from tests.support.chaos import FULL
 from tests.support.ledger_factories import budget_row
 from tests.support.routing_stack import (
     TEST_LEASE_SECONDS,
-    TOKEN_DELAY_MS,
     Stack,
     collect,
     deltas_tokens,
@@ -118,15 +117,11 @@ async def test_a_database_stall_longer_than_the_lease_ends_runs_interrupted_neve
     async with proxied_worker(stack) as (proxy, worker), \
             SluiceClient(stack.address, stack.tenant.api_key) as sdk:
         run_ids, streams = await streaming(stack, sdk)
-        stalled_at = time.monotonic()
         await proxy.stall(1.5 * TEST_LEASE_SECONDS)
         results = await asyncio.gather(*streams)
-        ended_s = time.monotonic() - stalled_at
     detail = DETAIL_DRIVER_LOST.format(owner=worker.settings.owner)
     assert [(e[-1].status, e[-1].detail) for e in results] == [(INTERRUPTED, detail)] * RUNS
     assert all(map(contiguous, results))              # the events stop at a sequence the client saw
     streamed = [deltas_tokens(e) for e in results]
     assert all(0 < tokens < TOKENS for tokens in streamed), streamed   # cut short, not regenerated
     await assert_settled_once_as_streamed(stack, run_ids, results)
-    # Before the runs could have finished: no driver went on generating past its lease.
-    assert ended_s < TOKENS * TOKEN_DELAY_MS / 1000 + 1.5 * TEST_LEASE_SECONDS

@@ -21,11 +21,10 @@
   are dropped. An attempt that fails (connection lost, PostgreSQL restarting) is followed by
   another RETRY_S later, for as long as it takes: an outage shorter than the lease
   interrupts nothing.
-- A driver stops only when a renewal is refused or the lease has truly expired (ends_by).
-  A renewal refuses a lease that expired in the ledger (a reaper may take that run), as well
-  as one whose epoch moved on or whose run ended: once the ledger's clock ended a lease, no
-  late renewal revives it, and the run ends INTERRUPTED through the reaper, never silently
-  regenerated.
+- A driver stops only when a renewal is refused (a reaper took the run: its epoch moved on, or
+  it ended) or the lease has truly expired (ends_by). A renewal that ran late, after the
+  ledger's deadline but before any reaper took the run, still renews it (fencing by epoch
+  keeps that safe): a busy database does not turn a renewal sent in time into a lost run.
 - Fencing: the epoch a driver was granted conditions every ledger write it makes
   (claims.py) and is stamped on every event it publishes; a reaper taking the run
   over publishes a fence with the next epoch first, after which every reader drops
@@ -68,18 +67,18 @@ HEARTBEAT_S = 0.25
 # One statement for every lease of the process. Rows another transaction holds locked (a driver
 # settling, Runs.Cancel, a reaper taking over) are skipped, not waited for: the renewal never queues
 # behind other work. A skipped row still ours by the snapshot is neither renewed nor refused this
-# round; a row whose epoch moved on, that ended, or whose lease expired by the ledger's clock (a
-# reaper may take it: it is no longer ours to renew) is refused.
+# round; only a row whose epoch moved on or that ended is refused. A renewal sent within the lease and
+# run late (a busy database) still renews: the epoch, not the clock, says whether a reaper took it.
 RENEW_SQL = """
     WITH p AS (
         SELECT * FROM unnest($2::uuid[], $3::bigint[], $4::bigint[], $5::int[])
                    AS p(id, epoch, last_sequence, output_tokens)
     ), ours AS (
         SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
-         WHERE r.status IN ('QUEUED', 'RUNNING') AND r.lease_expires_at > now()
+         WHERE r.status IN ('QUEUED', 'RUNNING')
     ), locked AS (
         SELECT r.id FROM runs AS r JOIN p ON r.id = p.id AND r.lease_epoch = p.epoch
-         WHERE r.status IN ('QUEUED', 'RUNNING') AND r.lease_expires_at > now()
+         WHERE r.status IN ('QUEUED', 'RUNNING')
            FOR UPDATE OF r SKIP LOCKED
     ), renewed AS (
         UPDATE runs AS r
@@ -107,7 +106,7 @@ class Lease:
     expires_at: float            # monotonic; the ledger's deadline, never later
     last_sequence: int = 0       # durable progress, recorded with every renewal
     output_tokens: int = 0
-    refused: bool = False        # a renewal found the run under another epoch, ended or expired
+    refused: bool = False        # a renewal found the run under another epoch or ended
     cancel_requested: bool = False
     answered_by: float = 0.0     # monotonic; the ledger's deadline, never earlier (0: expires_at)
 
