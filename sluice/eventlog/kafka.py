@@ -290,7 +290,9 @@ class KafkaEventLog:
                                   recent_per_partition=self.recent_per_partition, end_offset=self._log_end)
         try:
             producer = await self._ready_producer()
-            await self._tail.ensure_started(sorted(await producer.partitions_for(self.topic)))
+            partitions = sorted(await producer.partitions_for(self.topic))
+            await self._tail.ensure_started(partitions)
+            await self.replay.start(partitions)        # where a partition ends is asked of it
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
         return self._tail

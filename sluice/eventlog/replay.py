@@ -56,6 +56,14 @@ class SharedReplay:
             self._consumer = consumer
         return self._consumer
 
+    async def start(self, partitions: list[int]) -> None:
+        """Connect now, not on the first read: the live tail asks this consumer where a partition
+        ends when a stream first needs it, and a stream opened as its run starts should not wait
+        for a broker bootstrap then."""
+        if self._consumer is None:
+            async with self._lock:
+                await self._ready(partitions)
+
     async def log_start(self, partitions: list[int], partition: int) -> int:
         """The partition's first offset still in the log (retention moves it forward)."""
         async with self._lock:
