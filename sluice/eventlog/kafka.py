@@ -272,9 +272,9 @@ class KafkaEventLog:
         """The process's tail, once a follow() started it."""
         return self._tail
 
-    async def _log_end(self, partition: int) -> int:
+    async def _log_ends(self) -> dict[int, int]:
         partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
-        return await self.replay.log_end(partitions, partition)
+        return await self.replay.log_ends(partitions)
 
     @staticmethod
     async def _subscribe(tail: LiveTail, run_id: str, partition: int,
@@ -287,12 +287,12 @@ class KafkaEventLog:
     async def _ready_tail(self, run_id: str) -> LiveTail:
         if self._tail is None:
             self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
-                                  recent_per_partition=self.recent_per_partition, end_offset=self._log_end)
+                                  recent_per_partition=self.recent_per_partition, end_offsets=self._log_ends)
         try:
             producer = await self._ready_producer()
             partitions = sorted(await producer.partitions_for(self.topic))
             await self._tail.ensure_started(partitions)
-            await self.replay.start(partitions)        # where a partition ends is asked of it
+            await self.replay.start(partitions)        # where the partitions end is asked of it
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
         return self._tail

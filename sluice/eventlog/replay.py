@@ -71,12 +71,12 @@ class SharedReplay:
             tp = TopicPartition(self.topic, partition)
             return int((await consumer.beginning_offsets([tp]))[tp])
 
-    async def log_end(self, partitions: list[int], partition: int) -> int:
-        """The partition's end (its high watermark: one past its last durable record)."""
+    async def log_ends(self, partitions: list[int]) -> dict[int, int]:
+        """Each partition's end (its high watermark: one past its last durable record)."""
         async with self._lock:
             consumer = await self._ready(partitions)
-            tp = TopicPartition(self.topic, partition)
-            return int((await consumer.end_offsets([tp]))[tp])
+            ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
+            return {tp.partition: int(end) for tp, end in ends.items()}
 
     async def read(self, key: bytes, partitions: list[int], partition: int, start: int,
                    end: int) -> list[bytes]:

@@ -19,12 +19,13 @@ between (once the partition is followed), and the tail dispatches a fetched batc
 synchronously too, so no record falls between the replay and the buffer; the reader's
 EventDeduper absorbs any overlap.
 
-A fetch costs a gateway far more than the records it carries, so the tail fetches only what
-its streams need: every partition is assigned but paused, a partition's first subscription
-seeks it to its end and resumes it (that end is its position p above: everything before it is
-replayed), and a partition without subscription for FOLLOW_LINGER_S is paused again, its recent
-records dropped. Each gateway holds some of the streams, so it fetches the partitions of those
-only, and an idle gateway fetches nothing. While records flow, batches are taken at most every
+A fetch costs a gateway far more than the records it carries, so the tail fetches only while
+some stream needs it: every partition is assigned but paused; the first subscription after a
+quiet spell seeks every partition to its end and resumes them all (that end is the position p
+above: everything before it is replayed), and FOLLOW_LINGER_S after the last subscription ended
+they are paused again, their recent records dropped. All of them, not only the subscriptions'
+partitions: a partition resumed while the long poll on the others is at the broker would get its
+first records only when that poll returns. While records flow, batches are taken at most every
 TAIL_BATCH_INTERVAL_MS, so that each fetch carries several.
 
 Every record the tail hands out is below the partition's high watermark (a consumer
@@ -71,9 +72,9 @@ TAIL_FAILED = "the event log's live tail stopped: {error}"
 # ~5 s, far more than a stream opened as its run starts needs (the ledger records the
 # run's first offset within milliseconds of publishing it); ~10 MB per process in all.
 RECENT_RECORDS_PER_PARTITION = 8192
-# How long the tail keeps fetching a partition after its last subscription ended: a stream resumed
-# within it finds its run's recent records still held, and a partition whose streams come and go is
-# not sought to its end for each one. A partition nobody streams from costs nothing after it.
+# How long the tail keeps fetching after its last subscription ended: a stream resumed within it
+# finds its run's recent records still held, and streams that come and go one at a time do not each
+# seek the partitions to their end. A process nobody streams from fetches nothing after it.
 FOLLOW_LINGER_S = 10.0
 # A stream's backlog between the tail and its gRPC writer. A reader keeping up holds a
 # handful; at one event per token this is a few seconds of the fastest decode.
@@ -165,24 +166,23 @@ class LiveTail:
     def __init__(self, bootstrap: str, topic: str, *, capacity: int = SUBSCRIPTION_CAPACITY,
                  recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
                  batch_interval_ms: float | None = None,
-                 end_offset: Callable[[int], Awaitable[int]] | None = None) -> None:
+                 end_offsets: Callable[[], Awaitable[dict[int, int]]] | None = None) -> None:
         self.bootstrap = bootstrap
-        # Where a partition ends now. Not asked of the tail's own consumer when the caller has another
-        # connection: the broker answers one connection's requests in order, so the offsets request
-        # would wait behind the tail's long poll (up to TAIL_FETCH_WAIT_MS).
-        self._end_offset = end_offset or self._own_end_offset
+        # Where each partition ends now. Not asked of the tail's own consumer when the caller has
+        # another connection: the broker answers one connection's requests in order, so the offsets
+        # request would wait behind the tail's long poll (up to TAIL_FETCH_WAIT_MS).
+        self._end_offsets = end_offsets or self._own_end_offsets
         self.topic = topic
         self.capacity = capacity
         self.recent_per_partition = recent_per_partition
         self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
         self._consumer: AIOKafkaConsumer | None = None
-        # The partitions followed now (fetched, unpaused): each one's next offset to dispatch, its
-        # recent records, its subscription count, and since when that count is 0 (None: it is not).
+        # The partitions followed now (fetched, unpaused): each one's next offset to dispatch and its
+        # recent records; since when the tail has had no subscription (None: it has some).
         self._next: dict[int, int] = {}
         self._recent: dict[int, RecentRecords] = {}
-        self._followers: dict[int, int] = {}
-        self._idle_since: dict[int, float | None] = {}
-        self._following: dict[int, asyncio.Future[None]] = {}   # partitions being sought to their end
+        self._idle_since: float | None = None
+        self._following: asyncio.Future[None] | None = None    # the partitions being sought to their end
         self._subscribers: dict[bytes, list[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -209,22 +209,22 @@ class LiveTail:
 
     @property
     def followed(self) -> frozenset[int]:
-        """The partitions the tail fetches now."""
+        """The partitions the tail fetches now: all of them while it has subscriptions, none after
+        FOLLOW_LINGER_S without."""
         return frozenset(self._next)
 
     async def subscribe(self, run_id: str, partition: int,
                         from_offset: int) -> tuple[Subscription, list[bytes] | None]:
         """Register for the run's live records (call after ensure_started), with the run's recent
         records at offsets in [from_offset, subscription.start_offset) when the tail still holds
-        all of them (None: the caller replays that range from the log). The first subscription of a
-        partition starts following it at its end."""
+        all of them (None: the caller replays that range from the log). A subscription to a tail that
+        follows nothing (none for FOLLOW_LINGER_S) starts following every partition at its end."""
         while partition not in self._next:
-            await self._follow(partition)
+            await self._follow()
         # From here to the return nothing awaits: no record falls between the recent ones and the buffer.
         subscription = Subscription(run_id.encode(), partition, self._next[partition], self.capacity)
         self._subscribers.setdefault(subscription.run_key, []).append(subscription)
-        self._followers[partition] += 1
-        self._idle_since[partition] = None
+        self._idle_since = None
         return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
     def recent(self, subscription: Subscription, from_offset: int) -> list[bytes] | None:
@@ -239,55 +239,54 @@ class LiveTail:
         waiting.remove(subscription)
         if not waiting:
             self._subscribers.pop(subscription.run_key, None)
-        partition = subscription.partition
-        if partition in self._followers:
-            self._followers[partition] -= 1
-            if self._followers[partition] == 0:
-                self._idle_since[partition] = time.monotonic()
+        if not self._subscribers:
+            self._idle_since = time.monotonic()
 
-    async def _follow(self, partition: int) -> None:
-        """Start fetching `partition` from its end (one offsets request). Concurrent callers wait for the
-        first one's request, then check again (the caller loops until the partition is followed)."""
-        started = self._following.get(partition)
-        if started is not None:
-            await asyncio.wait({started})     # its outcome is the first caller's to raise
+    async def _follow(self) -> None:
+        """Start fetching every partition from its end (one offsets request). Concurrent callers wait
+        for the first one's request, then check again (the caller loops until it is followed).
+
+        Every partition, not only the subscription's: a partition resumed while the tail's long poll
+        on the others is at the broker would get its first records only when that poll returns (up to
+        TAIL_FETCH_WAIT_MS: a run's first token, one at a time, waited for it)."""
+        if self._following is not None:
+            await asyncio.wait({self._following})     # its outcome is the first caller's to raise
             return
-        started = self._following[partition] = asyncio.get_running_loop().create_future()
+        started = self._following = asyncio.get_running_loop().create_future()
         try:
             consumer = self._consumer
             if consumer is None:
                 raise TailFailed(TAIL_FAILED.format(error="its consumer is not running"))
-            end = await self._end_offset(partition)
+            ends = await self._end_offsets()
             still = self._consumer
             if still is None or still is not consumer:
                 raise TailFailed(TAIL_FAILED.format(error="its consumer stopped"))
-            tp = TopicPartition(self.topic, partition)
-            still.seek(tp, end)
-            still.resume(tp)
-            self._start_following(partition, end)
+            for partition, end in ends.items():
+                tp = TopicPartition(self.topic, partition)
+                still.seek(tp, end)
+                still.resume(tp)
+                self._start_following(partition, end)
+            self._idle_since = time.monotonic()
         finally:
-            del self._following[partition]
+            self._following = None
             started.set_result(None)
 
-    async def _own_end_offset(self, partition: int) -> int:
+    async def _own_end_offsets(self) -> dict[int, int]:
         assert self._consumer is not None, "the tail's consumer is not running"
-        tp = TopicPartition(self.topic, partition)
-        return int((await self._consumer.end_offsets([tp]))[tp])
+        ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
+        return {tp.partition: int(end) for tp, end in ends.items()}
 
     def _start_following(self, partition: int, position: int) -> None:
         self._next[partition] = position
         self._recent[partition] = RecentRecords(position, self.recent_per_partition)
-        self._followers[partition] = 0
-        self._idle_since[partition] = time.monotonic()
 
     def _stop_idle(self, consumer: AIOKafkaConsumer, now: float) -> None:
-        """Stop fetching the partitions without a subscription for FOLLOW_LINGER_S (their recent records
-        go with them: a later subscription follows the partition afresh from its end)."""
-        for partition, since in list(self._idle_since.items()):
-            if since is not None and now - since >= FOLLOW_LINGER_S:
-                consumer.pause(TopicPartition(self.topic, partition))
-                for held in (self._next, self._recent, self._followers, self._idle_since):
-                    del held[partition]
+        """Stop fetching after FOLLOW_LINGER_S without a subscription (the recent records go too: a
+        later subscription follows the partitions afresh from their end)."""
+        if self._next and self._idle_since is not None and now - self._idle_since >= FOLLOW_LINGER_S:
+            consumer.pause(*(TopicPartition(self.topic, partition) for partition in self._next))
+            self._next.clear()
+            self._recent.clear()
 
     async def _run(self, partition_ids: list[int]) -> None:
         assert self._ready is not None
@@ -322,8 +321,8 @@ class LiveTail:
                 for subscription in waiting:
                     subscription.fail(failure)
             self._subscribers.clear()
-            for held in (self._next, self._recent, self._followers, self._idle_since):
-                held.clear()
+            self._next.clear()
+            self._recent.clear()
             self._ready = None   # the next stream starts a fresh tail
         finally:
             with contextlib.suppress(Exception):
