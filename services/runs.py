@@ -73,6 +73,11 @@ DETAIL_CANCELLED_BEFORE_START = "cancelled by the caller before a replica took t
 # polling faster would cost one query per waiting stream per interval (256 waiting streams at
 # 0.5 s were ~500 queries/s of gateway and PostgreSQL CPU in bench-platform).
 WAIT_REPOLL_S = 5.0
+# After the NOTIFY that a waiting run's start is recorded, how long a stream opened right after
+# Submit leaves its live tail to hand over the run's first event before reading the ledger: the
+# NOTIFY often arrives first (the tail takes batches TAIL_BATCH_INTERVAL_MS apart). Only a stream
+# whose run's first event went by before it subscribed (rare) waits this much longer.
+START_NOTIFIED_GRACE_S = 0.1
 
 
 def _run_uuid(run_id: str) -> uuid.UUID | None:
@@ -237,6 +242,9 @@ class RunsService:
         if started_since_read is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(started_since_read.wait(), WAIT_REPOLL_S)
+            # The NOTIFY says the first event is durable; the live tail hands it over within a batch
+            # interval or so, and then this wait is cancelled without reading the ledger at all.
+            await asyncio.sleep(START_NOTIFIED_GRACE_S)
         while True:
             if self._started is None:
                 start = await self._event_start(run_id, after)

@@ -10,6 +10,7 @@ import uuid
 
 import grpc.aio
 import pytest
+from sluice.services import runs as runs_module
 from sluice.services.runs import StreamStart
 
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
@@ -28,7 +29,10 @@ async def until(condition: object, timeout_s: float = 10.0) -> None:
 
 
 async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_without_reading_the_ledger_again(
-        stack: Stack):
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    # The ledger's slow re-poll (the safety net for lost notifications) must not fire while the
+    # worker starts on a busy box: what is pinned here is that nothing reads it sooner.
+    monkeypatch.setattr(runs_module, "WAIT_REPOLL_S", 120.0)
     runs = await stack.start_runs_server()
     service = runs.service
     assert service._started is not None
