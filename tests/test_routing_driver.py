@@ -17,7 +17,7 @@ from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenCh
 from sluice.services.routing.claims import ClaimedRun
 from sluice.services.routing.driver import DriverSettings, RunDriver, Target
 from sluice.services.routing.leases import Lease
-from sluice.services.routing.monitor import Silence, hung
+from sluice.services.routing.monitor import STALLED_TICK_S, Silence, StallGuard, hung
 from sluice.services.routing.outcome import (
     DETAIL_CANCELLED,
     DETAIL_REPLICA_HUNG,
@@ -424,3 +424,14 @@ def test_readers_drop_a_fenced_off_writers_late_events():
     assert accepted == [(1, DELTA, 1), (2, DELTA, 1), (3, DELTA, 1), (4, TERMINAL, 2)]
     resumed = EventDeduper(after=2)
     assert [e.sequence for e in log if resumed.accept(e)] == [3, 4]
+
+
+def test_the_monitor_judges_nobody_on_the_first_tick_after_its_own_process_stalled():
+    # Ticks every 0.25 s may judge; a tick 3.5 s after the previous one (the process was starved, its
+    # sockets unread) may not; the tick after it, once I/O has been polled, judges again.
+    guard = StallGuard(started_at=100.0)
+    ticks = [100.25, 100.5, 100.75, 104.25, 104.5, 104.75]
+    assert [guard.may_judge(t) for t in ticks] == [True, True, True, False, True, True]
+    # A tick merely late (the loop busy for a few hundred ms) still judges: STALLED_TICK_S bounds it.
+    assert guard.may_judge(104.75 + STALLED_TICK_S * 0.9) is True
+    assert guard.may_judge(105.0 + STALLED_TICK_S * 2) is False

@@ -27,6 +27,10 @@ MIN_SILENCE_S = 2.0          # ... and never less than this (batching pauses, a 
 LIVENESS_STALE_S = 2.5       # scrapes run every 0.25 s with a 1 s timeout: ~8 missed in a row
 UNSCRAPED_SILENCE_S = 10.0   # no liveness source: the old fixed limit
 MONITOR_TICK_S = 0.25
+# A tick later than this after the previous one means the routing process itself was stalled (a
+# starved box, a long GC): every silence it measures now includes time it could not read its sockets,
+# and uvloop runs due timers before polling I/O, so tokens already in the socket are not yet seen.
+STALLED_TICK_S = 1.0
 
 DETAIL_HUNG = "silent {silent:.1f}s (~{step_ms:.0f} ms per step), not alive for {stale:.1f}s"
 DETAIL_HUNG_UNSCRAPED = "silent {silent:.1f}s"
@@ -51,3 +55,18 @@ def hung(silence: Silence) -> str | None:
     if silence.silent_s >= max(MIN_SILENCE_S, HUNG_STEPS * step) and silence.alive_age_s >= LIVENESS_STALE_S:
         return DETAIL_HUNG.format(silent=silence.silent_s, step_ms=step * 1000, stale=silence.alive_age_s)
     return None
+
+
+class StallGuard:
+    """Whether the monitor may judge at this tick: not on the first tick after the process itself
+    stalled (the replicas' tokens and scrape answers of the stall wait unread in the sockets until the
+    loop polls I/O, which uvloop does after running due timers). The next tick judges as usual."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self, started_at: float) -> None:
+        self._last = started_at
+
+    def may_judge(self, now: float) -> bool:
+        gap, self._last = now - self._last, now
+        return gap <= STALLED_TICK_S

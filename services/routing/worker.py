@@ -73,7 +73,7 @@ from sluice.services.routing.claims import (
 )
 from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
 from sluice.services.routing.leases import Lease, LeaseKeeper
-from sluice.services.routing.monitor import MONITOR_TICK_S, hung
+from sluice.services.routing.monitor import MONITOR_TICK_S, StallGuard, hung
 from sluice.services.routing.observability import (
     RoutingMetrics,
     claim_attributes,
@@ -214,6 +214,7 @@ class RoutingWorker:
         self._accepted_listener: ChannelListener | None = None
         self._stopped = asyncio.Event()    # drained: every loop ends
         self._started_at = time.monotonic()
+        self._stall_guard = StallGuard(self._started_at)
 
     # --- process lifecycle ------------------------------------------------------------------
 
@@ -625,6 +626,9 @@ class RoutingWorker:
         """The replica monitor's judgment of every stream in progress (monitor.py): a replica silent
         past its step time whose liveness lapsed is hung, and the runs on it end INTERRUPTED."""
         now = time.monotonic()
+        if not self._stall_guard.may_judge(now):
+            log.info("replica monitor: this process stalled; judging no stream until it has read its sockets")
+            return False
         scraped = {spec.name for spec in self.registry.specs() if spec.metrics_url} \
             if self.settings.scrape_interval_s > 0 else set()
         for driver in list(self.drivers.values()):
