@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 TOKENS = 6
 
 
-async def until(condition: object, timeout_s: float = 10.0) -> None:
+async def until(condition: object, timeout_s: float = 30.0) -> None:  # generous: a box at load 20+
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():  # type: ignore[operator]
         assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
