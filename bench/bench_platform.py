@@ -61,7 +61,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -204,6 +204,7 @@ async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]
 class Spent:
     wall_s: float
     cpu: dict[str, float]          # component -> CPU-seconds over the phase
+    backends: dict[int, float] = field(default_factory=dict)   # PostgreSQL backend pid -> CPU-seconds
 
     @property
     def platform(self) -> float:
@@ -222,7 +223,19 @@ async def measured(meter: CpuMeter, work: Awaitable[T]) -> tuple[T, Spent]:
     result = await work
     wall = time.perf_counter() - started
     after = await meter.sample()
-    return result, Spent(wall, after.minus(before))
+    return result, Spent(wall, after.minus(before), after.backends_minus(before))
+
+
+def pg_roles_line(meter: CpuMeter, spent: Spent, per: float, unit: str, scale: float) -> str:
+    """PostgreSQL's share split by what each backend was found running (--pg-backends)."""
+    roles: dict[str, tuple[float, int]] = {}
+    for pid, cpu in spent.backends.items():
+        role = meter.backend_role(pid)
+        total, count = roles.get(role, (0.0, 0))
+        roles[role] = (total + cpu, count + 1)
+    ranked = sorted(roles.items(), key=lambda item: -item[1][0])
+    return "  postgres by backend role (statement most often sampled, backends): " + "; ".join(
+        f"{role!r} x{count} {total / per * scale:.2f} {unit}" for role, (total, count) in ranked if total > 0)
 
 
 def outcome_counts(outcomes: Sequence[RunOutcome]) -> str:
@@ -618,6 +631,8 @@ async def bench(args: argparse.Namespace) -> None:
             print(requests.line(sum(o.events for o in outcomes), len(outcomes)), flush=True)
             if args.broker_threads:
                 print(threads.line(spent.wall_s), flush=True)
+            if args.pg_backends:
+                print(pg_roles_line(meter, spent, len(outcomes), "ms", 1e3), flush=True)
             await print_profiles(profiles, f"{args.py_spy} s of the run-cost phase")
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
         passes = range(1, args.stream_passes + 1)
@@ -636,6 +651,8 @@ async def bench(args: argparse.Namespace) -> None:
             print(requests.line(sum(o.events for o in outcomes), len(outcomes)), flush=True)
             if args.broker_threads:
                 print(threads.line(spent.wall_s), flush=True)
+            if args.pg_backends:
+                print(pg_roles_line(meter, spent, sum(o.tokens for o in outcomes), "us/token", 1e6), flush=True)
         if "interrupt" in phases:
             runs = args.interrupt_runs or plan.interrupt_runs
             tokens = args.interrupt_tokens or plan.interrupt_tokens
@@ -691,6 +708,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="output tokens per run in the interrupt phase (default: 40 quick, 100 full)")
     parser.add_argument("--burn", type=int, default=0, metavar="N",
                         help="N CPU-burning processes at nice 0 during the interrupt phase (a loaded box)")
+    parser.add_argument("--pg-backends", action="store_true",
+                        help="split PostgreSQL's CPU by what each backend was found running (its role)")
     parser.add_argument("--stream-passes", type=int, default=1,
                         help="run each stream phase this many times in a row, each reported (warm-up check)")
     parser.add_argument("--warm-broker", type=int, default=64, metavar="RUNS",

@@ -18,6 +18,7 @@ reported with its background rate measured while our stack is idle.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import json
@@ -47,7 +48,7 @@ POOL = TINY_CHAT.worker_pool
 GATEWAY_READY = "gateway (admission, runs, usage)"
 ROUTING_READY = "routing worker"
 KAFKA_MAIN_CLASS = b"kafka.Kafka"
-BACKENDS_OF_DATABASE = "SELECT pid FROM pg_stat_activity WHERE datname = $1"
+BACKENDS_OF_DATABASE = "SELECT pid, query FROM pg_stat_activity WHERE datname = $1"
 
 
 def tenant_key(index: int) -> str:
@@ -252,6 +253,12 @@ def kafka_pid(bootstrap: str | None = None) -> int | None:
     return first
 
 
+def statement_label(query: str) -> str:
+    """A short, stable label for a statement: its first words, literals and parameters dropped."""
+    words = re.sub(r"\$\d+|'[^']*'|\d+", "", " ".join(query.split())).split(" ")
+    return " ".join(words[:6])[:60] or "(idle, no statement yet)"
+
+
 @dataclass(frozen=True, slots=True)
 class CpuSample:
     """Cumulative CPU-seconds per component (and per PostgreSQL backend, which come and go)."""
@@ -261,9 +268,12 @@ class CpuSample:
 
     def minus(self, before: CpuSample) -> dict[str, float]:
         spent = {name: self.groups[name] - before.groups.get(name, 0.0) for name in self.groups}
-        # A backend born during the phase started from ~0; one that exited keeps its last reading.
-        spent["postgres"] = sum(cpu - before.backends.get(pid, 0.0) for pid, cpu in self.backends.items())
+        spent["postgres"] = sum(self.backends_minus(before).values())
         return spent
+
+    def backends_minus(self, before: CpuSample) -> dict[int, float]:
+        # A backend born during the phase started from ~0; one that exited keeps its last reading.
+        return {pid: cpu - before.backends.get(pid, 0.0) for pid, cpu in self.backends.items()}
 
 
 class CpuMeter:
@@ -274,6 +284,8 @@ class CpuMeter:
         self.database = database
         self.kafka = kafka_pid()
         self._backends: dict[int, float] = {}
+        # pid -> its last statements as sampled (what the backend serves: `backend_roles`)
+        self._queries: dict[int, collections.Counter[str]] = {}
         self._admin: asyncpg.Connection | None = None
         self._admin_lock = asyncio.Lock()        # the sampler and sample() share one connection
         self._sampler: asyncio.Task[None] | None = None
@@ -302,9 +314,16 @@ class CpuMeter:
         async with self._admin_lock:
             rows = await self._admin.fetch(BACKENDS_OF_DATABASE, self.database)
         for row in rows:
-            cpu = process_cpu_seconds(int(row["pid"]))
+            pid = int(row["pid"])
+            cpu = process_cpu_seconds(pid)
             if cpu is not None:
-                self._backends[int(row["pid"])] = cpu
+                self._backends[pid] = cpu
+            self._queries.setdefault(pid, collections.Counter())[statement_label(row["query"] or "")] += 1
+
+    def backend_role(self, pid: int) -> str:
+        """The statement this backend was most often found running (its role: a pool, a listener)."""
+        seen = self._queries.get(pid)
+        return seen.most_common(1)[0][0] if seen else "?"
 
     async def sample(self) -> CpuSample:
         await self._read_backends()
