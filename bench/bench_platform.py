@@ -652,7 +652,8 @@ async def bench(args: argparse.Namespace) -> None:
             if args.broker_threads:
                 print(threads.line(spent.wall_s), flush=True)
             if args.pg_backends:
-                print(pg_roles_line(meter, spent, sum(o.tokens for o in outcomes), "us/token", 1e6), flush=True)
+                tokens = sum(o.tokens for o in outcomes)
+                print(pg_roles_line(meter, spent, tokens, "us/token", 1e6), flush=True)
         if "interrupt" in phases:
             runs = args.interrupt_runs or plan.interrupt_runs
             tokens = args.interrupt_tokens or plan.interrupt_tokens
