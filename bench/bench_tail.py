@@ -51,22 +51,27 @@ async def tail_child(bootstrap: str, topic: str, run_ids: list[str], seconds: fl
     readers = [asyncio.create_task(drain(run_id)) for run_id in [*run_ids, str(uuid.uuid4())]]
     await asyncio.sleep(1.0)
     tail = events.live_tail
-    assert tail is not None and tail._consumer is not None, "no follower started the tail"
-    fetcher = tail._consumer._fetcher
-    handle = fetcher._proc_fetch_request          # counted here only: the bench's own window
+    assert tail is not None, "no follower started the tail"
+    if hasattr(tail, "fetches"):          # the lean fetcher counts its answers itself
+        counted_before = tail.fetches
+    else:                                 # a tail on aiokafka's consumer (an older checkout, side by side)
+        fetcher = getattr(tail, "_consumer")._fetcher  # noqa: B009 - not an attribute of the new tail
+        handle = fetcher._proc_fetch_request          # counted here only: the bench's own window
 
-    async def counted(*args: object, **kwargs: object) -> object:
-        nonlocal fetches
-        fetches += 1
-        return await handle(*args, **kwargs)
+        async def counted(*args: object, **kwargs: object) -> object:
+            nonlocal fetches
+            fetches += 1
+            return await handle(*args, **kwargs)
 
-    fetcher._proc_fetch_request = counted
+        fetcher._proc_fetch_request = counted
     received_before = sum(tail.received.values()) if hasattr(tail, "received") else 0
     print("READY", flush=True)
     started = cpu_s()
     await asyncio.sleep(seconds)
     spent = cpu_s() - started
     received = (sum(tail.received.values()) if hasattr(tail, "received") else 0) - received_before
+    if hasattr(tail, "fetches"):
+        fetches = tail.fetches - counted_before
     print(json.dumps({"cpu_s": spent, "fetches": fetches, "records": received}), flush=True)
     for reader in readers:
         reader.cancel()

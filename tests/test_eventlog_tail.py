@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka import ConsumerRecord
 
 from sluice.eventlog.tail import LiveTail, RecentRecords, Subscription, SubscriptionOverflow
 
 
 def tail_at(next_offsets: dict[int, int], *, capacity: int = 4, recent: int = 8) -> LiveTail:
-    """A tail positioned as if its consumer had just started at `next_offsets` (no broker)."""
+    """A tail positioned as if its fetcher had just started at `next_offsets` (no broker)."""
     tail = LiveTail("unused:0", "topic", capacity=capacity, recent_per_partition=recent)
     for partition, offset in next_offsets.items():
         tail._start_following(partition, offset)
@@ -26,8 +25,9 @@ def feed(tail: LiveTail, partition: int, records: list[tuple[bytes, bytes]]) -> 
                                      for i, (key, value) in enumerate(records)])
 
 
-def record(partition: int, offset: int, key: bytes, value: bytes) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord("topic", partition, offset, 0, 0, key, value, None, len(key), len(value), ())
+def record(partition: int, offset: int, key: bytes, value: bytes) -> tuple[int, bytes, bytes]:
+    """A record as the tail's fetcher hands it over: (offset, key, value)."""
+    return offset, key, value
 
 
 def test_recent_records_return_one_keys_records_from_an_offset_while_they_reach_back_that_far():

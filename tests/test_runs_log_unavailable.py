@@ -34,8 +34,8 @@ async def test_a_live_tail_that_fails_mid_stream_ends_it_unavailable_with_a_retr
                 received.append(event)
                 if len(received) == BROKEN_AFTER:
                     tail = stack.events.live_tail
-                    assert tail is not None and tail._consumer is not None
-                    await tail._consumer.stop()        # the tail's Kafka consumer is gone
+                    assert tail is not None and tail._fetcher is not None
+                    await tail._fetcher.close()        # the tail's Kafka fetcher is gone
         rest = await collect(sdk.stream(run.run_id, after=received[-1].sequence))
     error = broken.value
     assert error.code() is grpc.StatusCode.UNAVAILABLE

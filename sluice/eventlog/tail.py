@@ -1,5 +1,5 @@
-"""One live tail per process: a consumer following the end of the partitions of the events
-topic that some stream reads, handing each record to the streams that wait for its run, and
+"""One live tail per process: a fetcher (eventlog/fetcher.py) following the end of the partitions
+of the events topic that some stream reads, handing each record to the streams that wait for its run, and
 keeping the most recent records of each followed partition for streams that join a run in
 progress.
 
@@ -26,10 +26,12 @@ above: everything before it is replayed), and FOLLOW_LINGER_S after the last sub
 they are paused again, their recent records dropped. All of them, not only the subscriptions'
 partitions: a partition resumed while the long poll on the others is at the broker would get its
 first records only when that poll returns. While records flow, batches are taken at most every
-TAIL_BATCH_INTERVAL_MS, so that each fetch carries several.
+TAIL_BATCH_INTERVAL_MS, so that each fetch carries several. The fetcher is the lean read path
+below aiokafka's consumer (its requests encoded by hand, records handed over as (offset, key,
+value)): a fetch cost the gateway ~1 ms of CPU through the consumer.
 
-Every record the tail hands out is below the partition's high watermark (a consumer
-reads nothing else), so a stream only ever sends durable events.
+Every record the tail hands out is below the partition's high watermark (a consumer's
+fetch gets nothing else from the broker), so a stream only ever sends durable events.
 
 A subscription's buffer is bounded: a reader that falls `capacity` records behind
 (a client not reading its stream) is cut off with SubscriptionOverflow instead of
@@ -45,11 +47,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from sluice.eventlog import wire
+from sluice.eventlog.fetcher import PartitionFetcher, Record
 
 log = logging.getLogger(__name__)
 
-POLL_TIMEOUT_MS = 200
 # How long the broker may hold the tail's fetch when there is nothing new (fetch_min_bytes is 1: a
 # fetch returns as soon as one record is durable, so this bounds only the idle long poll, never a
 # record's delivery). At 100 ms, two idle gateways spent ~27 ms CPU/s (and the broker its share)
@@ -82,7 +84,7 @@ SUBSCRIPTION_CAPACITY = 1024
 
 
 class TailFailed(Exception):
-    """The live tail lost its consumer; the stream should be reopened (it resumes by cursor)."""
+    """The live tail lost its fetcher; the stream should be reopened (it resumes by cursor)."""
 
 
 class SubscriptionOverflow(Exception):
@@ -168,28 +170,29 @@ class LiveTail:
                  batch_interval_ms: float | None = None,
                  end_offsets: Callable[[], Awaitable[dict[int, int]]] | None = None) -> None:
         self.bootstrap = bootstrap
-        # Where each partition ends now. Not asked of the tail's own consumer when the caller has
-        # another connection: the broker answers one connection's requests in order, so the offsets
-        # request would wait behind the tail's long poll (up to TAIL_FETCH_WAIT_MS).
+        # Where each partition ends now: the caller's (a connection it already holds), else asked by
+        # the tail's fetcher on a connection apart from its long poll.
         self._end_offsets = end_offsets or self._own_end_offsets
         self.topic = topic
         self.capacity = capacity
         self.recent_per_partition = recent_per_partition
         self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
-        self._consumer: AIOKafkaConsumer | None = None
+        self._fetcher: PartitionFetcher | None = None
         # The partitions followed now (fetched, unpaused): each one's next offset to dispatch and its
         # recent records; since when the tail has had no subscription (None: it has some).
         self._next: dict[int, int] = {}
         self._recent: dict[int, RecentRecords] = {}
         self._idle_since: float | None = None
+        self._idle_check: asyncio.TimerHandle | None = None
         self._following: asyncio.Future[None] | None = None    # the partitions being sought to their end
         self._subscribers: dict[bytes, list[Subscription]] = {}
+        self._partitions: list[int] = []
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self.received: dict[int, int] = {}                   # partition -> records fetched (bench, tests)
 
     async def ensure_started(self, partitions: list[int]) -> None:
-        """Start the tail's consumer on `partitions` (the topic's, all of them, each paused until a
+        """Start the tail's fetcher on `partitions` (the topic's, all of them, each paused until a
         subscription needs it) unless already running."""
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_future()
@@ -240,13 +243,13 @@ class LiveTail:
         if not waiting:
             self._subscribers.pop(subscription.run_key, None)
         if not self._subscribers:
-            self._idle_since = time.monotonic()
+            self._mark_idle()
 
     async def _follow(self) -> None:
         """Start fetching every partition from its end (one offsets request). Concurrent callers wait
         for the first one's request, then check again (the caller loops until it is followed).
 
-        Every partition, not only the subscription's: a partition resumed while the tail's long poll
+        Every partition, not only the subscription's: a partition followed while the tail's long poll
         on the others is at the broker would get its first records only when that poll returns (up to
         TAIL_FETCH_WAIT_MS: a run's first token, one at a time, waited for it)."""
         if self._following is not None:
@@ -254,62 +257,62 @@ class LiveTail:
             return
         started = self._following = asyncio.get_running_loop().create_future()
         try:
-            consumer = self._consumer
-            if consumer is None:
-                raise TailFailed(TAIL_FAILED.format(error="its consumer is not running"))
+            fetcher = self._fetcher
+            if fetcher is None:
+                raise TailFailed(TAIL_FAILED.format(error="its fetcher is not running"))
             ends = await self._end_offsets()
-            still = self._consumer
-            if still is None or still is not consumer:
-                raise TailFailed(TAIL_FAILED.format(error="its consumer stopped"))
+            if self._fetcher is not fetcher:
+                raise TailFailed(TAIL_FAILED.format(error="its fetcher stopped"))
             for partition, end in ends.items():
-                tp = TopicPartition(self.topic, partition)
-                still.seek(tp, end)
-                still.resume(tp)
+                fetcher.follow(partition, end)
                 self._start_following(partition, end)
-            self._idle_since = time.monotonic()
+            self._mark_idle()
         finally:
             self._following = None
             started.set_result(None)
 
     async def _own_end_offsets(self) -> dict[int, int]:
-        assert self._consumer is not None, "the tail's consumer is not running"
-        ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
-        return {tp.partition: int(end) for tp, end in ends.items()}
+        assert self._fetcher is not None, "the tail's fetcher is not running"
+        return await self._fetcher.list_offsets(sorted(self._partitions), wire.LATEST)
 
     def _start_following(self, partition: int, position: int) -> None:
         self._next[partition] = position
         self._recent[partition] = RecentRecords(position, self.recent_per_partition)
 
-    def _stop_idle(self, consumer: AIOKafkaConsumer, now: float) -> None:
+    def _mark_idle(self) -> None:
+        """No subscription from now on: stop fetching FOLLOW_LINGER_S later unless one comes."""
+        self._idle_since = time.monotonic()
+        if self._idle_check is not None:
+            self._idle_check.cancel()
+        self._idle_check = asyncio.get_running_loop().call_later(FOLLOW_LINGER_S, self._stop_idle)
+
+    def _stop_idle(self) -> None:
         """Stop fetching after FOLLOW_LINGER_S without a subscription (the recent records go too: a
         later subscription follows the partitions afresh from their end)."""
-        if self._next and self._idle_since is not None and now - self._idle_since >= FOLLOW_LINGER_S:
-            consumer.pause(*(TopicPartition(self.topic, partition) for partition in self._next))
-            self._next.clear()
-            self._recent.clear()
+        self._idle_check = None
+        if self._idle_since is None:
+            return
+        left = self._idle_since + FOLLOW_LINGER_S - time.monotonic()
+        if left > 0:             # the loop's clock fired it a hair early
+            self._idle_check = asyncio.get_running_loop().call_later(left, self._stop_idle)
+            return
+        if self._fetcher is not None:
+            for partition in self._next:
+                self._fetcher.pause(partition)
+        self._next.clear()
+        self._recent.clear()
 
     async def _run(self, partition_ids: list[int]) -> None:
         assert self._ready is not None
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
-                                    enable_auto_commit=False, fetch_max_wait_ms=TAIL_FETCH_WAIT_MS)
+        fetcher = PartitionFetcher(self.bootstrap, self.topic, self._dispatch_batch,
+                                   max_wait_ms=TAIL_FETCH_WAIT_MS,
+                                   batch_interval_s=self.batch_interval_ms / 1000, reset_to_end=True)
         try:
-            await consumer.start()
-            partitions = [TopicPartition(self.topic, p) for p in partition_ids]
-            consumer.assign(partitions)
-            consumer.pause(*partitions)      # nothing is fetched until a subscription needs it
-            self._consumer = consumer
+            await fetcher.start()
+            self._partitions = partition_ids     # each fetched only while followed: none yet
+            self._fetcher = fetcher
             self._ready.set_result(None)
-            loop = asyncio.get_running_loop()
-            interval = self.batch_interval_ms / 1000
-            while True:
-                batches = await consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
-                taken = loop.time()
-                for tp, records in batches.items():
-                    self._dispatch_batch(tp.partition, records)
-                self._stop_idle(consumer, time.monotonic())
-                if batches and interval > 0:
-                    # The next fetch is already at the broker; its answer waits in the consumer until then.
-                    await asyncio.sleep(max(0.0, taken + interval - loop.time()))
+            await fetcher.run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -325,21 +328,29 @@ class LiveTail:
             self._recent.clear()
             self._ready = None   # the next stream starts a fresh tail
         finally:
+            self._fetcher = None
+            if self._idle_check is not None:
+                self._idle_check.cancel()
+                self._idle_check = None
             with contextlib.suppress(Exception):
-                await consumer.stop()
-            self._consumer = None
+                await fetcher.close()
 
-    def _dispatch_batch(self, partition: int, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+    @property
+    def fetches(self) -> int:
+        """Fetch answers handled by the running fetcher (bench)."""
+        return 0 if self._fetcher is None else self._fetcher.fetches
+
+    def _dispatch_batch(self, partition: int, records: list[Record]) -> None:
         """One partition's fetched records, in offset order; none of a partition no longer followed,
         none from before where it is followed from (a fetch answered across a pause and a new start)."""
         self.received[partition] = self.received.get(partition, 0) + len(records)
         position = self._next.get(partition)
         if position is None or not records:
             return
-        for record in records:
-            if record.offset >= position:
-                self._dispatch(partition, record.offset, record.key, record.value)
-        self._next[partition] = max(position, records[-1].offset + 1)
+        for offset, key, value in records:
+            if offset >= position:
+                self._dispatch(partition, offset, key, value)
+        self._next[partition] = max(position, records[-1][0] + 1)
 
     def _dispatch(self, partition: int, offset: int, key: bytes | None, value: bytes | None) -> None:
         if key is None or value is None:
