@@ -1,0 +1,175 @@
+"""The lean read path (eventlog/fetcher.py) on the real broker: a private two-partition topic, records
+written by aiokafka's producer to chosen partitions, read back by a PartitionFetcher. What a followed
+partition hands over is exactly its records from the followed offset on, once each; a partition
+paused (or sought elsewhere) while its fetch is at the broker gets nothing from that answer; an
+offset past the end is the end for a tail and an error for a replay."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
+from aiokafka.errors import OffsetOutOfRangeError
+from aiokafka.structs import TopicPartition
+
+from sluice.config import load_settings
+from sluice.eventlog import wire
+from sluice.eventlog.fetcher import PartitionFetcher, Record
+
+pytestmark = pytest.mark.integration
+
+
+class Topic:
+    def __init__(self, bootstrap: str, name: str, producer: AIOKafkaProducer) -> None:
+        self.bootstrap, self.name, self.producer = bootstrap, name, producer
+
+    async def write(self, partition: int, *values: bytes) -> list[int]:
+        """Write `values` to `partition` (key = value), each acknowledged; their offsets."""
+        offsets = []
+        for value in values:
+            sent = await self.producer.send_and_wait(self.name, value=value, key=value, partition=partition)
+            offsets.append(sent.offset)
+        return offsets
+
+
+@pytest.fixture
+async def topic() -> AsyncIterator[Topic]:
+    bootstrap = load_settings().kafka.bootstrap
+    name = f"sluice.test-fetcher-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions=2, replication_factor=1)])
+        await producer.start()
+        yield Topic(bootstrap, name, producer)
+    finally:
+        await producer.stop()
+        await admin.delete_topics([name])
+        await admin.close()
+
+
+class Collected:
+    """What a fetcher handed over: (partition, offset, key, value) in the order handed."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int, bytes | None, bytes | None]] = []
+
+    def __call__(self, partition: int, records: list[Record]) -> None:
+        self.records += [(partition, offset, key, value) for offset, key, value in records]
+
+    def of(self, partition: int) -> list[tuple[int, bytes | None]]:
+        return [(offset, value) for p, offset, _, value in self.records if p == partition]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+async def running(fetcher: PartitionFetcher) -> asyncio.Task[None]:
+    await fetcher.start()
+    return asyncio.create_task(fetcher.run())
+
+
+async def stop(fetcher: PartitionFetcher, task: asyncio.Task[None]) -> None:
+    await fetcher.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_followed_partition_hands_over_each_record_from_its_offset_once_in_order_and_others_nothing(
+        topic):
+    before = await topic.write(0, b"a0", b"a1", b"a2")
+    await topic.write(1, b"b0", b"b1")
+    got = Collected()
+    fetcher = PartitionFetcher(topic.bootstrap, topic.name, got, max_wait_ms=200)
+    task = await running(fetcher)
+    try:
+        fetcher.follow(0, before[1])
+        after = await topic.write(0, b"a3", b"a4")
+        await topic.write(1, b"b2")
+        await until(lambda: len(got.of(0)) == 4)
+        assert got.of(0) == [(before[1], b"a1"), (before[2], b"a2"), (after[0], b"a3"), (after[1], b"a4")]
+        assert got.of(1) == []                               # never followed: never fetched
+        assert fetcher.position(0) == after[1] + 1
+        fetcher.follow(1, 0)
+        await until(lambda: len(got.of(1)) == 3)
+        assert got.of(1) == [(0, b"b0"), (1, b"b1"), (2, b"b2")]
+        await asyncio.sleep(0.5)                             # several more long polls: nothing twice
+        assert len(got.records) == 7
+    finally:
+        await stop(fetcher, task)
+
+
+async def test_a_partition_paused_while_its_fetch_waits_at_the_broker_gets_nothing_from_that_answer(topic):
+    got = Collected()
+    fetcher = PartitionFetcher(topic.bootstrap, topic.name, got, max_wait_ms=3000)
+    task = await running(fetcher)
+    try:
+        fetcher.follow(0, 0)
+        await until(lambda: fetcher.fetches == 0 and _in_flight(fetcher))
+        await asyncio.sleep(0.3)                             # the long poll is at the broker now
+        fetcher.pause(0)
+        [written] = await topic.write(0, b"while-paused")    # answers the poll at once
+        await asyncio.sleep(0.5)
+        assert fetcher.fetches == 1                          # the answer came ...
+        assert got.records == []                             # ... and handed nothing over
+        fetcher.follow(0, written)
+        await until(lambda: bool(got.records))
+        await asyncio.sleep(0.3)
+        assert got.records == [(0, written, b"while-paused", b"while-paused")]   # once
+    finally:
+        await stop(fetcher, task)
+
+
+def _in_flight(fetcher: PartitionFetcher) -> bool:
+    return any(not task.done() for task in asyncio.all_tasks() if task.get_name().startswith("fetch-"))
+
+
+async def test_an_offset_past_the_end_is_followed_from_the_end_by_a_tail_and_raised_to_a_replay(topic):
+    await topic.write(0, b"x0", b"x1")
+    got = Collected()
+    tail = PartitionFetcher(topic.bootstrap, topic.name, got, max_wait_ms=200, reset_to_end=True)
+    task = await running(tail)
+    try:
+        tail.follow(0, 50)
+        await until(lambda: tail.position(0) == 2)           # the end: one past the last record
+        [later] = await topic.write(0, b"x2")
+        await until(lambda: bool(got.records))
+        assert got.records == [(0, later, b"x2", b"x2")]
+    finally:
+        await stop(tail, task)
+
+    replay = PartitionFetcher(topic.bootstrap, topic.name, Collected(), max_wait_ms=200)
+    task = await running(replay)
+    try:
+        replay.follow(1, 7)
+        with pytest.raises(OffsetOutOfRangeError):
+            await asyncio.wait_for(task, 15)
+    finally:
+        await stop(replay, task)
+
+
+async def test_list_offsets_give_each_partitions_first_retained_offset_and_its_end(topic):
+    await topic.write(0, b"r0", b"r1", b"r2", b"r3")
+    await topic.write(1, b"s0")
+    admin = AIOKafkaAdminClient(bootstrap_servers=topic.bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_records({TopicPartition(topic.name, 0): RecordsToDelete(3)})    # as retention would
+    finally:
+        await admin.close()
+    fetcher = PartitionFetcher(topic.bootstrap, topic.name, Collected(), max_wait_ms=200)
+    await fetcher.start()
+    try:
+        assert await fetcher.list_offsets([0, 1], wire.LATEST) == {0: 4, 1: 1}
+        assert await fetcher.list_offsets([0, 1], wire.EARLIEST) == {0: 3, 1: 0}
+    finally:
+        await fetcher.close()
