@@ -163,7 +163,7 @@ async def test_list_offsets_give_each_partitions_first_retained_offset_and_its_e
     admin = AIOKafkaAdminClient(bootstrap_servers=topic.bootstrap)
     await admin.start()
     try:
-        await admin.delete_records({TopicPartition(topic.name, 0): RecordsToDelete(3)})    # as retention would
+        await admin.delete_records({TopicPartition(topic.name, 0): RecordsToDelete(3)})   # as retention would
     finally:
         await admin.close()
     fetcher = PartitionFetcher(topic.bootstrap, topic.name, Collected(), max_wait_ms=200)
