@@ -229,6 +229,7 @@ class PartitionFetcher:
     async def _serve(self, node: int) -> None:
         """Fetch the followed partitions `node` leads, one request at a time, until it leads none."""
         loop = asyncio.get_running_loop()
+        failing = False
         while not self._closed:
             asked = [(partition, offset) for partition, offset in self._positions.items()
                      if self._leaders.get(partition) == node]
@@ -242,10 +243,15 @@ class PartitionFetcher:
             except TRANSIENT as exc:
                 if self._closed:
                     return
-                log.warning("fetch of %s from node %s failed (%s): refreshing metadata",
-                            self.topic, node, exc)
+                if not failing:                 # once per outage, not at every retry
+                    log.warning("fetch of %s from node %s failed (%s): retrying as metadata says",
+                                self.topic, node, exc)
+                failing = True
                 await self._recover()
                 continue
+            if failing:
+                log.info("fetch of %s from node %s answered again", self.topic, node)
+                failing = False
             self.fetches += 1
             answered = loop.time()
             carried = stale = False
