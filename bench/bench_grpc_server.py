@@ -14,8 +14,10 @@ Variants (--variant, repeatable; each runs in a fresh server process, in the ord
   aio            grpc.aio as services/main.py builds it (protobuf request/response (de)serializers)
   aio-raw        the same, the stream writing pre-serialized bytes (identity serializer)
   aio-poll       aio with GRPC_POLL_STRATEGY=poll
-  h2             services/grpc_h2.py: gRPC on our own HTTP/2 server on the event loop (if present)
-Extra environment for a variant: --env NAME=VALUE (applies to every variant).
+  h2             services/h2server.py: gRPC on our own HTTP/2 server on the event loop
+  h2-raw         the same, writing pre-serialized bytes
+Extra environment for a variant: --env NAME=VALUE; a grpc.aio server option: --option NAME=VALUE
+(each applies to every variant).
 
 Prints figures only; never fails on timing. CPU-seconds per unit, so a busy box slows it without
 skewing it much; alternate variants (--rounds 2+) to see the spread.
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -76,16 +79,24 @@ EVENT = runs_pb2.RunEvent(run_id="3f2b8c1e-7a4d-4e5f-9b6a-1c2d3e4f5a6b", sequenc
 class Ticker:
     """One task hands every open stream its next message each tick (the gateway tail's fan-out)."""
 
-    def __init__(self, tick_s: float) -> None:
+    def __init__(self, tick_s: float, spread: bool) -> None:
         self.queues: set[asyncio.Queue[object]] = set()
         self.tick_s = tick_s
-        self.task: asyncio.Task[None] | None = None
+        self.spread = spread
 
     async def run(self, item: object) -> None:
         while True:
-            await asyncio.sleep(self.tick_s)
-            for queue in list(self.queues):
-                queue.put_nowait(item)
+            if not self.spread:
+                await asyncio.sleep(self.tick_s)
+                for queue in list(self.queues):
+                    queue.put_nowait(item)
+                continue
+            # One stream at a time, evenly over the tick: every message is its own wake-up and write.
+            queues = list(self.queues) or [None]
+            for queue in queues:
+                await asyncio.sleep(self.tick_s / len(queues))
+                if queue is not None:
+                    queue.put_nowait(item)
 
 
 def aio_handlers(ticker: Ticker, raw: bool) -> grpc.GenericRpcHandler:
@@ -116,16 +127,24 @@ def aio_handlers(ticker: Ticker, raw: bool) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("bench.Bare", handlers)
 
 
-async def serve(variant: str, port: int, tick_s: float) -> None:
-    ticker = Ticker(tick_s)
+def option_value(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+async def serve(variant: str, port: int, tick_s: float, options: list[str], spread: bool) -> None:
+    ticker = Ticker(tick_s, spread)
     raw = variant.endswith("-raw")
     item: object = EVENT.SerializeToString() if raw else EVENT
-    if variant == "h2":
-        from sluice.services import grpc_h2  # the prototype; absent on an old checkout
-        server = grpc_h2.bench_server(port, ticker, EVENT)
-        await server.start()
+    if variant.startswith("h2"):
+        from sluice.services.h2server import H2Server  # absent on an old checkout
+        h2 = H2Server()
+        h2.add_generic_rpc_handlers((aio_handlers(ticker, raw),))
+        h2.add_insecure_port(f"127.0.0.1:{port}")
+        await h2.start()
+        server: Any = h2
     else:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        extra = [(name, option_value(value)) for name, value in (pair.split("=", 1) for pair in options)]
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *extra])
         server.add_generic_rpc_handlers((aio_handlers(ticker, raw),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -186,7 +205,8 @@ async def measure(variant: str, args: argparse.Namespace) -> None:
     env.update(dict(pair.split("=", 1) for pair in args.env))
     base = variant.replace("-poll", "")
     proc = subprocess.Popen([sys.executable, "-m", "bench.bench_grpc_server", "--serve", base,
-                             "--port", str(port), "--tick-ms", str(args.tick_ms)],
+                             "--port", str(port), "--tick-ms", str(args.tick_ms),
+                             *(f"--option={pair}" for pair in args.option), *(["--spread"] if args.spread else [])],
                             stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout is not None
@@ -208,7 +228,8 @@ async def measure(variant: str, args: argparse.Namespace) -> None:
             streamed = split(net(before, thread_cpu(proc.pid)), idle, wall_s, got)
         print(f"{variant:10s} unary ({args.calls} calls, {args.concurrency} concurrent, {args.calls / wall:.0f}/s): "
               f"{unary} per call", flush=True)
-        print(f"{variant:10s} stream ({args.streams} x {args.messages}, every {args.tick_ms} ms, "
+        print(f"{variant:10s} stream ({args.streams} x {args.messages}, every {args.tick_ms} ms"
+              f"{' spread' if args.spread else ''}, "
               f"{got / wall_s:.0f} msg/s): {streamed} per message; idle {1e3 * idle:.1f} ms CPU/s", flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -227,11 +248,16 @@ def main() -> None:
     parser.add_argument("--tick-ms", type=float, default=20.0)
     parser.add_argument("--variant", action="append", default=None)
     parser.add_argument("--env", action="append", default=[])
+    parser.add_argument("--option", action="append", default=[],
+                        help="a grpc.aio server option NAME=VALUE for every aio variant (repeatable)")
+    parser.add_argument("--spread", action="store_true",
+                        help="hand the streams their messages one at a time, evenly over each tick (as a"
+                             " gateway's events arrive), not all together")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     import uvloop
     if args.serve:
-        uvloop.run(serve(args.serve, args.port, args.tick_ms / 1000))
+        uvloop.run(serve(args.serve, args.port, args.tick_ms / 1000, args.option, args.spread))
         return
     print(f"load average {os.getloadavg()[0]:.1f}; server CPU net of its idle, per unit", flush=True)
     for _ in range(args.rounds):

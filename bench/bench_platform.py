@@ -435,16 +435,17 @@ def load() -> str:
 Profile = tuple[str, Path, "subprocess.Popen[bytes]"]
 
 
-def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: bool = True) -> list[Profile]:
+def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: bool = True,
+                   native: bool = False) -> list[Profile]:
     """py-spy record on gateway 0 and (with `workers`) routing worker 0 (their main Python process),
-    raw collapsed stacks."""
+    raw collapsed stacks (with `native`, C and Cython frames too: what the event loop's own time is)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     started = []
     services = [("gateway", stack.gateways[0])] + ([("routing worker", stack.workers[0])] if workers else [])
     for label, service in services:
         output = out_dir / f"{label.replace(' ', '-')}.txt"
         command = [py_spy, "record", "--pid", str(service.process.pid), "--duration", str(seconds),
-                   "--format", "raw", "--output", str(output), "--nonblocking"]
+                   "--format", "raw", "--output", str(output), *(["--native"] if native else ["--nonblocking"])]
         started.append((label, output, subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                                         stderr=subprocess.DEVNULL)))
     return started
@@ -600,7 +601,7 @@ async def bench(args: argparse.Namespace) -> None:
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
-        profiles = start_profiles(stack, args.py_spy, log_dir) \
+        profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
             if args.py_spy and args.py_spy_phase == "idle" else []
         idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
         requests.mark()
@@ -618,7 +619,7 @@ async def bench(args: argparse.Namespace) -> None:
                 print(line, flush=True)
         if "runs" in phases:
             cost_runs = args.cost_runs or plan.cost_runs
-            profiles = start_profiles(stack, args.py_spy, log_dir) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
                 if args.py_spy and args.py_spy_phase == "runs" else []
             requests.mark()
             threads.mark()
@@ -637,7 +638,7 @@ async def bench(args: argparse.Namespace) -> None:
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
         passes = range(1, args.stream_passes + 1)
         for width, runs, pass_no in ((w, r, p) for w, r in widths if f"stream{w}" in phases for p in passes):
-            profiles = start_profiles(stack, args.py_spy, log_dir) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
                 if args.py_spy and width == 64 and args.py_spy_phase == "stream64" else []
             print(f"[{load()}]", flush=True)
             requests.mark()
@@ -670,7 +671,7 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"[{load()}]", flush=True)
         if "submit" in phases:
             await asyncio.to_thread(stack.stop_workers)
-            profiles = start_profiles(stack, args.py_spy, log_dir, workers=False) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, workers=False, native=args.py_spy_native) \
                 if args.py_spy and args.py_spy_phase == "submit" else []
             lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
             for line in lines:
@@ -701,6 +702,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile a gateway and the routing worker this long during stream-64")
     parser.add_argument("--py-spy-phase", choices=("stream64", "runs", "idle", "submit"), default="stream64",
                         help="the phase --py-spy samples")
+    parser.add_argument("--py-spy-native", action="store_true",
+                        help="with --py-spy: sample C and Cython frames too (grpc, uvloop, asyncpg)")
     parser.add_argument("--cost-runs", type=int, default=0,
                         help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")
     parser.add_argument("--interrupt-runs", type=int, default=0,

@@ -104,6 +104,10 @@ def parse_goaway(payload: bytes) -> tuple[int, int]:
     return last & 0x7FFFFFFF, code
 
 
+def goaway_payload(last_stream_id: int, code: int) -> bytes:
+    return _GOAWAY.pack(last_stream_id, code)
+
+
 def rst_stream(stream_id: int, code: int = CANCEL) -> bytes:
     return frame(RST_STREAM, 0, stream_id, _U32.pack(code))
 
@@ -111,6 +115,14 @@ def rst_stream(stream_id: int, code: int = CANCEL) -> bytes:
 def grpc_message(body: bytes) -> bytes:
     """One uncompressed gRPC message as it travels in DATA frames."""
     return _GRPC_PREFIX.pack(0, len(body)) + body
+
+
+class MessageTooLarge(ValueError):
+    """A gRPC message longer than the reader accepts (its length prefix says so, before it arrives)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"gRPC message of {size} bytes")
+        self.size = size
 
 
 class MessageReader:
@@ -122,9 +134,9 @@ class MessageReader:
     def __init__(self) -> None:
         self._pending = b""
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes, limit: int | None = None) -> list[bytes]:
         """The messages `data` completes, in order. Raises ValueError on a compressed message (this
-        client never asks for compression, so a server must not send one)."""
+        side never asks for compression), MessageTooLarge on one longer than `limit`."""
         buffer = self._pending + data if self._pending else data
         messages = []
         pos, size = 0, len(buffer)
@@ -132,6 +144,8 @@ class MessageReader:
             compressed, length = _GRPC_PREFIX.unpack_from(buffer, pos)
             if compressed:
                 raise ValueError("compressed gRPC message on a stream that asked for none")
+            if limit is not None and length > limit:
+                raise MessageTooLarge(length)
             end = pos + 5 + length
             if end > size:
                 break
