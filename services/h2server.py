@@ -211,8 +211,11 @@ class Call:
                 result = behavior(self._request_stream() if handler.request_streaming else self.request, self)
                 if inspect.isasyncgen(result):
                     serialize = handler.response_serializer
-                    async for item in result:
-                        await self._send(serialize(item) if serialize else item)
+                    try:
+                        async for item in result:
+                            await self._send(serialize(item) if serialize else item)
+                    finally:
+                        await result.aclose()        # cancelled while sending: its finally runs now
                 else:
                     await result                     # a handler that writes through the context
                 self.finish(self._code, self._details)

@@ -21,7 +21,9 @@ sluice.config.bootstrap.start_process: a bad configuration stops it before it bi
 A box scales its gateway by processes: with [gateway].reuse_port = true several gateway
 processes listen on the same address (SO_REUSEPORT) and the kernel spreads new connections
 over them; false (the default) makes a second process on a taken port fail at start instead.
-The process runs on [gateway].event_loop (uvloop unless set to asyncio).
+The process runs on [gateway].event_loop (uvloop unless set to asyncio). [gateway].grpc_server
+picks what serves the gateway's gRPC: grpc.aio, or h2 (services/h2server.py, gRPC over Sluice's own
+HTTP/2 on the event loop, plaintext only: with [tls] on the gateway serves grpc.aio).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import logging
 import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import grpc.aio
 from sluice.ledger.db import make_engine, make_sessionmaker
@@ -47,6 +50,7 @@ from sluice.services.edge.settings import HttpSettings
 from sluice.services.edge.templates import ModelCards
 from sluice.services.edge.web import EdgeServices
 from sluice.services.gateway_metrics import GatewayMetrics
+from sluice.services.h2server import H2Server
 from sluice.services.operability import DependencyMonitor, add_operability, kafka_probe, postgres_probe
 from sluice.services.routing.app import DRAIN_S, build_worker, observe_routing_process
 from sluice.services.routing.registry_sync import follow_durable_registry
@@ -58,7 +62,7 @@ from sluice.services.usage import add_usage_servicer
 
 from sluice.config import Settings
 from sluice.config.bootstrap import start_process
-from sluice.config.settings import LOOPBACK_HOSTS, ReplicaTlsSection, TlsSection
+from sluice.config.settings import LOOPBACK_HOSTS, GatewaySection, ReplicaTlsSection, TlsSection
 from sluice.eventlog.kafka import KafkaEventLog, configured_bootstrap
 from sluice.v1 import admin_pb2, admission_pb2, routing_pb2, runs_pb2, usage_pb2
 
@@ -89,6 +93,14 @@ def grpc_server(reuse_port: bool) -> grpc.aio.Server:
     """A gRPC server whose listening sockets are shared with other processes only when asked:
     gRPC sets SO_REUSEPORT by default, which would let a second process bind a taken port silently."""
     return grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+
+
+def gateway_server(gateway: GatewaySection, tls: TlsSection) -> grpc.aio.Server:
+    """The gateway's gRPC server, as [gateway].grpc_server says; grpc.aio whenever TLS is on. An
+    H2Server offers what grpc.aio.Server's callers here use (registration, ports, start, stop)."""
+    if gateway.grpc_server == "h2" and not tls.enabled:
+        return cast(grpc.aio.Server, H2Server(reuse_port=gateway.reuse_port))
+    return grpc_server(gateway.reuse_port)
 
 
 PLAINTEXT_OFF_LOOPBACK = ("refusing plaintext gRPC on {address}: configure [tls] cert_file/key_file"
@@ -161,7 +173,7 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             registry_sync = await follow_durable_registry(worker.registry, sessions, config.database.url,
                                                           worker.replicas_changed)
         if "gateway" in roles:
-            gateway = grpc_server(config.gateway.reuse_port)
+            gateway = gateway_server(config.gateway, config.tls)
             admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot)
             runs_service = add_runs_servicer(gateway, sessions, config, events, hot)
             usage = add_usage_servicer(gateway, sessions, config)

@@ -16,3 +16,15 @@ pytest_plugins = [
     "tests.support.chaos",
     "tests.support.admin_services",
 ]
+
+import os
+
+if os.environ.get("SLUICE_TEST_GRPC_SERVER") == "h2":
+    # Every in-process gRPC server the suite builds through grpc.aio.server() is then served by
+    # services/h2server.py instead (TLS tests excepted: it serves plaintext only). With
+    # SLUICE_GATEWAY__GRPC_SERVER=h2 the gateway processes tests start do the same.
+    import grpc.aio
+    from sluice.services.h2server import H2Server
+
+    grpc.aio.server = lambda *args, **kwargs: H2Server(  # type: ignore[assignment]
+        reuse_port=bool(dict(kwargs.get("options") or ()).get("grpc.so_reuseport", 0)))

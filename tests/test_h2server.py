@@ -1,0 +1,313 @@
+"""services/h2server.py: gRPC served on the event loop, held to grpc.aio's behaviour through real grpc
+clients: status, details and trailing metadata; the caller's metadata; deadlines; cancellation;
+server streaming under flow control; client streaming; unknown methods; oversized requests; GOAWAY
+on stop; SO_REUSEPORT only when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+import hpack
+import pytest
+from sluice.services import grpc_wire as wire
+from sluice.services.h2server import ERR_UNIMPLEMENTED, MAX_RECEIVE_BYTES, H2Server
+
+SERVICE = "test.Echo"
+identity = (lambda data: data)
+
+
+class Probe:
+    """What the handlers saw, for the tests to assert on."""
+
+    def __init__(self) -> None:
+        self.metadata: tuple[tuple[str, str | bytes], ...] = ()
+        self.sent = 0
+        self.ended = asyncio.Event()       # a handler's finally ran (returned, cancelled or failed)
+        self.cancelled = False
+
+
+def handlers(probe: Probe) -> grpc.GenericRpcHandler:
+    async def echo(request: bytes, context: Any) -> bytes:
+        probe.metadata = context.invocation_metadata()
+        return request
+
+    async def fail(request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "budget période closed: retry in 5 s",
+                            trailing_metadata=(("retry-after-ms", "5000"), ("detail-bin", b"\x00\xffraw")))
+        raise AssertionError("abort returns only by raising")
+
+    async def slow(request: bytes, context: Any) -> bytes:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            probe.cancelled = True
+            raise
+        finally:
+            probe.ended.set()
+        return request
+
+    async def count(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        total, size = int(request.split(b"x")[0]), int(request.split(b"x")[1])
+        try:
+            for index in range(total):
+                probe.sent = index + 1
+                yield index.to_bytes(4, "big") * (size // 4)
+        except asyncio.CancelledError:
+            probe.cancelled = True
+            raise
+        finally:
+            probe.ended.set()
+
+    async def wait(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            await asyncio.sleep(30)          # as Runs.Stream waits for a run's next event
+            yield b"never"
+        except asyncio.CancelledError:
+            probe.cancelled = True
+            raise
+        finally:
+            probe.ended.set()
+
+    async def concat(requests: AsyncIterator[bytes], context: Any) -> bytes:
+        return b"|".join([item async for item in requests])
+
+    async def bidi(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for item in requests:
+            yield item.upper()
+
+    table = {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo, identity, identity),
+        "Fail": grpc.unary_unary_rpc_method_handler(fail, identity, identity),
+        "Slow": grpc.unary_unary_rpc_method_handler(slow, identity, identity),
+        "Count": grpc.unary_stream_rpc_method_handler(count, identity, identity),
+        "Wait": grpc.unary_stream_rpc_method_handler(wait, identity, identity),
+        "Concat": grpc.stream_unary_rpc_method_handler(concat, identity, identity),
+        "Bidi": grpc.stream_stream_rpc_method_handler(bidi, identity, identity),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, table)
+
+
+@contextlib.asynccontextmanager
+async def serving(probe: Probe, reuse_port: bool = False) -> AsyncIterator[tuple[H2Server, str]]:
+    server = H2Server(reuse_port)
+    server.add_generic_rpc_handlers((handlers(probe),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def rest_of(call: Any) -> list[bytes]:
+    """Every message left on a stream call (read() to its end: grpc.aio forbids mixing it with iteration)."""
+    out = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        out.append(message)
+    return out
+
+
+def method(channel: grpc.aio.Channel, name: str, kind: str = "unary_unary") -> Any:
+    return getattr(channel, kind)(f"/{SERVICE}/{name}", request_serializer=identity,
+                                  response_deserializer=identity)
+
+
+async def test_a_unary_call_hands_the_callers_metadata_over_and_answers_its_response():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        answer = await method(channel, "Echo")(b"hello", metadata=(
+            ("authorization", "Bearer sk-test-1"), ("trace-bin", b"\x01\x02\xff")))
+    assert answer == b"hello"
+    seen = dict(probe.metadata)
+    assert seen["authorization"] == "Bearer sk-test-1"
+    assert seen["trace-bin"] == b"\x01\x02\xff"
+
+
+async def test_an_abort_reaches_the_client_with_its_code_details_and_trailing_metadata():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await method(channel, "Fail")(b"")
+    error = refused.value
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == "budget période closed: retry in 5 s"
+    trailing = dict(error.trailing_metadata() or ())
+    assert trailing["retry-after-ms"] == "5000"
+    assert trailing["detail-bin"] == b"\x00\xffraw"
+
+
+async def test_an_unknown_method_is_unimplemented():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary("/test.Echo/Nope", request_serializer=identity,
+                                      response_deserializer=identity)(b"")
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert refused.value.details() == ERR_UNIMPLEMENTED
+
+
+async def test_a_deadline_cancels_the_handler_and_answers_deadline_exceeded():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await method(channel, "Slow")(b"", timeout=0.3)
+        await asyncio.wait_for(probe.ended.wait(), 2.0)
+    assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert probe.cancelled
+
+
+async def test_a_client_that_cancels_a_waiting_stream_cancels_its_handler():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Wait", "unary_stream")(b"")
+        assert await call.read() == b"first"
+        call.cancel()
+        await asyncio.wait_for(probe.ended.wait(), 2.0)
+    assert probe.cancelled
+
+
+async def test_a_client_that_cancels_a_writing_stream_stops_its_handler():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Count", "unary_stream")(b"1000000x4096")
+        assert (await call.read())[:4] == (0).to_bytes(4, "big")
+        call.cancel()
+        await asyncio.wait_for(probe.ended.wait(), 2.0)
+    assert probe.sent < 1_000_000
+
+
+async def test_a_stream_waits_for_a_reader_that_does_not_read_and_then_delivers_every_message_in_order():
+    probe = Probe()
+    total, size = 64, 1 << 20        # 64 MiB: far beyond any window and socket buffer of one connection
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Count", "unary_stream")(f"{total}x{size}".encode())
+        first = await call.read()
+        await asyncio.sleep(1.0)
+        held = probe.sent
+        rest = await rest_of(call)
+    assert held < total, "the writer went on past every window while nobody read"
+    received = [first, *rest]
+    assert [message[:4] for message in received] == [index.to_bytes(4, "big") for index in range(total)]
+    assert all(len(message) == size for message in received)
+    assert await call.code() is grpc.StatusCode.OK
+
+
+async def test_client_and_bidirectional_streams_are_served():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        joined = await method(channel, "Concat", "stream_unary")(iter([b"a", b"b", b"c"]))
+        upper = [item async for item in method(channel, "Bidi", "stream_stream")(iter([b"x", b"yz"]))]
+    assert joined == b"a|b|c"
+    assert upper == [b"X", b"YZ"]
+
+
+async def test_a_request_above_the_receive_limit_is_resource_exhausted():
+    probe = Probe()
+    async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await method(channel, "Echo")(b"x" * (MAX_RECEIVE_BYTES + 1))
+        assert await method(channel, "Echo")(b"x" * MAX_RECEIVE_BYTES) == b"x" * MAX_RECEIVE_BYTES
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_stop_lets_a_stream_in_progress_finish_within_the_grace_and_refuses_new_calls():
+    probe = Probe()
+    server = H2Server()
+    server.add_generic_rpc_handlers((handlers(probe),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Count", "unary_stream")(b"2000x1024")
+        await call.read()
+        stopping = asyncio.create_task(server.stop(5.0))
+        rest = await rest_of(call)
+        await stopping
+        with pytest.raises(grpc.aio.AioRpcError) as after:
+            await method(channel, "Echo")(b"late", timeout=2.0)
+    assert len(rest) == 1999
+    assert await call.code() is grpc.StatusCode.OK
+    assert after.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_stop_cancels_a_call_still_running_after_the_grace():
+    probe = Probe()
+    server = H2Server()
+    server.add_generic_rpc_handlers((handlers(probe),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Slow")(b"")
+        await asyncio.sleep(0.2)
+        await server.stop(0.2)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await call
+    assert probe.cancelled
+    assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_port_is_shared_only_when_reuse_port_is_asked():
+    first = H2Server(reuse_port=False)
+    port = first.add_insecure_port("127.0.0.1:0")
+    with pytest.raises(RuntimeError):
+        H2Server(reuse_port=False).add_insecure_port(f"127.0.0.1:{port}")
+    shared = H2Server(reuse_port=True)
+    shared_port = shared.add_insecure_port("127.0.0.1:0")
+    assert H2Server(reuse_port=True).add_insecure_port(f"127.0.0.1:{shared_port}") == shared_port
+
+
+async def test_two_processes_worth_of_servers_on_one_port_both_answer():
+    probes = [Probe(), Probe()]
+    servers = [H2Server(reuse_port=True), H2Server(reuse_port=True)]
+    port = servers[0].add_insecure_port("127.0.0.1:0")
+    for server, probe in zip(servers, probes, strict=True):
+        if server is servers[1]:
+            server.add_insecure_port(f"127.0.0.1:{port}")
+        server.add_generic_rpc_handlers((handlers(probe),))
+        await server.start()
+    try:
+        for _ in range(40):   # each new connection lands on one of them (the kernel's hash)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert await method(channel, "Echo")(b"hi", metadata=(("k", "v"),)) == b"hi"
+    finally:
+        for server in servers:
+            await server.stop(None)
+    assert all(probe.metadata for probe in probes), "SO_REUSEPORT spread no connection to one server"
+
+
+# --- grpc_wire, pure -------------------------------------------------------------------------------
+
+def test_header_blocks_decode_exactly_through_a_standard_hpack_decoder():
+    long_value = "v" * 300                     # a length beyond the 7-bit prefix: multi-byte integer
+    block = wire.RESPONSE_HEADERS + wire.status_block(
+        grpc.StatusCode.NOT_FOUND, "run 'x' not found: 100% sure ✓", [("note", long_value), ("raw-bin", b"\xff\x00")])
+    decoder = hpack.Decoder()
+    assert decoder.decode(block) == [
+        (":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "5"),
+        ("grpc-message", "run 'x' not found: 100%25 sure %E2%9C%93"), ("note", long_value), ("raw-bin", "/wA")]
+    assert len(decoder.header_table.dynamic_entries) == 0, "no block may enter the client's dynamic table"
+    assert hpack.Decoder().decode(wire.OK_TRAILERS) == [("grpc-status", "0")]
+
+
+def test_grpc_timeout_units():
+    assert wire.timeout_s(b"250m") == pytest.approx(0.25)
+    assert wire.timeout_s(b"2S") == 2.0
+    assert wire.timeout_s(b"1H") == 3600.0
+    assert wire.timeout_s(b"5000000u") == pytest.approx(5.0)
+    assert wire.timeout_s(b"123456789S") is None      # more than 8 digits
+    assert wire.timeout_s(b"10x") is None
+
+
+def test_a_request_that_is_not_grpc_is_refused_by_its_head():
+    with pytest.raises(ValueError, match="not application/grpc"):
+        wire.call_head([(b":method", b"POST"), (b":path", b"/a/b"), (b"content-type", b"text/html")])
+    head = wire.call_head([(b":method", b"POST"), (b":path", b"/a/b"), (b"content-type", b"application/grpc+proto"),
+                           (b"te", b"trailers"), (b"grpc-timeout", b"100m"), (b"x-key", b"k"),
+                           (b"bin-bin", b"AAE")])
+    assert (head.path, head.timeout_s, head.metadata, head.compressed) == (
+        "/a/b", pytest.approx(0.1), (("x-key", "k"), ("bin-bin", b"\x00\x01")), False)
