@@ -15,7 +15,8 @@ import grpc.aio
 import hpack
 import pytest
 from sluice.services import grpc_wire as wire
-from sluice.services.h2server import ERR_UNIMPLEMENTED, MAX_RECEIVE_BYTES, H2Server
+from sluice.services import h2frames as h2
+from sluice.services.h2server import ERR_UNIMPLEMENTED, MAX_RECEIVE_BYTES, REFUSED_STREAM, H2Server
 
 SERVICE = "test.Echo"
 identity = (lambda data: data)
@@ -74,6 +75,14 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
         finally:
             probe.ended.set()
 
+    async def paced(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for index in range(int(request)):
+            await asyncio.sleep(0.05)        # a run's events, 50 ms apart
+            yield b"%d" % index
+
+    async def length(request: bytes, context: Any) -> bytes:
+        return b"%d" % len(request)
+
     async def concat(requests: AsyncIterator[bytes], context: Any) -> bytes:
         return b"|".join([item async for item in requests])
 
@@ -87,6 +96,8 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
         "Slow": grpc.unary_unary_rpc_method_handler(slow, identity, identity),
         "Count": grpc.unary_stream_rpc_method_handler(count, identity, identity),
         "Wait": grpc.unary_stream_rpc_method_handler(wait, identity, identity),
+        "Paced": grpc.unary_stream_rpc_method_handler(paced, identity, identity),
+        "Len": grpc.unary_unary_rpc_method_handler(length, identity, identity),
         "Concat": grpc.stream_unary_rpc_method_handler(concat, identity, identity),
         "Bidi": grpc.stream_stream_rpc_method_handler(bidi, identity, identity),
     }
@@ -211,8 +222,8 @@ async def test_a_request_above_the_receive_limit_is_resource_exhausted():
     probe = Probe()
     async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await method(channel, "Echo")(b"x" * (MAX_RECEIVE_BYTES + 1))
-        assert await method(channel, "Echo")(b"x" * MAX_RECEIVE_BYTES) == b"x" * MAX_RECEIVE_BYTES
+            await method(channel, "Len")(b"x" * (MAX_RECEIVE_BYTES + 1))
+        assert await method(channel, "Len")(b"x" * MAX_RECEIVE_BYTES) == b"%d" % MAX_RECEIVE_BYTES
     assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -223,14 +234,14 @@ async def test_stop_lets_a_stream_in_progress_finish_within_the_grace_and_refuse
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     async with grpc.aio.insecure_channel(address) as channel:
-        call = method(channel, "Count", "unary_stream")(b"2000x1024")
+        call = method(channel, "Paced", "unary_stream")(b"20")
         await call.read()
         stopping = asyncio.create_task(server.stop(5.0))
         rest = await rest_of(call)
         await stopping
         with pytest.raises(grpc.aio.AioRpcError) as after:
             await method(channel, "Echo")(b"late", timeout=2.0)
-    assert len(rest) == 1999
+    assert rest == [b"%d" % index for index in range(1, 20)]
     assert await call.code() is grpc.StatusCode.OK
     assert after.value.code() is grpc.StatusCode.UNAVAILABLE
 
@@ -278,6 +289,82 @@ async def test_two_processes_worth_of_servers_on_one_port_both_answer():
         for server in servers:
             await server.stop(None)
     assert all(probe.metadata for probe in probes), "SO_REUSEPORT spread no connection to one server"
+
+
+# --- the wire itself: what a client that is not grpc's sees ------------------------------------------
+
+class RawClient:
+    """A bare HTTP/2 client: what reaches the wire, without grpc's own deadline and retry handling."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+        self.reader, self.writer, self.address = reader, writer, address
+        self.frames: list[h2.Frame] = []
+        self._buffer = b""
+        self._encoder = hpack.Encoder()
+
+    @classmethod
+    async def connect(cls, address: str) -> RawClient:
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(h2.PREFACE + h2.settings_frame({}))
+        return cls(reader, writer, address)
+
+    def call(self, stream_id: int, name: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        block = self._encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{SERVICE}/{name}"),
+                                      (":authority", self.address), ("content-type", "application/grpc"),
+                                      ("te", "trailers"), *headers])
+        self.writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block)
+                          + h2.frame(h2.DATA, h2.END_STREAM, stream_id, h2.grpc_message(body)))
+
+    async def until(self, found: Any) -> h2.Frame:
+        """Read frames until one for which `found(frame)` holds; that frame."""
+        while True:
+            for frame in self.frames:
+                if found(frame):
+                    return frame
+            data = await asyncio.wait_for(self.reader.read(65536), 5.0)
+            assert data, "connection closed before the frame looked for"
+            got, self._buffer = h2.split_frames(self._buffer + data)
+            self.frames += got
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def ends(stream_id: int) -> Any:
+    return lambda frame: frame.stream_id == stream_id and (
+        frame.type == h2.RST_STREAM or (frame.type == h2.HEADERS and frame.flags & h2.END_STREAM))
+
+
+async def test_the_server_ends_a_call_at_its_grpc_timeout_even_when_the_client_does_not():
+    probe = Probe()
+    async with serving(probe) as (_, address):
+        client = await RawClient.connect(address)
+        client.call(1, "Slow", [("grpc-timeout", "200m")], b"")
+        trailers = await client.until(ends(1))
+        await asyncio.wait_for(probe.ended.wait(), 2.0)
+        client.close()
+    assert trailers.type == h2.HEADERS
+    assert dict(hpack.Decoder().decode(trailers.payload))["grpc-status"] == "4"   # DEADLINE_EXCEEDED
+    assert probe.cancelled
+
+
+async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
+    probe = Probe()
+    server = H2Server()
+    server.add_generic_rpc_handlers((handlers(probe),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    client = await RawClient.connect(address)
+    client.call(1, "Slow", [], b"")                  # in progress: the connection stays open to drain it
+    await asyncio.sleep(0.2)
+    stopping = asyncio.create_task(server.stop(3.0))
+    await client.until(lambda frame: frame.type == h2.GOAWAY)
+    client.call(3, "Echo", [], b"late")
+    refused = await client.until(ends(3))
+    client.close()
+    await stopping
+    assert refused.type == h2.RST_STREAM and h2.parse_u32(refused.payload) == REFUSED_STREAM
 
 
 # --- grpc_wire, pure -------------------------------------------------------------------------------
