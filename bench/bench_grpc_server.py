@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from sluice.v1 import admission_pb2, runs_pb2
+from sluice.v1 import admission_pb2, common_pb2, runs_pb2
 
 UNARY = "/bench.Bare/Submit"
 STREAM = "/bench.Bare/Stream"
@@ -88,11 +88,11 @@ class Ticker:
         while True:
             if not self.spread:
                 await asyncio.sleep(self.tick_s)
-                for queue in list(self.queues):
-                    queue.put_nowait(item)
+                for each in list(self.queues):
+                    each.put_nowait(item)
                 continue
             # One stream at a time, evenly over the tick: every message is its own wake-up and write.
-            queues = list(self.queues) or [None]
+            queues: list[asyncio.Queue[object] | None] = [*self.queues] or [None]
             for queue in queues:
                 await asyncio.sleep(self.tick_s / len(queues))
                 if queue is not None:
@@ -100,7 +100,8 @@ class Ticker:
 
 
 def aio_handlers(ticker: Ticker, raw: bool) -> grpc.GenericRpcHandler:
-    response = admission_pb2.SubmitResponse(run_id=EVENT.run_id, status=1, input_tokens=12)
+    response = admission_pb2.SubmitResponse(run_id=EVENT.run_id, status=common_pb2.RUN_STATUS_ACCEPTED,
+                                            input_tokens=12)
 
     async def submit(request: admission_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> object:
         context.invocation_metadata()
@@ -204,9 +205,11 @@ async def measure(variant: str, args: argparse.Namespace) -> None:
     env = dict(os.environ, **VARIANT_ENV.get(variant, {}))
     env.update(dict(pair.split("=", 1) for pair in args.env))
     base = variant.replace("-poll", "")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_grpc_server", "--serve", base,
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
+        [sys.executable, "-m", "bench.bench_grpc_server", "--serve", base,
                              "--port", str(port), "--tick-ms", str(args.tick_ms),
-                             *(f"--option={pair}" for pair in args.option), *(["--spread"] if args.spread else [])],
+                             *(f"--option={pair}" for pair in args.option),
+                             *(["--spread"] if args.spread else [])],
                             stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout is not None
@@ -226,11 +229,13 @@ async def measure(variant: str, args: argparse.Namespace) -> None:
             got = await stream_calls(channel, args.streams, args.messages)
             wall_s = time.monotonic() - started
             streamed = split(net(before, thread_cpu(proc.pid)), idle, wall_s, got)
-        print(f"{variant:10s} unary ({args.calls} calls, {args.concurrency} concurrent, {args.calls / wall:.0f}/s): "
+        print(f"{variant:10s} unary ({args.calls} calls, {args.concurrency} concurrent,"
+              f" {args.calls / wall:.0f}/s): "
               f"{unary} per call", flush=True)
         print(f"{variant:10s} stream ({args.streams} x {args.messages}, every {args.tick_ms} ms"
               f"{' spread' if args.spread else ''}, "
-              f"{got / wall_s:.0f} msg/s): {streamed} per message; idle {1e3 * idle:.1f} ms CPU/s", flush=True)
+              f"{got / wall_s:.0f} msg/s): {streamed} per message; idle {1e3 * idle:.1f} ms CPU/s",
+              flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)

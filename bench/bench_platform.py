@@ -445,7 +445,8 @@ def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: b
     for label, service in services:
         output = out_dir / f"{label.replace(' ', '-')}.txt"
         command = [py_spy, "record", "--pid", str(service.process.pid), "--duration", str(seconds),
-                   "--format", "raw", "--output", str(output), *(["--native"] if native else ["--nonblocking"])]
+                   "--format", "raw", "--output", str(output),
+                   *(["--native"] if native else ["--nonblocking"])]
         started.append((label, output, subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                                         stderr=subprocess.DEVNULL)))
     return started

@@ -34,7 +34,7 @@ import inspect
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -144,8 +144,7 @@ class Call:
 
     async def write(self, message: Any) -> None:
         """Send one response message (a streaming handler that writes instead of yielding)."""
-        await self._send(self.handler.response_serializer(message) if self.handler.response_serializer
-                         else message)
+        await self._send(self._serialized(message))
 
     async def read(self) -> Any:
         """The next request message of a client-streaming call (grpc.aio.EOF at its end)."""
@@ -160,7 +159,8 @@ class Call:
         self._connection.server.call_started()
         self.task = loop.create_task(self._run())
         if self._deadline is not None:
-            self._timer = loop.call_at(loop.time() + max(0.0, self._deadline - time.monotonic()), self._expire)
+            remaining = max(0.0, self._deadline - time.monotonic())
+            self._timer = loop.call_at(loop.time() + remaining, self._expire)
 
     def request_message(self, body: bytes) -> None:
         """A whole request message arrived (called from data_received)."""
@@ -210,22 +210,24 @@ class Call:
                 behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
                 result = behavior(self._request_stream() if handler.request_streaming else self.request, self)
                 if inspect.isasyncgen(result):
-                    serialize = handler.response_serializer
                     try:
                         async for item in result:
-                            await self._send(serialize(item) if serialize else item)
+                            await self._send(self._serialized(item))
                     finally:
                         await result.aclose()        # cancelled while sending: its finally runs now
+                elif inspect.isgenerator(result):    # a plain (synchronous) generator
+                    for item in result:
+                        await self._send(self._serialized(item))
                 else:
                     await result                     # a handler that writes through the context
                 self.finish(self._code, self._details)
                 return
             behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
-            response = await behavior(self._request_stream() if handler.request_streaming else self.request,
-                                      self)
+            response = behavior(self._request_stream() if handler.request_streaming else self.request, self)
+            if inspect.isawaitable(response):
+                response = await response
             if response is not None and self._code is grpc.StatusCode.OK:
-                serialize = handler.response_serializer
-                await self._respond(serialize(response) if serialize else response)
+                await self._respond(self._serialized(response))
             else:
                 self.finish(self._code, self._details)
         except grpc.aio.AbortError:
@@ -243,6 +245,10 @@ class Call:
         finally:
             self._stop_timer()
             self._connection.call_done(self)
+
+    def _serialized(self, message: Any) -> bytes:
+        serialize = self.handler.response_serializer
+        return cast(bytes, serialize(message) if serialize else message)
 
     async def _request_stream(self) -> AsyncIterator[Any]:
         while (item := await self.read()) is not grpc.aio.EOF:
@@ -293,7 +299,8 @@ class Call:
         if self._headers_sent:
             out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id, status)
         elif response is None:
-            out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id, self._head_block() + status)
+            out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id,
+                           self._head_block() + status)
         else:
             data = h2.grpc_message(response)
             self.send_window -= len(data)
@@ -444,7 +451,8 @@ class H2Connection(asyncio.Protocol):
         if kind == h2.DATA:
             self._on_data(frame)
         elif kind == h2.HEADERS:
-            self._block = _HeaderBlock(frame.stream_id, bool(frame.flags & h2.END_STREAM), [h2.unpadded(frame)])
+            self._block = _HeaderBlock(frame.stream_id, bool(frame.flags & h2.END_STREAM),
+                                       [h2.unpadded(frame)])
             if frame.flags & h2.END_HEADERS:
                 self._on_headers()
         elif kind == h2.CONTINUATION:
@@ -531,7 +539,8 @@ class H2Connection(asyncio.Protocol):
         head = wire.call_head(cast(Sequence[tuple[bytes, bytes]], headers))
         handler = self.server.handler(head)
         if handler is None:
-            self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED, ERR_UNIMPLEMENTED)
+            self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED,
+                                 ERR_UNIMPLEMENTED)
             return
         if head.compressed:
             self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED, ERR_COMPRESSED)
@@ -599,7 +608,7 @@ class H2Server:
             return found
         details = _CallDetails(head.path, head.metadata)
         for generic in self._generic:
-            found = generic.service(details)      # type: ignore[arg-type]
+            found = generic.service(details)
             if found is not None:
                 return found
         return None
@@ -677,6 +686,3 @@ class H2Server:
             self._active = 0
             self._idle.set()
 
-
-GrpcServer = grpc.aio.Server | H2Server
-ServerFactory = Callable[[bool], GrpcServer]

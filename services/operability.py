@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from sluice.ledger.pg import HotPool
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ def add_operability(server: grpc.aio.Server, services: Sequence[str]) -> Operabi
     `services` (full names, e.g. sluice.v1.Admission) on `server`."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    # The asyncio servicer, as enable_server_reflection picks for a grpc.aio.Server, named here so that
+    # services/h2server.H2Server (not a grpc.aio.Server) gets it too.
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer((*services, health.SERVICE_NAME, reflection.SERVICE_NAME)), server)
     return Operability(servicer, tuple(services))
 
 

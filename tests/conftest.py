@@ -8,6 +8,8 @@
 - tests.support.admin_services: a gateway with the Admin API and an admin-scoped key
 """
 
+import os
+
 pytest_plugins = [
     "tests.support.db",
     "tests.support.ledger_services",
@@ -16,8 +18,6 @@ pytest_plugins = [
     "tests.support.chaos",
     "tests.support.admin_services",
 ]
-
-import os
 
 if os.environ.get("SLUICE_TEST_GRPC_SERVER") == "h2":
     # Every in-process gRPC server the suite builds through grpc.aio.server() is then served by

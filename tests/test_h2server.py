@@ -19,7 +19,8 @@ from sluice.services import h2frames as h2
 from sluice.services.h2server import ERR_UNIMPLEMENTED, MAX_RECEIVE_BYTES, REFUSED_STREAM, H2Server
 
 SERVICE = "test.Echo"
-identity = (lambda data: data)
+def identity(data: bytes) -> bytes:
+    return data
 
 
 class Probe:
@@ -310,7 +311,8 @@ class RawClient:
         return cls(reader, writer, address)
 
     def call(self, stream_id: int, name: str, headers: list[tuple[str, str]], body: bytes) -> None:
-        block = self._encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{SERVICE}/{name}"),
+        block = self._encoder.encode([(":method", "POST"), (":scheme", "http"),
+                                      (":path", f"/{SERVICE}/{name}"),
                                       (":authority", self.address), ("content-type", "application/grpc"),
                                       ("te", "trailers"), *headers])
         self.writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block)
@@ -372,11 +374,13 @@ async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
 def test_header_blocks_decode_exactly_through_a_standard_hpack_decoder():
     long_value = "v" * 300                     # a length beyond the 7-bit prefix: multi-byte integer
     block = wire.RESPONSE_HEADERS + wire.status_block(
-        grpc.StatusCode.NOT_FOUND, "run 'x' not found: 100% sure ✓", [("note", long_value), ("raw-bin", b"\xff\x00")])
+        grpc.StatusCode.NOT_FOUND, "run 'x' not found: 100% sure ✓",
+        [("note", long_value), ("raw-bin", b"\xff\x00")])
     decoder = hpack.Decoder()
     assert decoder.decode(block) == [
         (":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "5"),
-        ("grpc-message", "run 'x' not found: 100%25 sure %E2%9C%93"), ("note", long_value), ("raw-bin", "/wA")]
+        ("grpc-message", "run 'x' not found: 100%25 sure %E2%9C%93"), ("note", long_value),
+        ("raw-bin", "/wA")]
     assert len(decoder.header_table.dynamic_entries) == 0, "no block may enter the client's dynamic table"
     assert hpack.Decoder().decode(wire.OK_TRAILERS) == [("grpc-status", "0")]
 
@@ -393,7 +397,8 @@ def test_grpc_timeout_units():
 def test_a_request_that_is_not_grpc_is_refused_by_its_head():
     with pytest.raises(ValueError, match="not application/grpc"):
         wire.call_head([(b":method", b"POST"), (b":path", b"/a/b"), (b"content-type", b"text/html")])
-    head = wire.call_head([(b":method", b"POST"), (b":path", b"/a/b"), (b"content-type", b"application/grpc+proto"),
+    head = wire.call_head([(b":method", b"POST"), (b":path", b"/a/b"),
+                           (b"content-type", b"application/grpc+proto"),
                            (b"te", b"trailers"), (b"grpc-timeout", b"100m"), (b"x-key", b"k"),
                            (b"bin-bin", b"AAE")])
     assert (head.path, head.timeout_s, head.metadata, head.compressed) == (
