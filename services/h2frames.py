@@ -108,6 +108,18 @@ def goaway_payload(last_stream_id: int, code: int) -> bytes:
     return _GOAWAY.pack(last_stream_id, code)
 
 
+WINDOW_REFILL = 1 << 30      # bytes received on a window opened wide before it is topped up again
+
+
+def refill(received: int, size: int, stream_id: int) -> tuple[int, bytes]:
+    """`size` more bytes received on a window opened wide (stream 0: the connection's): the new count,
+    and the WINDOW_UPDATE to send now (b"" until WINDOW_REFILL bytes have come)."""
+    received += size
+    if received >= WINDOW_REFILL:
+        return 0, window_update(stream_id, received)
+    return received, b""
+
+
 def rst_stream(stream_id: int, code: int = CANCEL) -> bytes:
     return frame(RST_STREAM, 0, stream_id, _U32.pack(code))
 
@@ -115,6 +127,52 @@ def rst_stream(stream_id: int, code: int = CANCEL) -> bytes:
 def grpc_message(body: bytes) -> bytes:
     """One uncompressed gRPC message as it travels in DATA frames."""
     return _GRPC_PREFIX.pack(0, len(body)) + body
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderBlock:
+    """A whole header block: a HEADERS frame's fragment and its CONTINUATIONs', joined."""
+
+    stream_id: int
+    end_stream: bool          # the HEADERS frame ended the stream (trailers, or a request without body)
+    data: bytes               # for hpack to decode
+
+
+class HeaderBlocks:
+    """Gathers header blocks (RFC 9113 §6.2, §6.10): a HEADERS frame, then CONTINUATIONs of the same
+    stream until END_HEADERS, and no other frame in between."""
+
+    __slots__ = ("_stream_id", "_end_stream", "_parts")
+
+    def __init__(self) -> None:
+        self._stream_id = 0
+        self._end_stream = False
+        self._parts: list[bytes] | None = None      # None: no block under way
+
+    def takes(self, frame: Frame) -> bool:
+        """Whether `frame` is part of a header block; raises ValueError for any other frame arriving
+        inside one."""
+        if frame.type in (HEADERS, CONTINUATION):
+            return True
+        if self._parts is not None:
+            raise ValueError("a header block interrupted by another frame")
+        return False
+
+    def add(self, frame: Frame) -> HeaderBlock | None:
+        """Take a HEADERS or CONTINUATION frame; the block once END_HEADERS completes it."""
+        if frame.type == HEADERS:
+            if self._parts is not None:
+                raise ValueError("a header block interrupted by another frame")
+            self._stream_id, self._end_stream, self._parts = (frame.stream_id, bool(frame.flags & END_STREAM),
+                                                              [unpadded(frame)])
+        elif self._parts is None or frame.stream_id != self._stream_id:
+            raise ValueError("CONTINUATION outside a header block")
+        else:
+            self._parts.append(frame.payload)
+        if not frame.flags & END_HEADERS:
+            return None
+        parts, self._parts = self._parts, None
+        return HeaderBlock(self._stream_id, self._end_stream, b"".join(parts))
 
 
 class MessageTooLarge(ValueError):

@@ -47,7 +47,6 @@ from sluice.services import h2frames as h2
 log = logging.getLogger(__name__)
 
 MAX_RECEIVE_BYTES = 4 * 1024 * 1024    # grpc's default max_receive_message_length
-WINDOW_REFILL = 1 << 30                # bytes received before a window is topped up again
 NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x7
 
 ERR_UNIMPLEMENTED = "Method not found!"                     # grpc's own text
@@ -314,15 +313,6 @@ class Call:
             connection.write(out)
 
 
-@dataclass(slots=True, eq=False)
-class _HeaderBlock:
-    """A header block under way: a HEADERS frame not ended by END_HEADERS, then CONTINUATIONs."""
-
-    stream_id: int
-    end_stream: bool
-    parts: list[bytes]
-
-
 class H2Connection(asyncio.Protocol):
     """One client connection: frames in, calls started, responses out."""
 
@@ -333,7 +323,7 @@ class H2Connection(asyncio.Protocol):
         self._buffer = b""
         self._preface = False
         self._decoder = hpack.Decoder()
-        self._block: _HeaderBlock | None = None
+        self._blocks = h2.HeaderBlocks()
         self.calls: dict[int, Call] = {}
         self._last_stream_id = 0
         self.send_window = h2.DEFAULT_WINDOW
@@ -446,21 +436,12 @@ class H2Connection(asyncio.Protocol):
 
     def _on_frame(self, frame: h2.Frame) -> None:
         kind = frame.type
-        if self._block is not None and kind != h2.CONTINUATION:
-            raise ValueError("a header block interrupted by another frame")
-        if kind == h2.DATA:
+        if self._blocks.takes(frame):
+            block = self._blocks.add(frame)
+            if block is not None:
+                self._on_headers(block)
+        elif kind == h2.DATA:
             self._on_data(frame)
-        elif kind == h2.HEADERS:
-            self._block = _HeaderBlock(frame.stream_id, bool(frame.flags & h2.END_STREAM),
-                                       [h2.unpadded(frame)])
-            if frame.flags & h2.END_HEADERS:
-                self._on_headers()
-        elif kind == h2.CONTINUATION:
-            if self._block is None or self._block.stream_id != frame.stream_id:
-                raise ValueError("CONTINUATION outside a header block")
-            self._block.parts.append(frame.payload)
-            if frame.flags & h2.END_HEADERS:
-                self._on_headers()
         elif kind == h2.RST_STREAM:
             call = self.calls.pop(frame.stream_id, None)
             if call is not None:
@@ -486,17 +467,15 @@ class H2Connection(asyncio.Protocol):
 
     def _on_data(self, frame: h2.Frame) -> None:
         size = len(frame.payload)
-        self._received += size
-        if self._received >= WINDOW_REFILL:
-            self.write(h2.window_update(0, self._received))
-            self._received = 0
+        self._received, update = h2.refill(self._received, size, 0)
         call = self.calls.get(frame.stream_id)
+        if call is not None:
+            call.received, more = h2.refill(call.received, size, frame.stream_id)
+            update += more
+        if update:
+            self.write(update)
         if call is None:
             return                   # ended here: its late frames only count for the window
-        call.received += size
-        if call.received >= WINDOW_REFILL:
-            self.write(h2.window_update(frame.stream_id, call.received))
-            call.received = 0
         try:
             messages = call.reader.feed(h2.unpadded(frame) if frame.flags & h2.PADDED else frame.payload,
                                         MAX_RECEIVE_BYTES)
@@ -521,10 +500,8 @@ class H2Connection(asyncio.Protocol):
         if self.calls.get(call.stream_id) is call and call.task is None:
             del self.calls[call.stream_id]
 
-    def _on_headers(self) -> None:
-        block, self._block = self._block, None
-        assert block is not None, "called at the end of a header block"
-        headers = self._decoder.decode(b"".join(block.parts), raw=True)
+    def _on_headers(self, block: h2.HeaderBlock) -> None:
+        headers = self._decoder.decode(block.data, raw=True)
         stream_id = block.stream_id
         if stream_id in self.calls:
             if block.end_stream:     # trailers from the client: its side is done

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import hpack
@@ -31,7 +31,6 @@ from sluice.services import h2frames as h2
 
 KEEPALIVE_S = 2.0            # silence on a connection with open streams before it is pinged
 KEEPALIVE_TIMEOUT_S = 2.0    # an unanswered ping then closes it: every stream on it is lost
-WINDOW_REFILL = 1 << 30      # bytes received before a window is topped up again
 MAX_STREAM_ID = 2**31 - 1
 
 ERR_HTTP_STATUS = "HTTP status {status}"
@@ -62,15 +61,6 @@ class _Stream:
     received: int = 0                      # bytes since this stream's window was last topped up
 
 
-@dataclass(slots=True, eq=False)
-class _HeaderBlock:
-    """A header block under way: a HEADERS frame not ended by END_HEADERS, then CONTINUATIONs."""
-
-    stream_id: int
-    end_stream: bool
-    parts: list[bytes] = field(default_factory=list)
-
-
 _GRPC_CODE_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
                     "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
                     "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -99,7 +89,7 @@ class ReplicaConnection(asyncio.Protocol):
         self._next_id = 1
         self._encoder = hpack.Encoder()
         self._decoder = hpack.Decoder()
-        self._block: _HeaderBlock | None = None
+        self._blocks = h2.HeaderBlocks()
         self._send_window = h2.DEFAULT_WINDOW      # the connection's, set by the peer
         self._peer_initial = h2.DEFAULT_WINDOW     # each new stream's, set by the peer
         self._max_frame = h2.DEFAULT_MAX_FRAME
@@ -215,21 +205,12 @@ class ReplicaConnection(asyncio.Protocol):
 
     def _on_frame(self, frame: h2.Frame) -> None:
         kind = frame.type
-        if self._block is not None and kind != h2.CONTINUATION:
-            raise ValueError("a header block interrupted by another frame")
-        if kind == h2.DATA:
+        if self._blocks.takes(frame):
+            block = self._blocks.add(frame)
+            if block is not None:
+                self._on_headers(block)
+        elif kind == h2.DATA:
             self._on_data(frame)
-        elif kind == h2.HEADERS:
-            self._block = _HeaderBlock(frame.stream_id, bool(frame.flags & h2.END_STREAM),
-                                       [h2.unpadded(frame)])
-            if frame.flags & h2.END_HEADERS:
-                self._on_headers()
-        elif kind == h2.CONTINUATION:
-            if self._block is None or self._block.stream_id != frame.stream_id:
-                raise ValueError("CONTINUATION outside a header block")
-            self._block.parts.append(frame.payload)
-            if frame.flags & h2.END_HEADERS:
-                self._on_headers()
         elif kind == h2.RST_STREAM:
             self._end(frame.stream_id, "UNAVAILABLE" if h2.parse_u32(frame.payload) == 7 else "INTERNAL",
                       ERR_RESET.format(code=h2.parse_u32(frame.payload)))
@@ -254,19 +235,17 @@ class ReplicaConnection(asyncio.Protocol):
 
     def _on_data(self, frame: h2.Frame) -> None:
         size = len(frame.payload)
-        self._received += size
         transport = self._transport
         assert transport is not None, "frames arrive on a connected transport"
-        if self._received >= WINDOW_REFILL:
-            transport.write(h2.window_update(0, self._received))
-            self._received = 0
+        self._received, update = h2.refill(self._received, size, 0)
         stream = self._streams.get(frame.stream_id)
+        if stream is not None:
+            stream.received, more = h2.refill(stream.received, size, frame.stream_id)
+            update += more
+        if update:
+            transport.write(update)
         if stream is None:
             return                           # cancelled here: its late frames only count for the window
-        stream.received += size
-        if stream.received >= WINDOW_REFILL:
-            transport.write(h2.window_update(frame.stream_id, stream.received))
-            stream.received = 0
         for body in stream.reader.feed(h2.unpadded(frame) if frame.flags & h2.PADDED else frame.payload):
             stream.sink.message(body)
             if self._streams.get(frame.stream_id) is not stream:
@@ -274,10 +253,8 @@ class ReplicaConnection(asyncio.Protocol):
         if frame.flags & h2.END_STREAM:
             self._end(frame.stream_id, "INTERNAL", ERR_NO_TRAILERS)
 
-    def _on_headers(self) -> None:
-        block, self._block = self._block, None
-        assert block is not None, "called at the end of a header block"
-        headers = dict(self._decoder.decode(b"".join(block.parts), raw=True))
+    def _on_headers(self, block: h2.HeaderBlock) -> None:
+        headers = dict(self._decoder.decode(block.data, raw=True))
         if block.stream_id not in self._streams:
             return
         status = headers.get(b":status")

@@ -105,6 +105,15 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, table)
 
 
+async def started(probe: Probe) -> tuple[H2Server, str]:
+    """A server of the test handlers on a free port, which the test stops itself."""
+    server = H2Server()
+    server.add_generic_rpc_handlers((handlers(probe),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    return server, address
+
+
 @contextlib.asynccontextmanager
 async def serving(probe: Probe, reuse_port: bool = False) -> AsyncIterator[tuple[H2Server, str]]:
     server = H2Server(reuse_port)
@@ -230,10 +239,7 @@ async def test_a_request_above_the_receive_limit_is_resource_exhausted():
 
 async def test_stop_lets_a_stream_in_progress_finish_within_the_grace_and_refuses_new_calls():
     probe = Probe()
-    server = H2Server()
-    server.add_generic_rpc_handlers((handlers(probe),))
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await started(probe)
     async with grpc.aio.insecure_channel(address) as channel:
         call = method(channel, "Paced", "unary_stream")(b"20")
         await call.read()
@@ -249,10 +255,7 @@ async def test_stop_lets_a_stream_in_progress_finish_within_the_grace_and_refuse
 
 async def test_stop_cancels_a_call_still_running_after_the_grace():
     probe = Probe()
-    server = H2Server()
-    server.add_generic_rpc_handlers((handlers(probe),))
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await started(probe)
     async with grpc.aio.insecure_channel(address) as channel:
         call = method(channel, "Slow")(b"")
         await asyncio.sleep(0.2)
@@ -353,10 +356,7 @@ async def test_the_server_ends_a_call_at_its_grpc_timeout_even_when_the_client_d
 
 async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
     probe = Probe()
-    server = H2Server()
-    server.add_generic_rpc_handlers((handlers(probe),))
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    server, address = await started(probe)
     client = await RawClient.connect(address)
     client.call(1, "Slow", [], b"")                  # in progress: the connection stays open to drain it
     await asyncio.sleep(0.2)
