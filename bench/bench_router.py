@@ -183,8 +183,9 @@ class Observed:
             self.prompt_tokens += len(request.token_ids)
         self.inner.on_routed(self._seen(request), decision, now)
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
-        self.inner.on_finished(request, replica, now)
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
+        self.inner.on_finished(request, replica, now, output_tokens=output_tokens)
 
     def on_replica_restarted(self, replica: str) -> None:
         self.inner.on_replica_restarted(replica)

@@ -111,6 +111,7 @@ class Recorder:
         self.views: list[tuple[ReplicaView, ...]] = []
         self.routed = 0
         self.finished = 0
+        self.output_tokens: dict[str, int] = {}
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                now: float) -> RouteDecision | None:
@@ -120,8 +121,9 @@ class Recorder:
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         self.routed += 1
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float, output_tokens: int = 0) -> None:
         self.finished += 1
+        self.output_tokens[request.request_id] = output_tokens
 
     def on_replica_restarted(self, replica: str) -> None:
         return None
@@ -138,6 +140,13 @@ def test_policies_see_replica_views_and_hear_about_every_finish() -> None:
     assert views[0].in_flight == 0 and views[1].in_flight > 0
     assert report.per_replica[0].requests == 0
     assert dict(report.routing_outcomes) == {"pinned": report.requests_arrived}
+
+
+def test_the_policy_hears_how_many_tokens_each_finished_run_generated() -> None:
+    policy = Recorder()
+    report = Fleet(replace(SMALL_FLEET, replicas=2), single_request(5)).run(policy)
+    assert report.requests_completed == 1
+    assert list(policy.output_tokens.values()) == [5]     # the answer the next turn sends back as history
 
 
 def test_the_oracle_probe_reports_each_replicas_exact_cache() -> None:

@@ -527,7 +527,8 @@ class RoutingWorker:
         item = self._requests.pop(run_id, None)
         if item is not None:
             self.loads.on_finished(item.decision.replica)
-            self.policy.on_finished(item.request, item.decision.replica, time.time())
+            self.policy.on_finished(item.request, item.decision.replica, time.time(),
+                                    output_tokens=driver.output_tokens)
         if driver.outcome is not None:
             predicted = item.decision.predicted_cached_tokens if item is not None else 0
             self.metrics.run_ended(driver.claim.worker_pool, predicted, driver.outcome)

@@ -47,6 +47,10 @@ argmin)::
   also counts the prefill blocks of requests still prefilling; the policy
   interface carries no first-token event, so that term is left out (queued
   prefill is then under-counted; Sluice's policy shares that view).
+
+The answer's length that hosts pass to ``on_finished`` is accepted and ignored by
+all three: SGLang's tree and llm-d's LRU index the routed prompt text only, and
+the precise scorer and Dynamo read the engines' caches, which hold the answer already.
 """
 
 from __future__ import annotations
@@ -191,7 +195,8 @@ class SglangCacheAware:
         self._trees.insert(decision.replica, hashes)
         self._in_flight.add(request.request_id, decision.replica, 0)
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         self._in_flight.remove(request.request_id)
 
     def on_replica_restarted(self, replica: str) -> None:
@@ -268,7 +273,8 @@ class Llmd:
         opts = self.options
         return block_hashes(request.token_ids, opts.block_tokens, request.cache_salt)[:opts.max_prefix_blocks]
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         return None
 
     def on_replica_restarted(self, replica: str) -> None:
@@ -312,7 +318,8 @@ class DynamoKv:
         size = self._block_size.get(decision.replica, 16)
         self._in_flight.add(request.request_id, decision.replica, -(-len(request.token_ids) // size))
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         self._in_flight.remove(request.request_id)
 
     def on_replica_restarted(self, replica: str) -> None:

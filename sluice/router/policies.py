@@ -131,7 +131,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Final
 
 from sluice.router.policy import CachedTokensProbe, ReplicaView, RouteDecision, RouteRequest
@@ -300,7 +300,8 @@ class LeastLoaded:
         block_size = self._block_size.get(decision.replica, 16)
         self._in_flight.add(request.request_id, decision.replica, _prompt_blocks(request, block_size))
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         self._in_flight.remove(request.request_id)
 
     def on_replica_restarted(self, replica: str) -> None:
@@ -317,6 +318,28 @@ _Scored = tuple[float, float, float, str, int, ReplicaView]
 _LOAD: Final = 1
 _OVERLAP: Final = 4
 _VIEW: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Where a conversation's last turn went, and how much of the conversation that replica holds."""
+
+    replica: str
+    epoch: int               # the replica's epoch then: a restart since voids the home
+    request_id: str          # the turn sent there (only its finish may add the answer)
+    held_tokens: int         # leading tokens of the conversation whose KV the replica computed
+
+    def answered(self, prompt_tokens: int, output_tokens: int) -> Home:
+        """After the turn's answer: its prompt and the answer but the answer's last token, whose KV
+        the engine computes only when it samples past it (an end token it does not count), so this
+        never credits a block the replica may lack, and is short by one block at most."""
+        return replace(self, held_tokens=prompt_tokens + output_tokens - 1)
+
+    def cached_blocks(self, prompt_tokens: int, block_size: int) -> int:
+        """Whole blocks of a next prompt of `prompt_tokens` the replica can reuse: what it holds, but
+        never the prompt's last token (an engine always computes it)."""
+        reusable = min(self.held_tokens, prompt_tokens - 1)
+        return reusable // block_size if reusable > 0 else 0
 
 
 class PrefixAware:
@@ -341,9 +364,9 @@ class PrefixAware:
         self._drain: dict[str, float] = {}          # replica -> prompt blocks it prefills per second
         self._views: dict[str, ReplicaView] = {}
         self._epoch: dict[str, int] = {}
-        # (trust scope, conversation id) -> (replica, its epoch): one tenant's conversation ids
-        # never steer another's runs.
-        self._conversations: OrderedDict[tuple[int, str], tuple[str, int]] = OrderedDict()
+        # (trust scope, conversation id) -> its home: one tenant's conversation ids never steer
+        # another's runs.
+        self._conversations: OrderedDict[tuple[int, str], Home] = OrderedDict()
         # (request id, unit) -> (the prompt object hashed, its chain so far)
         self._hash_cache: OrderedDict[tuple[str, int], tuple[Sequence[int], list[int]]] = OrderedDict()
         self._last_expiry = float("-inf")
@@ -359,9 +382,9 @@ class PrefixAware:
         self._observe(candidates, now)
 
         # The oracle sees each replica's cache exactly; a conversation's home could only blind it.
-        home = self._conversation_replica(request) if self._probe is None else None
-        scored, mean_load, most, least = self._score(
-            request, candidates, now, home if options.home_in_cost else None)
+        held = self._home(request) if self._probe is None else None
+        home = held.replica if held is not None else None
+        scored, mean_load, most, least = self._score(request, candidates, now, held)
         limit = load_limit(mean_load, options.imbalance_bound, options.imbalance_slack)
         eligible = [entry for entry in scored if entry[_LOAD] <= limit]
 
@@ -399,12 +422,13 @@ class PrefixAware:
             self._last_expiry = now
 
     def _score(self, request: RouteRequest, candidates: Sequence[ReplicaView], now: float,
-               home: str | None) -> tuple[list[_Scored], float, int, int]:
+               held: Home | None) -> tuple[list[_Scored], float, int, int]:
         """One tuple per candidate, ordered so that min() picks the best (see _Scored), with the
-        mean load and the highest and lowest overlap among them (the index's, `home`'s credit
-        aside). One pass, no builtin calls per candidate: this loop is most of the decision's
-        cost after hashing."""
+        mean load and the highest and lowest overlap among them (the conversation's home credited
+        with what it holds, see `Home`). One pass, no builtin calls per candidate: this loop is
+        most of the decision's cost after hashing."""
         overlaps, on_gpu, stride = self._overlaps(request, candidates)
+        home = held.replica if held is not None else None
         weight = self.options.prefill_weight
         own_count = self._in_flight.count
         own_blocks = self._in_flight.blocks
@@ -435,13 +459,15 @@ class PrefixAware:
             slowness = slowest_ratio(view, fastest) if fastest > 0.0 else 1.0
             weighted = load * slowness
             capacity = view.kv_capacity_blocks
+            on_gpu_blocks = on_gpu[name] * stride if on_gpu is not None else overlap
+            if name == home and held is not None:
+                # It holds the previous turn's prompt and answer; the index saw the prompt only.
+                credit = held.cached_blocks(prompt_tokens, view.block_size)
+                if credit > overlap:
+                    overlap = on_gpu_blocks = credit
             uncached: float = -(-prompt_tokens // view.block_size) - overlap
-            if name == home:
-                # The conversation's replica holds its previous prompt and that prompt's answer,
-                # which the index never saw: credited with the whole prompt but the last block.
-                uncached = 1.0
-            elif on_gpu is not None:            # blocks found only in host memory cost a copy
-                uncached += view.host_block_cost * (overlap - on_gpu[name] * stride)
+            if on_gpu_blocks < overlap:         # blocks found only in host memory cost a copy
+                uncached += view.host_block_cost * (overlap - on_gpu_blocks)
             # Prompt blocks queued ahead delay this prompt's first token as its own uncached ones do.
             rate = view.prefill_tokens_per_s if view.prefill_tokens_per_s > 0.0 else default_rate / slowness
             drain = drains[name] = rate / view.block_size
@@ -522,14 +548,14 @@ class PrefixAware:
         return RouteDecision(replica=view.name, outcome=outcome,
                              predicted_cached_tokens=max(reusable, 0) * block_size)
 
-    def _conversation_replica(self, request: RouteRequest) -> str | None:
+    def _home(self, request: RouteRequest) -> Home | None:
+        """The conversation's home, unless it restarted since (its cache, and the credit, are gone)."""
         if request.conversation_id is None:
             return None
-        entry = self._conversations.get((request.cache_salt, request.conversation_id))
-        if entry is None:
+        home = self._conversations.get((request.cache_salt, request.conversation_id))
+        if home is None:
             return None
-        replica, epoch = entry
-        return replica if self._epoch.get(replica, 0) == epoch else None
+        return home if self._epoch.get(home.replica, 0) == home.epoch else None
 
     def _hashes(self, request: RouteRequest, unit: int) -> list[int]:
         """The prompt's full chain in index units; choose() may have left a partial one to complete."""
@@ -566,14 +592,24 @@ class PrefixAware:
         if request.conversation_id is not None:
             conversations = self._conversations
             key = (request.cache_salt, request.conversation_id)
-            conversations[key] = (decision.replica, self._epoch.get(decision.replica, 0))
+            conversations[key] = Home(decision.replica, self._epoch.get(decision.replica, 0),
+                                      request.request_id, len(request.token_ids))
             conversations.move_to_end(key)
             while len(conversations) > self.options.max_conversations:
                 conversations.popitem(last=False)
         self._hash_cache.pop((request.request_id, unit), None)
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         self._in_flight.remove(request.request_id)
+        if request.conversation_id is None or output_tokens <= 0:
+            return
+        key = (request.cache_salt, request.conversation_id)
+        home = self._conversations.get(key)
+        # Only the turn the home was last given: a late finish of an earlier or moved turn says
+        # nothing about what the home holds now.
+        if home is not None and home.request_id == request.request_id and home.replica == replica:
+            self._conversations[key] = home.answered(len(request.token_ids), output_tokens)
 
     def on_replica_restarted(self, replica: str) -> None:
         """The replica's cache is empty: forget its prefixes, its conversations and its in-flight runs."""

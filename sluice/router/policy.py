@@ -12,8 +12,14 @@ Lifecycle, as the host drives it:
     decision = policy.choose(request, views, now)   # pick a replica (or None)
     policy.on_routed(request, decision, now)        # learn: prefix index, in-flight counts
     ...                                             # run executes
-    policy.on_finished(request, decision.replica, now)
+    policy.on_finished(request, decision.replica, now, output_tokens=n)
     policy.on_replica_restarted(name)               # host saw start time / counters reset
+
+`output_tokens` is how many tokens the run generated (0 when it produced none,
+or when the host does not know): the replica's cache now holds the prompt and
+that answer, which a conversation's next turn sends back as history. The
+default keeps hosts that do not count tokens working; a policy that reads it
+must treat 0 as "nothing known beyond the prompt".
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ class RoutingPolicy(Protocol):
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         ...
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         ...
 
     def on_replica_restarted(self, replica: str) -> None:
@@ -107,7 +114,8 @@ class RoundRobin:
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         return None
 
-    def on_finished(self, request: RouteRequest, replica: str, now: float) -> None:
+    def on_finished(self, request: RouteRequest, replica: str, now: float,
+                    output_tokens: int = 0) -> None:
         return None
 
     def on_replica_restarted(self, replica: str) -> None:

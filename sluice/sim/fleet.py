@@ -347,7 +347,7 @@ class _Run:
                 request_id=turn.request_id, prompt_token_ids=turn.prompt,
                 max_output_tokens=turn.max_output_tokens, end_id=END_ID, seed=turn.seed))
         except EngineRequestError:
-            self.policy.on_finished(request, replica.name, at)
+            self.policy.on_finished(request, replica.name, at)    # refused: generated nothing
             self.reject(turn, at)
             return
         replica.in_flight += 1
@@ -382,6 +382,7 @@ class _Run:
             turn, request, _ = self.turns.pop(request_id)
             self.records[request_id].finish_reason = "interrupted"
             self.interrupted += 1
+            # Its cache died with it, so the tokens it streamed leave nothing to credit: 0.
             self.policy.on_finished(request, replica.name, at)
             self.push_arrival(at, self.workload.resend(turn))
         replica.in_flight = 0
@@ -500,7 +501,7 @@ class _Run:
             self.canary.finished(record, at)
         turn, request, _ = self.turns.pop(output.request_id)
         replica.in_flight -= 1
-        self.policy.on_finished(request, replica.name, at)
+        self.policy.on_finished(request, replica.name, at, output_tokens=output.num_output_tokens)
         if self.scaling is not None:
             self.scaling.finished(replica, at)
         self.workload.answer_finished(turn, output.num_output_tokens)

@@ -217,7 +217,7 @@ class TrafficHost:
         replica.in_flight -= 1
         self.completed += 1
         self.output_tokens += output.num_output_tokens
-        self.run.policy.on_finished(request, replica.name, at)
+        self.run.policy.on_finished(request, replica.name, at, output_tokens=output.num_output_tokens)
 
     # --- signals ----------------------------------------------------------------------------
 
