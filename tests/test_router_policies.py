@@ -23,6 +23,7 @@ from sluice.router.policies import (
     OUTCOME_BALANCED_AWAY,
     OUTCOME_FALLBACK,
     UNKNOWN_OPTION,
+    Home,
     LeastLoaded,
     PolicyOptions,
     PrefillBacklog,
@@ -333,6 +334,13 @@ def test_only_the_finish_of_the_turn_the_home_was_given_adds_its_answer():
     follow_up = policy.choose(request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7"),
                               views, 1.0)
     assert follow_up is not None and follow_up.predicted_cached_tokens == 6 * BS
+
+
+def test_a_resent_shorter_prompt_is_credited_with_at_most_itself_but_its_last_token():
+    held = Home("r0", 0, "a1", held_tokens=63)                      # a 24-token prompt and a 40-token answer
+    assert held.cached_blocks(74, BS) == 63 // BS                   # the next turn: all it holds
+    assert held.cached_blocks(24, BS) == (24 - 1) // BS             # turn 1 resent (regenerate): 5, not 15
+    assert held.cached_blocks(1, BS) == 0
 
 
 def test_a_restarted_home_gets_no_credit_for_what_it_held():
