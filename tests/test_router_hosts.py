@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from sluice.services.routing.app import build_worker
 from sluice.services.routing.worker import RoutingWorker
@@ -9,7 +11,7 @@ from sluice.services.routing.worker import RoutingWorker
 from sluice.config import load_settings
 from sluice.router.factory import make_policy
 from sluice.router.policies import LeastLoaded, PrefixAware
-from sluice.router.policy import RoundRobin, RouteRequest
+from sluice.router.policy import RoundRobin, RouteDecision, RouteRequest
 from sluice.sim.fleet import Fleet, FleetConfig
 from sluice.sim.workload import WorkloadConfig
 
@@ -51,3 +53,23 @@ def test_the_live_service_decides_over_its_configured_replicas_through_the_polic
                            max_output_tokens=8, conversation_id="c1")
     decision = worker.explain(request, pool)
     assert decision is not None and decision.replica in {"r0", "r1"}
+
+
+def test_the_live_service_tells_the_policy_how_many_tokens_a_finished_run_streamed():
+    """The routing worker passes the run's durable output tokens to on_finished, which a conversation's
+    next turn sends back as history (the policy credits its home with them)."""
+    worker = live_worker("prefix_aware")
+    heard: list[tuple[str, str, int]] = []
+
+    class Listening(PrefixAware):
+        def on_finished(self, request: RouteRequest, replica: str, now: float, output_tokens: int = 0) -> None:
+            heard.append((request.request_id, replica, output_tokens))
+
+    worker.policy = Listening()
+    request = RouteRequest(request_id="run-1", model_version="m", token_ids=tuple(range(10)),
+                           max_output_tokens=8, conversation_id="c1")
+    worker._requests["run-1"] = SimpleNamespace(request=request, decision=RouteDecision("r0", "affinity_hit"))
+    driver = SimpleNamespace(output_tokens=37, outcome=None)
+    done = SimpleNamespace(cancelled=lambda: False, exception=lambda: None, result=lambda: None)
+    worker._driver_done("run-1", driver, done)        # type: ignore[arg-type]
+    assert heard == [("run-1", "r0", 37)]
