@@ -11,11 +11,15 @@ Host usage (the routing worker), on a replica error or a first-token timeout::
 
     action = after_replica_failure(tokens_streamed, attempts, max_attempts)
     if action is FailureAction.RETRY:
-        policy.on_finished(request, failed_replica, now)   # release the failed attempt
+        policy.on_finished(request, failed_replica, now)   # release the failed attempt (output_tokens 0)
         views = [v for v in views if v.name not in tried]  # retry_candidates(views, tried)
         ...choose, persist the new replica on the run row, send...
     elif action is FailureAction.INTERRUPT: end INTERRUPTED with the durable tokens
     else: end FAILED with detail NO_REPLICA_STARTED
+
+The released attempt reports no output tokens (on_finished's default 0): a retry happens only
+before the first token, so the failed replica generated nothing the run will send back, and
+the conversation's home moves to the replica the retry is routed to.
 """
 
 from __future__ import annotations
