@@ -62,7 +62,8 @@ def test_the_live_service_tells_the_policy_how_many_tokens_a_finished_run_stream
     heard: list[tuple[str, str, int]] = []
 
     class Listening(PrefixAware):
-        def on_finished(self, request: RouteRequest, replica: str, now: float, output_tokens: int = 0) -> None:
+        def on_finished(self, request: RouteRequest, replica: str, now: float,
+                        output_tokens: int = 0) -> None:
             heard.append((request.request_id, replica, output_tokens))
 
     worker.policy = Listening()
