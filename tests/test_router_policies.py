@@ -97,15 +97,20 @@ def test_finished_runs_no_longer_count_as_load():
 # -- prefix_aware: affinity ------------------------------------------------------------------------
 
 
-def test_a_follow_up_turn_goes_to_the_replica_that_served_the_previous_turn():
-    policy = PrefixAware(EXACT)
+@pytest.mark.parametrize("home_in_cost", [1, 0], ids=["credited in the cost", "sticky"])
+def test_a_follow_up_turn_goes_to_the_replica_that_served_the_previous_turn(home_in_cost: int):
+    policy = PrefixAware(replace(EXACT, home_in_cost=home_in_cost))
     views = [view(f"r{i}") for i in range(4)]
-    first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
-    # The previous replica is now slightly busier, but within the bound.
+    previous = request("t1", turn(7, 1), conversation="c7")         # 24 tokens
+    first = route(policy, previous, views)
+    policy.on_finished(previous, first.replica, 1.5, output_tokens=5)   # holds 24 + 5 - 1 = 28: 7 blocks
+    # The previous replica is now slightly busier, but within the bound; it lacks one block of turn 2's 8,
+    # the others all 8.
     busier = [view(v.name, running=2 if v.name == first.replica else 0) for v in views]
-    second = route(policy, request("t2", turn(7, 2), conversation="c7"), busier)
+    second = route(policy, request("t2", turn(7, 2), conversation="c7"), busier, now=2.0)
     assert second.replica == first.replica
     assert second.outcome == OUTCOME_AFFINITY_HIT
+    assert second.predicted_cached_tokens == 7 * BS
 
 
 def test_a_follow_up_without_conversation_id_still_follows_its_cached_prefix():
@@ -134,9 +139,12 @@ def test_a_follow_up_goes_elsewhere_when_its_replica_is_past_the_imbalance_bound
 def test_a_follow_up_at_exactly_the_bound_still_goes_home():
     policy = PrefixAware(PolicyOptions(imbalance_bound=0.1, imbalance_slack=2))
     views = [view("r0"), view("r1")]
-    first = route(policy, request("t1", turn(7, 1), conversation="c7"), views)
+    previous = request("t1", turn(7, 1), conversation="c7")
+    first = route(policy, previous, views)
+    policy.on_finished(previous, first.replica, 1.5, output_tokens=5)
+    # limit = mean (13 + 10) / 2 = 11.5, * 1.1 + 2 = 14.65: the home at 13 is within it, and holds 7 of 8 blocks.
     loaded = [view(v.name, running=13 if v.name == first.replica else 10) for v in views]
-    assert route(policy, request("t2", turn(7, 2), conversation="c7"), loaded).replica == first.replica
+    assert route(policy, request("t2", turn(7, 2), conversation="c7"), loaded, now=2.0).replica == first.replica
 
 
 def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load():
@@ -266,19 +274,19 @@ def test_a_restart_empties_the_replicas_prefill_queue():
     assert policy.prefill_backlog("r0", 1.0) == 0
 
 
-def test_with_home_in_cost_a_follow_up_leaves_a_home_whose_queue_outweighs_the_saving():
-    # With home_in_cost, session affinity is cache knowledge priced by the cost, not an override: a home
-    # deep in prefill loses the turn as any holder would.
+def test_a_follow_up_leaves_a_home_whose_queue_outweighs_the_saving_unless_the_home_is_sticky():
+    # With home_in_cost (the default), session affinity is cache knowledge priced by the cost, not an
+    # override: a home deep in prefill loses the turn as any holder would.
     options = replace(EXACT, imbalance_bound=10.0, imbalance_slack=100)                # no load bound
-    sticky = PrefixAware(options)                                                      # the default
-    policy = PrefixAware(replace(options, home_in_cost=1))
+    sticky = PrefixAware(replace(options, home_in_cost=0))
+    policy = PrefixAware(options)
     busy = [prefill_view("r0"), prefill_view("r1", kv_used=5000)]   # 100 blocks/s each; r1 decodes 5,000
     first = request("a1", turn(7, 1), conversation="c7")            # 24 tokens: 6 blocks
     for each in (sticky, policy):
         assert route(each, first, busy, now=0.0).replica == "r0"    # 64 x 6 against 64 x 6 + 5,000
         each.on_finished(first, "r0", 0.5)
         assert route(each, request("b", range(50_000, 50_800)), busy, now=1.0).replica == "r0"  # 200 queued
-    # By default the home takes every turn within the bound, whatever its queue.
+    # Sticky, the home takes every turn within the bound, whatever its queue.
     kept = sticky.choose(request("a2", turn(7, 2), conversation="c7"), busy, 1.0)
     assert kept is not None and (kept.replica, kept.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
     # Turn 2 (8 blocks). Home r0, credited with turn 1's 6 blocks (no answer length was given):
@@ -297,7 +305,7 @@ def exchange(conversation: int, prompt: Sequence[int], answer: int, message: int
 
 
 def test_the_home_is_credited_with_the_previous_prompt_and_its_answer_and_queues_the_message_only():
-    policy = PrefixAware(EXACT)                                     # the default: home within the bound
+    policy = PrefixAware(EXACT)
     views = [prefill_view("r0"), prefill_view("r1")]                # 100 blocks/s each
     first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")   # 24 tokens
     assert route(policy, first, views, now=0.0).replica == "r0"     # 6 blocks, prefilled by 0.06 s
@@ -359,10 +367,10 @@ def test_a_restarted_home_gets_no_credit_for_what_it_held():
     assert decision.predicted_cached_tokens == 0
 
 
-def test_with_home_in_cost_the_home_holding_prompt_and_answer_outweighs_decode_load_elsewhere():
+def test_the_home_holding_prompt_and_answer_outweighs_decode_load_elsewhere():
     # The index learns prompts; the replica also caches each answer. Turn 2 (19 blocks) extends turn 1's
     # 6 recorded blocks by 13 the index has not seen, 9 of them (the answer) cached on the home.
-    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100, home_in_cost=1))
+    policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
     first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")
     assert route(policy, first, [prefill_view("r0"), prefill_view("r1")], now=0.0).replica == "r0"
     policy.on_finished(first, "r0", 0.5, output_tokens=40)

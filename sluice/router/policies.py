@@ -91,27 +91,35 @@ time-averaged load CoV was no better (0.023 against 0.020). The slack keeps
 the bound meaningful at low loads, where a relative bound alone would force
 strict rotation.
 
-Session affinity. A request with a conversation id goes back to the replica
-that served the conversation's previous turn while that replica is within the
-bound and has not restarted since; otherwise the cost decides.
+Session affinity. A conversation's home is the replica that served its
+previous turn. It holds that turn's prompt and the answer (``on_finished``
+carries the answer's length), so for the next turn, whose prompt is that
+history plus one new message, it is credited with the prompt and the answer
+but the answer's last token (see ``Home``), aligned down to whole blocks:
+the index learned the prompt only and, without the answer's length, the home
+is credited with what the index saw. The credit counts in the cost, in
+``predicted_cached_tokens`` and in what the turn adds to the home's prefill
+queue: the new message's blocks, not the answer the home already holds. A
+restart since the turn voids it (the epoch), and the map of homes is an LRU
+of ``max_conversations``.
 
-With ``home_in_cost = 1`` (not the default) that replica is instead credited in
-the cost: it holds the previous turn's prompt and its answer, while the index
-learned the prompt only (the policy never sees output tokens), so the cost
-counts it as holding the whole prompt but its last block (the new user
-message, which the policy cannot tell apart from the answer, is credited too:
-a bias towards the home of one message's blocks). The home then keeps the turn
-unless its prefill queue and decode load outweigh the conversation's own blocks
-elsewhere, which with the queue capped at 2,048 tokens happens only while the
-conversation is short. bench_routing (4 replicas, 30 s, seeds 11,12): agent,
-whose tool outputs (~400 tokens, up to 1,500) queue up at one replica, p95 TTFT
-55 -> 45 ms at 50% of capacity and 78 -> 63 ms at 80% (SGLang's cache_aware 62
-and 87); but chat 15 -> 16 / 17 -> 18 ms and bursty 16 -> 18 ms at 50%
-(SGLang 17: a loss), because each home turn still enters the prefill queue
-with its answer, which the home has cached: in chat, whose answers (~350
-tokens) outweigh the messages (~120), the queue is overstated and turns leave
-homes they should have kept (hit rate 91.4 -> 90.8%). Pricing the message
-alone needs the answer's length, which the policy interface does not carry.
+With ``home_in_cost = 1`` (the default) the credit is all the home gets: the
+cost decides, and the home keeps the turn unless its prefill queue and decode
+load outweigh the conversation's own blocks elsewhere, which with the queue
+capped at 2,048 tokens happens only while the conversation's history is under
+~2,000 tokens. With 0 the home takes every turn while it is within the bound
+(sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, p95 TTFT,
+sticky -> credited in the cost, SGLang's cache_aware in brackets): agent, whose
+tool outputs (~400 tokens, up to 1,500) pile up in one replica's prefill queue,
+59 -> 46 ms at 50% of capacity (57) and 79 -> 59 ms at 80% (87); chat 15 -> 15
+and 17 -> 17 ms (16, 19); bursty 16 -> 15 and 19 -> 19 ms (17, 20); restart
+20 -> 22 and 27 -> 27 ms (23, 39), goodput within 3% of the best peer's
+everywhere. Before the answer's length was known, the same option credited
+the home with the whole new prompt but one block and queued each home turn
+with its answer, which the home had cached: chat-shaped workloads, whose
+answers (~350 tokens) outweigh the messages (~120), saw an overstated queue
+and turns left homes they should have kept (bursty at 50%: 16 -> 18 ms
+against SGLang's 17, a loss), so it was off by default.
 
 Long-context pool. Prompts longer than ``long_context_threshold_tokens`` go
 to replicas marked ``long_context`` and shorter ones stay off them, each
@@ -122,7 +130,7 @@ Outcomes (counted by router.metrics):
 - ``affinity_hit``: sent to the conversation's replica, or to a replica holding
   the longest cached prefix when candidates differed;
 - ``balanced_away``: a replica holding more of the prompt (or the conversation's
-  replica) was passed over for load (or, with home_in_cost, its prefill queue);
+  replica) was passed over for load or (with home_in_cost) its prefill queue;
 - ``fallback``: every candidate held the same prefix (often none, or just the
   shared system prompt), so load alone decided.
 """
@@ -161,9 +169,9 @@ class PolicyOptions:
     # Queued prompt tokens counted at most (seed 003's engine step budget, max_num_tokens): the queue
     # decides among replicas whose caches save about as much, never against a larger saving
     prefill_queue_cap_tokens: int = 2048
-    # 1: a conversation's replica is credited in the cost instead of taking every turn within the
-    # bound (see "Session affinity"); 0 by default: it cost chat-shaped workloads what it won on agents
-    home_in_cost: int = 0
+    # 1: a conversation's home is credited in the cost with what it holds (see "Session affinity");
+    # 0: it takes every turn while within the bound
+    home_in_cost: int = 1
 
     @classmethod
     def with_overrides(cls, overrides: Mapping[str, float]) -> PolicyOptions:
