@@ -142,9 +142,11 @@ def test_a_follow_up_at_exactly_the_bound_still_goes_home():
     previous = request("t1", turn(7, 1), conversation="c7")
     first = route(policy, previous, views)
     policy.on_finished(previous, first.replica, 1.5, output_tokens=5)
-    # limit = mean (13 + 10) / 2 = 11.5, * 1.1 + 2 = 14.65: the home at 13 is within it, and holds 7 of 8 blocks.
+    # limit = mean (13 + 10) / 2 = 11.5, * 1.1 + 2 = 14.65: the home at 13 is within it; it holds 7 of
+    # 8 blocks.
     loaded = [view(v.name, running=13 if v.name == first.replica else 10) for v in views]
-    assert route(policy, request("t2", turn(7, 2), conversation="c7"), loaded, now=2.0).replica == first.replica
+    second = route(policy, request("t2", turn(7, 2), conversation="c7"), loaded, now=2.0)
+    assert second.replica == first.replica
 
 
 def test_requests_sharing_only_the_system_prompt_are_a_fallback_decided_by_load():
