@@ -300,23 +300,29 @@ def test_a_follow_up_leaves_a_home_whose_queue_outweighs_the_saving_unless_the_h
     assert home is not None and (home.replica, home.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
 
 
-def exchange(conversation: int, prompt: Sequence[int], answer: int, message: int) -> list[int]:
-    """The next turn's prompt: the previous prompt, its answer, a new message (distinct tokens)."""
-    base = conversation * 10_000 + len(prompt)
-    return list(prompt) + list(range(base, base + answer + message))
+FIRST = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")   # 24 tokens: 6 blocks
+SECOND = request("a2", list(FIRST.token_ids) + list(range(80_000, 80_050)), conversation="c7")
+"""Turn 2: turn 1's 24 tokens, its 40-token answer and a 10-token message: 74 tokens, 19 blocks."""
+
+
+def first_turn_on_r0(policy: PrefixAware, views: Sequence[ReplicaView], answer: int | None) -> None:
+    """Turn 1 to r0 at 0 s (prefilled by 0.06 s); it finishes at 0.5 s with `answer` tokens (None: the
+    host does not say), or not at all while `answer` is 0."""
+    assert route(policy, FIRST, views, now=0.0).replica == "r0"
+    if answer is None:
+        policy.on_finished(FIRST, "r0", 0.5)
+    elif answer:
+        policy.on_finished(FIRST, "r0", 0.5, output_tokens=answer)
 
 
 def test_the_home_is_credited_with_the_previous_prompt_and_its_answer_and_queues_the_message_only():
     policy = PrefixAware(EXACT)
     views = [prefill_view("r0"), prefill_view("r1")]                # 100 blocks/s each
-    first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")   # 24 tokens
-    assert route(policy, first, views, now=0.0).replica == "r0"     # 6 blocks, prefilled by 0.06 s
-    policy.on_finished(first, "r0", 0.5, output_tokens=40)
-    # Turn 2: 24 + 40 answer + 10 message = 74 tokens, 19 blocks. r0 computed the prompt and the answer
-    # but its last token (computed only if the engine sampled past it): 24 + 40 - 1 = 63 tokens, 15
-    # whole blocks; the other 4 (the message and the answer's last, partly filled block) are new.
-    follow_up = route(policy, request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7"),
-                      views, now=1.0)
+    first_turn_on_r0(policy, views, answer=40)
+    # r0 computed the prompt and the answer but its last token (computed only if the engine sampled past
+    # it): 24 + 40 - 1 = 63 tokens, 15 whole blocks; the other 4 (the message and the answer's last,
+    # partly filled block) are new.
+    follow_up = route(policy, SECOND, views, now=1.0)
     assert (follow_up.replica, follow_up.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
     assert follow_up.predicted_cached_tokens == 15 * BS
     assert policy.prefill_backlog("r0", 1.0) == 19 - 15
@@ -325,11 +331,8 @@ def test_the_home_is_credited_with_the_previous_prompt_and_its_answer_and_queues
 def test_without_the_answers_length_the_home_is_credited_with_what_the_index_saw():
     policy = PrefixAware(EXACT)
     views = [prefill_view("r0"), prefill_view("r1")]
-    first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")
-    route(policy, first, views, now=0.0)
-    policy.on_finished(first, "r0", 0.5)                            # a host that does not count tokens
-    follow_up = route(policy, request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7"),
-                      views, now=1.0)
+    first_turn_on_r0(policy, views, answer=None)                    # a host that does not count tokens
+    follow_up = route(policy, SECOND, views, now=1.0)
     assert follow_up.predicted_cached_tokens == 6 * BS              # the 24-token prompt the index holds
     assert policy.prefill_backlog("r0", 1.0) == 19 - 6
 
@@ -337,12 +340,10 @@ def test_without_the_answers_length_the_home_is_credited_with_what_the_index_saw
 def test_only_the_finish_of_the_turn_the_home_was_given_adds_its_answer():
     policy = PrefixAware(EXACT)
     views = [prefill_view("r0"), prefill_view("r1")]
-    first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")
-    route(policy, first, views, now=0.0)
+    first_turn_on_r0(policy, views, answer=0)                       # still running
     late = request("a0", SYSTEM, conversation="c7")                 # an earlier turn finishing late
     policy.on_finished(late, "r0", 0.5, output_tokens=400)
-    follow_up = policy.choose(request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7"),
-                              views, 1.0)
+    follow_up = policy.choose(SECOND, views, 1.0)
     assert follow_up is not None and follow_up.predicted_cached_tokens == 6 * BS
 
 
@@ -356,14 +357,11 @@ def test_a_resent_shorter_prompt_is_credited_with_at_most_itself_but_its_last_to
 def test_a_restarted_home_gets_no_credit_for_what_it_held():
     policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
     views = [prefill_view("r0"), prefill_view("r1", kv_used=10)]
-    first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")
-    assert route(policy, first, views, now=0.0).replica == "r0"
-    policy.on_finished(first, "r0", 0.5, output_tokens=40)
+    first_turn_on_r0(policy, views, answer=40)
     policy.on_replica_restarted("r0")                               # cache, index entries and home gone
     # r0 now holds nothing, r1 nothing of this conversation: 19 blocks to prefill on either, and r1's
     # 10 blocks of decode send it to r0 by load, expecting nothing cached (not the 15 blocks it held).
-    decision = policy.choose(request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7"),
-                             views, 1.0)
+    decision = policy.choose(SECOND, views, 1.0)
     assert decision is not None
     assert (decision.replica, decision.outcome) == ("r0", OUTCOME_FALLBACK)
     assert decision.predicted_cached_tokens == 0
@@ -373,17 +371,14 @@ def test_the_home_holding_prompt_and_answer_outweighs_decode_load_elsewhere():
     # The index learns prompts; the replica also caches each answer. Turn 2 (19 blocks) extends turn 1's
     # 6 recorded blocks by 13 the index has not seen, 9 of them (the answer) cached on the home.
     policy = PrefixAware(replace(EXACT, imbalance_bound=10.0, imbalance_slack=100))
-    first = request("a1", SYSTEM + list(range(70_000, 70_008)), conversation="c7")
-    assert route(policy, first, [prefill_view("r0"), prefill_view("r1")], now=0.0).replica == "r0"
-    policy.on_finished(first, "r0", 0.5, output_tokens=40)
+    first_turn_on_r0(policy, [prefill_view("r0"), prefill_view("r1")], answer=40)
     views = [prefill_view("r0", kv_used=900), prefill_view("r1")]
-    second = request("a2", exchange(7, first.token_ids, 40, 10), conversation="c7")
     # Home: 64 x (19 - 15) + 900 decode = 1,156 against r1's 64 x 19 = 1,216.
-    follow_up = policy.choose(second, views, 2.0)
+    follow_up = policy.choose(SECOND, views, 2.0)
     assert follow_up is not None and (follow_up.replica, follow_up.outcome) == ("r0", OUTCOME_AFFINITY_HIT)
     assert follow_up.predicted_cached_tokens == 15 * BS
     # The same prompt from no known conversation: r0 by the index alone, 64 x 13 + 900 = 1,732.
-    anonymous = policy.choose(request("x2", second.token_ids), views, 2.0)
+    anonymous = policy.choose(request("x2", SECOND.token_ids), views, 2.0)
     assert anonymous is not None and anonymous.replica == "r1"
 
 
