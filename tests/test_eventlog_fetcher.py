@@ -2,7 +2,8 @@
 written by aiokafka's producer to chosen partitions, read back by a PartitionFetcher. What a followed
 partition hands over is exactly its records from the followed offset on, once each; a partition
 paused (or sought elsewhere) while its fetch is at the broker gets nothing from that answer; an
-offset past the end is the end for a tail and an error for a replay."""
+offset past the end is the end for a tail and an error for a replay. The shared replay reader on it
+reads one key's records of a range and refuses a range that retention deleted."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from aiokafka.structs import TopicPartition
 from sluice.config import load_settings
 from sluice.eventlog import wire
 from sluice.eventlog.fetcher import PartitionFetcher, Record
+from sluice.eventlog.replay import RangeDeleted, SharedReplay
 
 pytestmark = pytest.mark.integration
 
@@ -173,3 +175,31 @@ async def test_list_offsets_give_each_partitions_first_retained_offset_and_its_e
         assert await fetcher.list_offsets([0, 1], wire.EARLIEST) == {0: 3, 1: 0}
     finally:
         await fetcher.close()
+
+
+async def test_a_replay_reads_one_keys_records_in_a_range_and_refuses_a_range_retention_deleted(topic):
+    sent = []
+    for index in range(8):
+        key = b"run-a" if index % 2 == 0 else b"run-b"
+        done = await topic.producer.send_and_wait(topic.name, value=b"v%d" % index, key=key, partition=1)
+        sent.append((done.offset, key, b"v%d" % index))
+    replay = SharedReplay(topic.bootstrap, topic.name)
+    await replay.start()
+    try:
+        start, end = sent[1][0], sent[6][0]          # [offset of v1, offset of v6)
+        expected = [value for offset, key, value in sent if key == b"run-a" and start <= offset < end]
+        assert expected == [b"v2", b"v4"]
+        assert await replay.read(b"run-a", 1, start, end) == expected
+        assert await replay.read(b"run-b", 1, 0, sent[-1][0] + 1) == [b"v1", b"v3", b"v5", b"v7"]
+        assert await replay.log_ends([0, 1]) == {0: 0, 1: 8}
+        admin = AIOKafkaAdminClient(bootstrap_servers=topic.bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_records({TopicPartition(topic.name, 1): RecordsToDelete(3)})
+        finally:
+            await admin.close()
+        with pytest.raises(RangeDeleted):
+            await replay.read(b"run-a", 1, 2, end)
+        assert await replay.read(b"run-a", 1, 3, end) == [b"v4"]
+    finally:
+        await replay.close()

@@ -54,6 +54,7 @@ OnRecords = Callable[[int, list[Record]], None]
 MAX_BYTES = 8 * 1024 * 1024                 # per fetch answer
 PARTITION_MAX_BYTES = 1024 * 1024           # per partition of an answer (aiokafka's default)
 RETRY_BACKOFF_S = 0.2                       # after a broker or leadership failure
+ATTEMPTS = 25                               # of a one-off request (offsets, a replay's fetch): ~5 s
 # Failures of one broker or of its leadership: the partition is fetched again once metadata says
 # where; a reader waits meanwhile (as with aiokafka's consumer), it is not failed.
 TRANSIENT = (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError)
@@ -196,7 +197,7 @@ class PartitionFetcher:
         answers one connection's requests in order: it would wait behind a long poll)."""
         found: dict[int, int] = {}
         pending = list(partitions)
-        for attempt in range(10):
+        for attempt in range(ATTEMPTS):
             by_leader: dict[int, list[int]] = {}
             for partition in pending:
                 by_leader.setdefault(self._leaders.get(partition, -1), []).append(partition)
@@ -208,7 +209,7 @@ class PartitionFetcher:
                         wire.LIST_OFFSETS_API, wire.LIST_OFFSETS_VERSION, request, wire.decode_list_offsets),
                         group=ConnectionGroup.COORDINATION)
                 except TRANSIENT:
-                    if attempt == 9:
+                    if attempt == ATTEMPTS - 1:
                         raise
                     pending += asked
                     continue
@@ -222,9 +223,34 @@ class PartitionFetcher:
                         raise for_code(error)(f"ListOffsets of {self.topic}-{partition}")
             if not pending:
                 return found
-            await asyncio.sleep(RETRY_BACKOFF_S)
-            await self._refresh()
+            await self._recover()
         raise NodeNotReadyError(f"no leader answered for {self.topic} partitions {pending}")
+
+    async def fetch_once(self, partition: int, offset: int) -> tuple[list[Record], int]:
+        """One fetch of `partition` at `offset` from its leader, apart from run(): its records from
+        `offset` on (none if the broker held the fetch max_wait_ms without any) and where the next
+        fetch starts. Raises OffsetOutOfRangeError when `offset` is outside the partition's log."""
+        body = wire.fetch_body(self.topic, [(partition, offset)], max_wait_ms=self.max_wait_ms, min_bytes=1,
+                               max_bytes=MAX_BYTES, partition_max_bytes=PARTITION_MAX_BYTES)
+        for _ in range(ATTEMPTS):
+            node = self._leaders.get(partition, -1)
+            if node != -1:
+                try:
+                    answer = await self._client.send(node, RawRequest(wire.FETCH_API, wire.FETCH_VERSION,
+                                                                      body, wire.decode_fetch))
+                except TRANSIENT:
+                    answer = []
+                for fetched in answer:
+                    if fetched.partition != partition or fetched.error in wire.RETRIABLE:
+                        continue
+                    if fetched.error == wire.OFFSET_OUT_OF_RANGE:
+                        raise OffsetOutOfRangeError({TopicPartition(self.topic, partition): offset})
+                    if fetched.error != wire.NONE:
+                        raise for_code(fetched.error)(f"fetch of {self.topic}-{partition} at {offset}")
+                    self.fetches += 1
+                    return wire.decode_records(fetched.records, offset)
+            await self._recover()
+        raise NodeNotReadyError(f"no leader of {self.topic}-{partition} answered a fetch")
 
     async def _serve(self, node: int) -> None:
         """Fetch the followed partitions `node` leads, one request at a time, until it leads none."""

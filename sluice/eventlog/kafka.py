@@ -13,13 +13,15 @@ no batching). `append` = publish and wait, for the rare caller that needs the
 position at once. A position is durable when its future resolves, and only then
 may it be recorded in the ledger.
 
-Reads: consumers with no group (manual assignment), two per process for every
-stream: one tail (eventlog/tail.py) that fans the end of the topic out to the
-streams waiting for each run and keeps each partition's recent records, and one
-shared replay reader (eventlog/replay.py) for the older part of a resumed
-stream. A replay keeps the records whose key is the run id. Consumers only ever
-see records below the high watermark, i.e. records that are durable, which is
-what lets Stream promise that no client sees an event the log could still lose.
+Reads: two lean fetchers per process (eventlog/fetcher.py: aiokafka's client and
+connections, requests and records decoded by hand, no consumer) for every stream:
+one tail (eventlog/tail.py) that fans the end of the topic out to the streams
+waiting for each run and keeps each partition's recent records, and one shared
+replay reader (eventlog/replay.py) for the older part of a resumed stream, the
+durable part of a run (read_durable) and offsets (locate). A replay keeps the
+records whose key is the run id. A consumer's fetch only ever gets records below
+the high watermark, i.e. records that are durable, which is what lets Stream
+promise that no client sees an event the log could still lose.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, OffsetOutOfRangeError
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from sluice.config import Settings
@@ -47,7 +49,6 @@ from sluice.eventlog.tail import (
 )
 from sluice.v1 import runs_pb2
 
-POLL_TIMEOUT_MS = 200
 LINGER_MS = 20           # how long the producer fills a batch across runs ([kafka].producer_linger_ms)
 PARTITION_CACHE = 8192   # runs whose partition is remembered
 
@@ -139,17 +140,6 @@ class KafkaEventLog:
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
         return await (await self.publish(event))
 
-    def _consumer(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            group_id=None,
-            enable_auto_commit=False,
-            # A position that retention deleted must surface as an error, never
-            # be silently moved to the earliest or latest record.
-            auto_offset_reset="none",
-            fetch_max_wait_ms=100,
-        )
-
     async def partition_of(self, run_id: str) -> int:
         """The partition the producer's default partitioner sends this run's key to."""
         producer = await self._ready_producer()
@@ -158,17 +148,20 @@ class KafkaEventLog:
 
     async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:
         partition = await self.partition_of(run_id)
-        tp = TopicPartition(self.topic, partition)
-        consumer = self._consumer()
-        await consumer.start()
-        try:
-            found = (await consumer.offsets_for_times({tp: max(0, since_ms)})).get(tp)
-        finally:
-            await consumer.stop()
-        return None if found is None else LogPosition(partition, found.offset)
+        found = await self.replay.offset_at(partition, since_ms)
+        return None if found is None else LogPosition(partition, found)
 
     async def read_durable(self, run_id: str, start: LogPosition) -> list[runs_pb2.RunEvent]:
-        return [event async for event in self._read_range(run_id, start, None, EventDeduper(after=0))]
+        dedupe = EventDeduper(after=0)
+        end = (await self.replay.log_ends([start.partition]))[start.partition]     # what is durable now
+        events = []
+        for value in await self._replay(run_id, start, end, dedupe):
+            event = runs_pb2.RunEvent.FromString(value)
+            if dedupe.accept(event):
+                events.append(event)
+            if dedupe.finished:
+                break
+        return events
 
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
@@ -256,14 +249,12 @@ class KafkaEventLog:
         log still holds the run: records retention deleted stay refused (OUT_OF_RANGE) whichever
         process is asked, at one offsets request per such stream (a stream opened as its run starts
         is handed its first event live and never pays it)."""
-        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
-        if start.offset < await self.replay.log_start(partitions, start.partition):
+        if start.offset < await self.replay.log_start(start.partition):
             raise CursorPastRetention(run_id, after)
 
     async def _replay(self, run_id: str, start: LogPosition, end: int, dedupe: EventDeduper) -> list[bytes]:
-        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
         try:
-            return await self.replay.read(run_id.encode(), partitions, start.partition, start.offset, end)
+            return await self.replay.read(run_id.encode(), start.partition, start.offset, end)
         except RangeDeleted as exc:
             raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
 
@@ -292,49 +283,10 @@ class KafkaEventLog:
             producer = await self._ready_producer()
             partitions = sorted(await producer.partitions_for(self.topic))
             await self._tail.ensure_started(partitions)
-            await self.replay.start(partitions)        # where the partitions end is asked of it
+            await self.replay.start()                  # where the partitions end is asked of it
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
         return self._tail
-
-    async def _read_range(self, run_id: str, start: LogPosition, end: int | None,
-                          dedupe: EventDeduper) -> AsyncIterator[runs_pb2.RunEvent]:
-        """The run's events at offsets [start.offset, end) that `dedupe` lets through; `end` None:
-        the partition's end (its high watermark: what is durable) when the read begins."""
-        tp = TopicPartition(self.topic, start.partition)
-        consumer = self._consumer()
-        await consumer.start()
-        try:
-            consumer.assign([tp])
-            if end is None:
-                end = (await consumer.end_offsets([tp]))[tp]
-            await self._seek_checked(consumer, tp, start, run_id, dedupe.last_sequence)
-            key = run_id.encode()
-            while not dedupe.finished and await consumer.position(tp) < end:
-                try:
-                    batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
-                except OffsetOutOfRangeError as exc:
-                    # Retention deleted the segment under a slow replay.
-                    raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
-                for record in batch.get(tp, []):
-                    if record.offset >= end:
-                        break
-                    if record.key != key:
-                        continue
-                    event = runs_pb2.RunEvent.FromString(record.value)
-                    if dedupe.accept(event):
-                        yield event
-                    if dedupe.finished:
-                        break
-        finally:
-            await consumer.stop()
-
-    async def _seek_checked(self, consumer: AIOKafkaConsumer, tp: TopicPartition, start: LogPosition,
-                            run_id: str, after: int) -> None:
-        beginning = (await consumer.beginning_offsets([tp]))[tp]
-        if start.offset < beginning:
-            raise CursorPastRetention(run_id, after)
-        consumer.seek(tp, start.offset)
 
 
 def _send_without_linger(producer: AIOKafkaProducer, tp: TopicPartition) -> None:

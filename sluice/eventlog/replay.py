@@ -1,107 +1,102 @@
-"""The process's shared replay reader: one consumer serving every range read that the
-live tail's recent records cannot (a stream resumed long after its run began).
+"""The process's shared replay reader: one lean fetcher (eventlog/fetcher.py) serving every range
+read that the live tail's recent records cannot (a stream resumed long after its run began, the
+reaper reading what a lost driver left), and the partitions' first and end offsets.
 
-A consumer per replay would pay a broker bootstrap, a metadata request and an offset
-lookup per stream; this one connects once and reads one range at a time:
+A consumer per replay would pay a broker bootstrap, a metadata request and an offset lookup per
+stream; this one connects once and reads a range by one-off fetches, no fetcher task and nothing
+fetched that nobody asked for:
 
     read(run, partition, [start, end))
-       lock ── seek(partition, start), resume it ── fetch until end ── pause it ── unlock
-                                                    └ keep the run's records only
+       fetch at start ── keep the run's records below end ── fetch at the next position ── … end
+       └ out of range (below the log's first offset) ── RangeDeleted
 
-Every partition stays assigned and paused between reads, so the consumer prefetches
-nothing nobody asked for. Reads are serialized: they are the rare path, and one at a
-time keeps the consumer's position unambiguous. A range is collected, then handed
-over, so a slow reader never holds the consumer.
+Reads do not wait for one another: each is its own sequence of fetches (a broker answers a
+connection's requests in order, and a replay's fetch waits at most REPLAY_FETCH_WAIT_MS when
+nothing is left). Offsets requests go on a connection apart from the fetches. A range is
+collected, then handed over, so a slow reader never holds the fetcher.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
 
-POLL_TIMEOUT_MS = 200
+from sluice.eventlog import wire
+from sluice.eventlog.fetcher import PartitionFetcher, Record
+
+# A range ends at or below the high watermark, so a replay's fetch finds records at once; this bounds
+# the wait only when a record vanished under it (a truncated log).
+REPLAY_FETCH_WAIT_MS = 100
 
 
 class RangeDeleted(Exception):
     """Retention deleted part of the range asked for."""
 
 
+def _unused(partition: int, records: list[Record]) -> None:
+    raise AssertionError("the replay reader fetches one-off, never through run()")
+
+
 class SharedReplay:
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
-        self._consumer: AIOKafkaConsumer | None = None
-        self._lock = asyncio.Lock()
+        self._fetcher: PartitionFetcher | None = None
+        self._starting = asyncio.Lock()
         self.reads = 0                     # ranges served (tests check that streams share it)
 
     async def close(self) -> None:
-        async with self._lock:
-            if self._consumer is not None:
-                await self._consumer.stop()
-                self._consumer = None
+        async with self._starting:
+            if self._fetcher is not None:
+                await self._fetcher.close()
+                self._fetcher = None
 
-    async def _ready(self, partitions: list[int]) -> AIOKafkaConsumer:
-        if self._consumer is None:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
-                                        enable_auto_commit=False, fetch_max_wait_ms=100,
-                                        # A position that retention deleted must surface as an error,
-                                        # never be moved silently to the earliest or latest record.
-                                        auto_offset_reset="none")
-            await consumer.start()
-            assigned = [TopicPartition(self.topic, p) for p in partitions]
-            consumer.assign(assigned)
-            consumer.pause(*assigned)
-            self._consumer = consumer
-        return self._consumer
+    async def _ready(self) -> PartitionFetcher:
+        if self._fetcher is None:
+            async with self._starting:
+                if self._fetcher is None:
+                    fetcher = PartitionFetcher(self.bootstrap, self.topic, _unused,
+                                               max_wait_ms=REPLAY_FETCH_WAIT_MS, client_id="sluice-replay")
+                    await fetcher.start()
+                    self._fetcher = fetcher
+        return self._fetcher
 
-    async def start(self, partitions: list[int]) -> None:
-        """Connect now, not on the first read: the live tail asks this consumer where a partition
-        ends when a stream first needs it, and a stream opened as its run starts should not wait
-        for a broker bootstrap then."""
-        if self._consumer is None:
-            async with self._lock:
-                await self._ready(partitions)
+    async def start(self) -> None:
+        """Connect now, not on the first read: the live tail asks this reader where the partitions
+        end when a stream first needs it, and a stream opened as its run starts should not wait for
+        a broker bootstrap then."""
+        await self._ready()
 
-    async def log_start(self, partitions: list[int], partition: int) -> int:
+    async def log_start(self, partition: int) -> int:
         """The partition's first offset still in the log (retention moves it forward)."""
-        async with self._lock:
-            consumer = await self._ready(partitions)
-            tp = TopicPartition(self.topic, partition)
-            return int((await consumer.beginning_offsets([tp]))[tp])
+        return (await (await self._ready()).list_offsets([partition], wire.EARLIEST))[partition]
 
     async def log_ends(self, partitions: list[int]) -> dict[int, int]:
         """Each partition's end (its high watermark: one past its last durable record)."""
-        async with self._lock:
-            consumer = await self._ready(partitions)
-            ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
-            return {tp.partition: int(end) for tp, end in ends.items()}
+        return await (await self._ready()).list_offsets(partitions, wire.LATEST)
 
-    async def read(self, key: bytes, partitions: list[int], partition: int, start: int,
-                   end: int) -> list[bytes]:
-        """The values of `key`'s records at offsets [start, end) of `partition` (one of `partitions`,
-        the topic's). Raises RangeDeleted when `start` is below the partition's first offset."""
-        async with self._lock:
-            consumer = await self._ready(partitions)
-            tp = TopicPartition(self.topic, partition)
-            if start < (await consumer.beginning_offsets([tp]))[tp]:
-                raise RangeDeleted(f"offset {start} of partition {partition} is past retention")
-            self.reads += 1
-            consumer.seek(tp, start)
-            consumer.resume(tp)
+    async def offset_at(self, partition: int, timestamp_ms: int) -> int | None:
+        """The partition's first offset written at or after `timestamp_ms`; None if none was."""
+        found = (await (await self._ready()).list_offsets([partition], max(0, timestamp_ms)))[partition]
+        return None if found < 0 else found
+
+    async def read(self, key: bytes, partition: int, start: int, end: int) -> list[bytes]:
+        """The values of `key`'s records at offsets [start, end) of `partition`. Raises RangeDeleted
+        when `start` is below the partition's first offset (now, or by the time it is fetched): the
+        broker answers a fetch there OFFSET_OUT_OF_RANGE, no offsets request needed first."""
+        fetcher = await self._ready()
+        self.reads += 1
+        values: list[bytes] = []
+        position = start
+        while position < end:
             try:
-                values: list[bytes] = []
-                while await consumer.position(tp) < end:
-                    try:
-                        batch = await consumer.getmany(tp, timeout_ms=POLL_TIMEOUT_MS)
-                    except OffsetOutOfRangeError as exc:
-                        raise RangeDeleted(str(exc)) from exc      # deleted under a slow read
-                    for record in batch.get(tp, []):
-                        if record.offset >= end:
-                            break
-                        if record.key == key and record.value is not None:
-                            values.append(record.value)
-                return values
-            finally:
-                consumer.pause(tp)
+                records, position = await fetcher.fetch_once(partition, position)
+            except OffsetOutOfRangeError as exc:
+                raise RangeDeleted(str(exc)) from exc      # deleted under a slow read
+            for offset, record_key, value in records:
+                if offset >= end:
+                    return values
+                if record_key == key and value is not None:
+                    values.append(value)
+        return values
