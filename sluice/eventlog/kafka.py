@@ -3,12 +3,13 @@
 Writes: one idempotent producer per process (enable_idempotence, acks=all),
 key = run id so that one run's events land in one partition, in order; value =
 a serialized sluice.v1.RunEvent. The producer is shared by every run of the
-process and pipelined: `publish` only enqueues a record (linger_ms lets records
-of many runs, produced within a few milliseconds, travel in one request per
-partition) and returns a future that resolves once the broker acknowledged it
-to all in-sync replicas; a run keeps several events in flight and their order
-holds (one partition per run, idempotent producer). A run's first token is
-published `at_once`: its batch leaves without waiting out the linger (TTFT pays
+process and pipelined: `publish` only appends a record to the process's open
+window (eventlog/produce.py: every run's records of a linger, one batch per
+partition, shipped whole through aiokafka's batch API) and returns a future that
+resolves once the broker acknowledged it to all in-sync replicas; a run keeps
+several events in flight and their order holds (one partition per run,
+idempotent producer, windows shipped in order). A run's first token is
+published `at_once`: its window leaves without waiting out the linger (TTFT pays
 no batching). `append` = publish and wait, for the rare caller that needs the
 position at once. A position is durable when its future resolves, and only then
 may it be recorded in the ledger.
@@ -28,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
@@ -38,6 +38,7 @@ from sluice.config import Settings
 from sluice.config.settings import KafkaSection
 from sluice.eventlog.events import EventDeduper
 from sluice.eventlog.interface import CursorPastRetention, LogPosition, LogUnavailable, ReaderTooSlow
+from sluice.eventlog.produce import WindowedWriter
 from sluice.eventlog.replay import RangeDeleted, SharedReplay
 from sluice.eventlog.tail import (
     RECENT_RECORDS_PER_PARTITION,
@@ -84,6 +85,7 @@ class KafkaEventLog:
         self.recent_per_partition = recent_per_partition    # records the tail keeps for late joiners
         self.linger_ms = linger_ms
         self._producer: AIOKafkaProducer | None = None
+        self._writer: WindowedWriter | None = None   # the open window of records, on the producer
         self._producer_lock = asyncio.Lock()
         self._tail: LiveTail | None = None   # started by the first follow()
         self.replay = SharedReplay(bootstrap, topic)
@@ -102,9 +104,10 @@ class KafkaEventLog:
                     bootstrap_servers=self.bootstrap,
                     enable_idempotence=True,   # broker drops retried duplicates; order kept per partition
                     acks="all",
-                    linger_ms=self.linger_ms,  # batches across runs; deltas are coalesced per run upstream
+                    linger_ms=0,   # the writer's window lingers (across runs); deltas are coalesced upstream
                 )
                 await producer.start()
+                self._writer = WindowedWriter(producer, self.topic, self.linger_ms / 1000)
                 self._producer = producer
             return self._producer
 
@@ -116,26 +119,27 @@ class KafkaEventLog:
             await self._tail.close()
             self._tail = None
         await self.replay.close()
+        if self._writer is not None:
+            await self._writer.close()
+            self._writer = None
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
 
     async def publish(self, event: runs_pb2.RunEvent, *,
                       at_once: bool = False) -> asyncio.Future[LogPosition]:
-        producer = self._producer or await self._ready_producer()
+        writer = self._writer
+        if writer is None:
+            await self._ready_producer()
+            writer = self._writer
+            assert writer is not None, "a started producer has its writer"
         key = event.run_id.encode()
         partition = self._partitions.get(key)
         if partition is None:
             if len(self._partitions) >= PARTITION_CACHE:
                 self._partitions.clear()
             partition = self._partitions[key] = await self.partition_of(event.run_id)
-        # send() waits only for room in the producer's buffer; the broker's ack resolves `sent`.
-        sent = await producer.send(self.topic, value=event.SerializeToString(), key=key, partition=partition)
-        if at_once:
-            _send_without_linger(producer, TopicPartition(self.topic, partition))
-        durable: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
-        sent.add_done_callback(lambda done: _resolve(durable, done))
-        return durable
+        return writer.publish(partition, key, event.SerializeToString(), at_once=at_once)
 
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
         return await (await self.publish(event))
@@ -287,30 +291,3 @@ class KafkaEventLog:
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
         return self._tail
-
-
-def _send_without_linger(producer: AIOKafkaProducer, tp: TopicPartition) -> None:
-    """Make the partition's open batch (holding the record just sent) ready now rather than when its
-    linger ends, and wake the sender. The batch is closed, exactly as when it fills up: later records
-    go to the next batch, after it, so the partition's order holds. aiokafka has no public call for
-    this (flush() waits the linger out); this reaches into the accumulator of the version pinned in
-    requirements.lock (test_first_token.py fails if that changes under it)."""
-    accumulator = producer._message_accumulator
-    waiting = accumulator._batches.get(tp)
-    if waiting:
-        waiting[-1]._builder.close()
-    wake = accumulator.waiter()
-    if not wake.done():
-        wake.set_result(None)
-
-
-def _resolve(durable: asyncio.Future[LogPosition], sent: asyncio.Future[Any]) -> None:
-    if durable.done():
-        return
-    if sent.cancelled():
-        durable.cancel()
-    elif (error := sent.exception()) is not None:
-        durable.set_exception(error)
-    else:
-        metadata = sent.result()
-        durable.set_result(LogPosition(partition=metadata.partition, offset=metadata.offset))
