@@ -1,0 +1,148 @@
+"""The event log's write path against a real broker (issue 9 point 2): the process's window of record
+batches (eventlog/produce.py). Every publish resolves with the exact position of its own record, each
+run's order holds across windows, full batches and first tokens sent at once, and a position is only
+ever reported once the broker acknowledged it.
+
+A throwaway broker of its own (ports, data dir), so that it can be paused without touching the
+shared one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from sluice.config import load_settings
+from sluice.eventlog.events import RunEventSequencer
+from sluice.eventlog.interface import LogPosition
+from sluice.eventlog.kafka import KafkaEventLog
+from sluice.v1 import common_pb2, runs_pb2
+from tests.test_chaos_infra import single_broker
+
+pytestmark = pytest.mark.integration
+
+LINGER_MS = 15
+BATCH_BYTES = 16384   # aiokafka's default max_batch_size: a window's batch for a partition fills at this
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[dict[str, str]]:
+    with single_broker("produce-kafka") as env:
+        yield env
+
+
+@pytest.fixture
+async def events(broker: dict[str, str]) -> AsyncIterator[KafkaEventLog]:
+    linger = {"SLUICE_KAFKA__PRODUCER_LINGER_MS": str(LINGER_MS)}
+    log = KafkaEventLog.from_config(load_settings(environ={**os.environ, **broker, **linger}))
+    await log.start()
+    try:
+        yield log
+    finally:
+        await log.close()
+
+
+async def records_at(log: KafkaEventLog,
+                     positions: list[LogPosition]) -> dict[LogPosition, runs_pb2.RunEvent]:
+    """The event stored at each position, read back with a plain consumer."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=log.bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    found: dict[LogPosition, runs_pb2.RunEvent] = {}
+    try:
+        for partition in sorted({position.partition for position in positions}):
+            tp = TopicPartition(log.topic, partition)
+            wanted = {position.offset for position in positions if position.partition == partition}
+            consumer.assign([tp])
+            consumer.seek(tp, min(wanted))
+            while wanted - {p.offset for p in found if p.partition == partition}:
+                batch = await asyncio.wait_for(consumer.getmany(tp, timeout_ms=500), 10)
+                for record in batch.get(tp, []):
+                    if record.offset in wanted:
+                        event = runs_pb2.RunEvent.FromString(record.value)
+                        found[LogPosition(partition, record.offset)] = event
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def test_each_publish_resolves_with_its_own_records_position_and_every_runs_order_holds(events):
+    """24 runs publish 12 events each, interleaved, in rounds a few ms apart (so rounds share windows
+    or not), some events large enough that a partition's batch fills within a window, each run's first
+    DELTA at once. The position each future gave must hold that very event, and a run's positions must
+    rise with its sequence, all in one partition."""
+    rng = random.Random(9)
+    runs = [RunEventSequencer(str(uuid.uuid4())) for _ in range(24)]
+    published: list[tuple[str, int, asyncio.Future[LogPosition]]] = []
+    for round_ in range(12):
+        for seq in runs:
+            if round_ == 0:
+                event = seq.status(common_pb2.RUN_STATUS_RUNNING, 0)
+            else:
+                text = "x" * rng.choice((10, 10, BATCH_BYTES // 4))    # 4 large ones fill a batch
+                event = seq.delta([round_], text, 0)
+            durable = await events.publish(event, at_once=round_ == 1)
+            published.append((event.run_id, event.sequence, durable))
+        await asyncio.sleep(rng.choice((0.0, 0.004, 0.03)))
+    positions = await asyncio.wait_for(asyncio.gather(*(durable for _, _, durable in published)), 20)
+    assert len(set(positions)) == len(positions), "two events reported at one position"
+    stored = await records_at(events, positions)
+    by_run: dict[str, list[LogPosition]] = {}
+    for (run_id, sequence, _), position in zip(published, positions, strict=True):
+        assert (stored[position].run_id, stored[position].sequence) == (run_id, sequence), position
+        by_run.setdefault(run_id, []).append(position)
+    for run_positions in by_run.values():
+        assert len({position.partition for position in run_positions}) == 1
+        offsets = [position.offset for position in run_positions]
+        assert offsets == sorted(offsets), "a run's events stored out of order"
+
+
+async def test_a_full_batch_continues_in_a_second_batch_of_the_same_window_in_order(events):
+    """One run, one window: 10 events of a quarter batch each (three fit a batch with its headers);
+    the records go on in further batches of the same window and land contiguously, in order."""
+    seq = RunEventSequencer(str(uuid.uuid4()))
+    acks = [await events.publish(seq.delta([n], "y" * (BATCH_BYTES // 4), 0)) for n in range(10)]
+    positions = await asyncio.wait_for(asyncio.gather(*acks), 10)
+    first = positions[0].offset
+    assert [position.offset for position in positions] == list(range(first, first + 10))
+    stored = await records_at(events, positions)
+    assert [stored[position].sequence for position in positions] == list(range(1, 11))
+
+
+def broker_pid(broker: dict[str, str]) -> int:
+    return int((Path(broker["SLUICE_PATHS__DATA_DIR"]) / "kafka" / "kafka.pid").read_text())
+
+
+async def test_an_event_is_reported_durable_only_once_the_broker_acknowledged_it(broker, events):
+    """With the broker paused (SIGSTOP) nothing it has not acknowledged resolves, a first token sent
+    at once included, however long the linger is past; once it runs again each event gets its own
+    position, in order."""
+    seq = RunEventSequencer(str(uuid.uuid4()))
+    warm = await events.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+    pid = broker_pid(broker)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first = await events.publish(seq.delta([1], "a", 0), at_once=True)
+        later = await events.publish(seq.delta([2], "b", 0))
+        await asyncio.sleep(1.0)     # ~70 lingers
+        assert not first.done() and not later.done(), "reported durable while the broker was stopped"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    positions = await asyncio.wait_for(asyncio.gather(first, later), 30)
+    assert positions == [LogPosition(warm.partition, warm.offset + n) for n in (1, 2)]
+
+
+async def test_closing_the_log_ships_the_open_window_and_resolves_every_event(events):
+    seq = RunEventSequencer(str(uuid.uuid4()))
+    acks = [await events.publish(seq.delta([n], "z", 0)) for n in range(3)]
+    await events.close()
+    assert all(ack.done() for ack in acks)
+    offsets = [ack.result().offset for ack in acks]
+    assert offsets == list(range(offsets[0], offsets[0] + 3))
