@@ -4,12 +4,13 @@ run's order holds across windows, full batches and first tokens sent at once, an
 ever reported once the broker acknowledged it.
 
 A throwaway broker of its own (ports, data dir), so that it can be paused without touching the
-shared one.
+shared one, with its request log on (produce requests counted as bench_platform --request-log does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 
+from bench.bench_platform import RequestCounter
 from sluice.config import load_settings
 from sluice.eventlog.events import RunEventSequencer
 from sluice.eventlog.interface import LogPosition
@@ -35,19 +38,25 @@ BATCH_BYTES = 16384   # aiokafka's default max_batch_size: a window's batch for 
 
 @pytest.fixture(scope="module")
 def broker() -> Iterator[dict[str, str]]:
-    with single_broker("produce-kafka") as env:
+    with single_broker("produce-kafka", KAFKA_REQUEST_LOG="debug") as env:
         yield env
 
 
-@pytest.fixture
-async def events(broker: dict[str, str]) -> AsyncIterator[KafkaEventLog]:
-    linger = {"SLUICE_KAFKA__PRODUCER_LINGER_MS": str(LINGER_MS)}
+@contextlib.asynccontextmanager
+async def lingering_log(broker: dict[str, str], linger_ms: int) -> AsyncIterator[KafkaEventLog]:
+    linger = {"SLUICE_KAFKA__PRODUCER_LINGER_MS": str(linger_ms)}
     log = KafkaEventLog.from_config(load_settings(environ={**os.environ, **broker, **linger}))
     await log.start()
     try:
         yield log
     finally:
         await log.close()
+
+
+@pytest.fixture
+async def events(broker: dict[str, str]) -> AsyncIterator[KafkaEventLog]:
+    async with lingering_log(broker, LINGER_MS) as log:
+        yield log
 
 
 async def records_at(log: KafkaEventLog,
@@ -146,3 +155,59 @@ async def test_closing_the_log_ships_the_open_window_and_resolves_every_event(ev
     assert all(ack.done() for ack in acks)
     offsets = [ack.result().offset for ack in acks]
     assert offsets == list(range(offsets[0], offsets[0] + 3))
+
+
+async def produce_requests(counter: RequestCounter, at_least: int) -> int:
+    """Produce requests logged since counter.mark() once `at_least` are in (the broker logs a request
+    once its response is sent: the last line may follow the ack), plus any that follow shortly."""
+    for _ in range(50):
+        if counter.counts().get("produce", 0) >= at_least:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
+    return counter.counts().get("produce", 0)
+
+
+def runs_over_partitions(partitions: list[int], runs_each: int) -> list[str]:
+    """Run ids whose events land in each of `partitions`, `runs_each` per partition."""
+    wanted = {partition: runs_each for partition in partitions}
+    found: list[str] = []
+    while any(wanted.values()):
+        run_id = str(uuid.uuid4())
+        partition = int(DefaultPartitioner()(run_id.encode(), partitions, partitions))
+        if wanted[partition]:
+            wanted[partition] -= 1
+            found.append(run_id)
+    return found
+
+
+async def test_the_events_of_every_run_published_within_one_linger_leave_in_one_produce_request(broker):
+    async with lingering_log(broker, 400) as events:
+        partitions = sorted(await (await events._ready_producer()).partitions_for(events.topic))
+        assert len(partitions) > 1, "the point is a request carrying several partitions"
+        counter = RequestCounter(Path(broker["SLUICE_PATHS__DATA_DIR"]) / "logs" / "kafka.log")
+        sequencers = [RunEventSequencer(run_id) for run_id in runs_over_partitions(partitions, 3)]
+        counter.mark()
+        # Each run's event 20 ms after the previous run's: ~240 ms in all, within the 400 ms linger
+        # that the first one opened. One window, so one produce request to the one broker carries
+        # every partition's batch (a linger per partition's batch would send one as each ends).
+        acks = []
+        for seq in sequencers:
+            acks.append(await events.publish(seq.status(common_pb2.RUN_STATUS_RUNNING, 0)))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(asyncio.gather(*acks), 10)
+        assert await produce_requests(counter, 1) == 1
+
+
+async def test_a_first_token_sends_the_whole_open_window_at_once(broker):
+    """At once means the window leaves now, every partition of it: one request, no linger waited."""
+    async with lingering_log(broker, 3000) as events:
+        partitions = sorted(await (await events._ready_producer()).partitions_for(events.topic))
+        counter = RequestCounter(Path(broker["SLUICE_PATHS__DATA_DIR"]) / "logs" / "kafka.log")
+        others = [RunEventSequencer(run_id) for run_id in runs_over_partitions(partitions, 2)]
+        first = RunEventSequencer(str(uuid.uuid4()))
+        counter.mark()
+        acks = [await events.publish(seq.status(common_pb2.RUN_STATUS_RUNNING, 0)) for seq in others]
+        acks.append(await events.publish(first.delta([7], "x", 0), at_once=True))
+        await asyncio.wait_for(asyncio.gather(*acks), 1.5)    # half the linger
+        assert await produce_requests(counter, 1) == 1
