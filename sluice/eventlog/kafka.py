@@ -3,16 +3,17 @@
 Writes: one idempotent producer per process (enable_idempotence, acks=all),
 key = run id so that one run's events land in one partition, in order; value =
 a serialized sluice.v1.RunEvent. The producer is shared by every run of the
-process and pipelined: `publish` only appends a record to the process's open
-window (eventlog/produce.py: every run's records of a linger, one batch per
-partition, shipped whole through aiokafka's batch API) and returns a future that
-resolves once the broker acknowledged it to all in-sync replicas; a run keeps
-several events in flight and their order holds (one partition per run,
-idempotent producer, windows shipped in order). A run's first token is
-published `at_once`: its window leaves without waiting out the linger (TTFT pays
-no batching). `append` = publish and wait, for the rare caller that needs the
-position at once. A position is durable when its future resolves, and only then
-may it be recorded in the ledger.
+process and pipelined: `publish` only appends a record to its partition's open
+batch (eventlog/produce.py: every run's records of a linger window, one batch
+per partition handed to the producer at a time, through aiokafka's batch API)
+and returns a future that resolves once the broker acknowledged it to all
+in-sync replicas; a run keeps several events in flight and their order holds
+(one partition per run, idempotent producer, a partition's batches in order).
+A run's first token is published `at_once`: the window ends now and its batches
+leave without waiting out the linger (TTFT pays no batching). `append` =
+publish and wait, for the rare caller that needs the position at once. A
+position is durable when its future resolves, and only then may it be recorded
+in the ledger.
 
 Reads: two lean fetchers per process (eventlog/fetcher.py: aiokafka's client and
 connections, requests and records decoded by hand, no consumer) for every stream:
@@ -50,7 +51,7 @@ from sluice.eventlog.tail import (
 )
 from sluice.v1 import runs_pb2
 
-LINGER_MS = 20           # how long the producer fills a batch across runs ([kafka].producer_linger_ms)
+LINGER_MS = 20           # the writer's window across runs ([kafka].producer_linger_ms)
 PARTITION_CACHE = 8192   # runs whose partition is remembered
 
 
