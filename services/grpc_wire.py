@@ -10,10 +10,12 @@ in step with the client's decoder and the common blocks are constant bytes.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from sluice.services.h2frames import MessageTooLarge
 
 # Header names a client sends that are the protocol's, not the caller's metadata.
 _RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding",
@@ -104,14 +106,14 @@ class CallHead:
     path: str                                      # "/sluice.v1.Admission/Submit"
     timeout_s: float | None                        # grpc-timeout; None: no deadline
     metadata: tuple[tuple[str, str | bytes], ...]  # the caller's metadata, as grpc.aio hands it over
-    compressed: bool                               # grpc-encoding other than identity
+    encoding: str                                  # grpc-encoding: how compressed messages are ("identity")
 
 
 def call_head(headers: Sequence[tuple[bytes, bytes]]) -> CallHead:
     """The call a request's decoded header block opens; raises ValueError when it is not a gRPC call."""
     path = b""
     timeout = None
-    compressed = False
+    encoding = "identity"
     metadata: list[tuple[str, str | bytes]] = []
     for name, value in headers:
         if name.startswith(b":"):
@@ -126,7 +128,7 @@ def call_head(headers: Sequence[tuple[bytes, bytes]]) -> CallHead:
             elif name == b"grpc-timeout":
                 timeout = timeout_s(value)
             elif name == b"grpc-encoding":
-                compressed = value != b"identity"
+                encoding = value.decode("ascii", "replace")
             continue
         key = name.decode("ascii", "replace")
         if name.endswith(b"-bin"):
@@ -135,4 +137,27 @@ def call_head(headers: Sequence[tuple[bytes, bytes]]) -> CallHead:
             metadata.append((key, value.decode("ascii", "replace")))
     if not path:
         raise ValueError(ERR_NO_PATH)
-    return CallHead(path.decode("ascii", "replace"), timeout, tuple(metadata), compressed)
+    return CallHead(path.decode("ascii", "replace"), timeout, tuple(metadata), encoding)
+
+
+# zlib's window bits for each grpc-encoding a request may use (responses go out uncompressed, which
+# every gRPC client accepts).
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+ACCEPTED_ENCODINGS = "identity," + ",".join(_WBITS)
+
+
+def decompressor(encoding: str, limit: int) -> Callable[[bytes], bytes] | None:
+    """How a request's compressed messages are inflated (at most `limit` bytes each, else
+    MessageTooLarge); None for an encoding this server does not take (identity needs none)."""
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        return None
+
+    def inflate(data: bytes) -> bytes:
+        inflater = zlib.decompressobj(wbits)
+        out = inflater.decompress(data, limit + 1)
+        if len(out) > limit:
+            raise MessageTooLarge(len(out))
+        return out
+
+    return inflate

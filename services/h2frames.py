@@ -12,6 +12,7 @@ connection's.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -68,6 +69,18 @@ def split_frames(buffer: bytes) -> tuple[list[Frame], bytes]:
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     length = len(payload)
     return _HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def headers(stream_id: int, block: bytes, end_stream: bool = False,
+            max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """A header block as HEADERS, followed by CONTINUATIONs when it is longer than one frame may be."""
+    flags = END_STREAM if end_stream else 0
+    if len(block) <= max_frame:
+        return frame(HEADERS, flags | END_HEADERS, stream_id, block)
+    pieces = [block[at:at + max_frame] for at in range(0, len(block), max_frame)]
+    return (frame(HEADERS, flags, stream_id, pieces[0])
+            + b"".join(frame(CONTINUATION, 0, stream_id, piece) for piece in pieces[1:-1])
+            + frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
 
 
 def unpadded(frame_: Frame) -> bytes:
@@ -192,22 +205,25 @@ class MessageReader:
     def __init__(self) -> None:
         self._pending = b""
 
-    def feed(self, data: bytes, limit: int | None = None) -> list[bytes]:
-        """The messages `data` completes, in order. Raises ValueError on a compressed message (this
-        side never asks for compression), MessageTooLarge on one longer than `limit`."""
+    def feed(self, data: bytes, limit: int | None = None,
+             decompress: Callable[[bytes], bytes] | None = None) -> list[bytes]:
+        """The messages `data` completes, in order, a compressed one through `decompress`. Raises
+        ValueError on a compressed message without `decompress` (this side asked for none),
+        MessageTooLarge on one longer than `limit` (`decompress` holds its output to the same)."""
         buffer = self._pending + data if self._pending else data
         messages = []
         pos, size = 0, len(buffer)
         while size - pos >= 5:
             compressed, length = _GRPC_PREFIX.unpack_from(buffer, pos)
-            if compressed:
+            if compressed and decompress is None:
                 raise ValueError("compressed gRPC message on a stream that asked for none")
             if limit is not None and length > limit:
                 raise MessageTooLarge(length)
             end = pos + 5 + length
             if end > size:
                 break
-            messages.append(buffer[pos + 5:end])
+            body = buffer[pos + 5:end]
+            messages.append(decompress(body) if compressed and decompress else body)
             pos = end
         self._pending = buffer[pos:]
         return messages

@@ -22,8 +22,8 @@ client's window, and for the transport's buffer to drain), grpc-timeout (DEADLIN
 handler cancelled), RST_STREAM (the handler cancelled), PING (answered), GOAWAY on stop (calls in
 progress finish within the grace; later streams are refused). Status, message (percent-encoded)
 and trailing metadata (`-bin` base64) in trailers, trailers-only when nothing was sent. No TLS
-(services/main.py keeps grpc.aio for TLS), no compression (a compressed request is UNIMPLEMENTED),
-no server push.
+(services/main.py keeps grpc.aio for TLS); requests compressed with gzip or deflate are inflated
+(at most MAX_RECEIVE_BYTES each), responses go out uncompressed; no server push.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import inspect
 import logging
 import socket
 import time
+import zlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -50,7 +51,9 @@ MAX_RECEIVE_BYTES = 4 * 1024 * 1024    # grpc's default max_receive_message_leng
 NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x7
 
 ERR_UNIMPLEMENTED = "Method not found!"                     # grpc's own text
-ERR_COMPRESSED = "compressed requests are not accepted here: send uncompressed messages"
+ERR_ENCODING = "grpc-encoding {encoding!r} is not accepted here: send identity, gzip or deflate"
+ERR_UNDECLARED = "a compressed message without a grpc-encoding"
+ERR_INFLATE = "a compressed message that does not inflate ({error})"
 ERR_TOO_LARGE = "Received message larger than max ({size} vs. {limit})"
 ERR_NO_REQUEST = "the call ended without its request message"
 ERR_DESERIALIZE = "Exception deserializing request!"        # grpc's own text
@@ -81,6 +84,7 @@ class Call:
         self._head = head
         self.handler = handler
         self.reader = h2.MessageReader()
+        self.inflate = wire.decompressor(head.encoding, MAX_RECEIVE_BYTES)
         self.send_window = connection.peer_initial_window
         self.received = 0                                # bytes since this stream's window was topped up
         self.request: Any = None                         # a unary request, once whole
@@ -266,7 +270,7 @@ class Call:
         if self._finished:
             raise _Closed()
         data = h2.grpc_message(body)
-        prefix = h2.frame(h2.HEADERS, h2.END_HEADERS, self.stream_id, self._head_block()) \
+        prefix = connection.headers(self.stream_id, self._head_block()) \
             if not self._headers_sent else b""
         if connection.writable(self, len(data)):
             connection.write(prefix + h2.frame(h2.DATA, 0, self.stream_id, data))
@@ -296,17 +300,16 @@ class Call:
         connection = self._connection
         status = wire.status_block(code, details, self._trailing)
         if self._headers_sent:
-            out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id, status)
+            out = connection.headers(self.stream_id, status, end_stream=True)
         elif response is None:
-            out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id,
-                           self._head_block() + status)
+            out = connection.headers(self.stream_id, self._head_block() + status, end_stream=True)
         else:
             data = h2.grpc_message(response)
             self.send_window -= len(data)
             connection.send_window -= len(data)
-            out = (h2.frame(h2.HEADERS, h2.END_HEADERS, self.stream_id, self._head_block())
+            out = (connection.headers(self.stream_id, self._head_block())
                    + h2.frame(h2.DATA, 0, self.stream_id, data)
-                   + h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, self.stream_id, status))
+                   + connection.headers(self.stream_id, status, end_stream=True))
         if not self.half_closed:
             out += h2.rst_stream(self.stream_id, NO_ERROR)   # RFC 9113 §8.1: the request is not needed
         with contextlib.suppress(_Closed):
@@ -390,6 +393,10 @@ class H2Connection(asyncio.Protocol):
         if self._transport is None:
             raise _Closed()
         self._transport.write(data)
+
+    def headers(self, stream_id: int, block: bytes, end_stream: bool = False) -> bytes:
+        """A header block in frames the client accepts (its SETTINGS_MAX_FRAME_SIZE)."""
+        return h2.headers(stream_id, block, end_stream, self._max_frame)
 
     def writable(self, call: Call, size: int) -> bool:
         """Whether `size` bytes of DATA may go out on `call` now, in one frame."""
@@ -478,14 +485,15 @@ class H2Connection(asyncio.Protocol):
             return                   # ended here: its late frames only count for the window
         try:
             messages = call.reader.feed(h2.unpadded(frame) if frame.flags & h2.PADDED else frame.payload,
-                                        MAX_RECEIVE_BYTES)
+                                        MAX_RECEIVE_BYTES, call.inflate)
         except h2.MessageTooLarge as exc:
             call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, ERR_TOO_LARGE.format(size=exc.size,
                                                                                  limit=MAX_RECEIVE_BYTES))
             self._drop(call)
             return
-        except ValueError:
-            call.finish(grpc.StatusCode.UNIMPLEMENTED, ERR_COMPRESSED)
+        except (ValueError, zlib.error) as exc:
+            call.finish(grpc.StatusCode.INTERNAL,
+                        ERR_INFLATE.format(error=exc) if call.inflate else ERR_UNDECLARED)
             self._drop(call)
             return
         for body in messages:
@@ -519,8 +527,9 @@ class H2Connection(asyncio.Protocol):
             self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED,
                                  ERR_UNIMPLEMENTED)
             return
-        if head.compressed:
-            self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED, ERR_COMPRESSED)
+        if head.encoding != "identity" and wire.decompressor(head.encoding, 0) is None:
+            self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED,
+                                 ERR_ENCODING.format(encoding=head.encoding))
             return
         call = Call(self, stream_id, head, handler)
         self.calls[stream_id] = call
@@ -532,8 +541,8 @@ class H2Connection(asyncio.Protocol):
                 self._drop(call)
 
     def _answer_at_once(self, stream_id: int, end_stream: bool, code: grpc.StatusCode, details: str) -> None:
-        out = h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream_id,
-                       wire.RESPONSE_HEADERS + wire.status_block(code, details))
+        block = wire.RESPONSE_HEADERS + wire.status_block(code, details)
+        out = self.headers(stream_id, block, end_stream=True)
         self.write(out if end_stream else out + h2.rst_stream(stream_id, NO_ERROR))
 
     def _on_settings(self, settings: dict[int, int]) -> None:

@@ -22,8 +22,9 @@ A box scales its gateway by processes: with [gateway].reuse_port = true several 
 processes listen on the same address (SO_REUSEPORT) and the kernel spreads new connections
 over them; false (the default) makes a second process on a taken port fail at start instead.
 The process runs on [gateway].event_loop (uvloop unless set to asyncio). [gateway].grpc_server
-picks what serves the gateway's gRPC: grpc.aio, or h2 (services/h2server.py, gRPC over Sluice's own
-HTTP/2 on the event loop, plaintext only: with [tls] on the gateway serves grpc.aio).
+picks what serves the gateway's gRPC: h2 (the default: services/h2server.py, gRPC over Sluice's own
+HTTP/2 on the event loop, plaintext only: with [tls] on the gateway serves grpc.aio) or aio. The
+Routing API stays on grpc.aio.
 """
 
 from __future__ import annotations

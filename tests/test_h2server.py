@@ -43,6 +43,11 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
                             trailing_metadata=(("retry-after-ms", "5000"), ("detail-bin", b"\x00\xffraw")))
         raise AssertionError("abort returns only by raising")
 
+    async def big_trailers(request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.ABORTED, "see the trailers",
+                            trailing_metadata=(("note", "n" * int(request)),))
+        raise AssertionError("abort returns only by raising")
+
     async def slow(request: bytes, context: Any) -> bytes:
         try:
             await asyncio.sleep(30)
@@ -94,6 +99,7 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
     table = {
         "Echo": grpc.unary_unary_rpc_method_handler(echo, identity, identity),
         "Fail": grpc.unary_unary_rpc_method_handler(fail, identity, identity),
+        "BigTrailers": grpc.unary_unary_rpc_method_handler(big_trailers, identity, identity),
         "Slow": grpc.unary_unary_rpc_method_handler(slow, identity, identity),
         "Count": grpc.unary_stream_rpc_method_handler(count, identity, identity),
         "Wait": grpc.unary_stream_rpc_method_handler(wait, identity, identity),
@@ -163,6 +169,17 @@ async def test_an_abort_reaches_the_client_with_its_code_details_and_trailing_me
     assert trailing["detail-bin"] == b"\x00\xffraw"
 
 
+async def test_trailers_longer_than_a_frame_go_out_in_continuation_frames():
+    probe = Probe()
+    size = 40_000                     # well over the client's 16 KiB SETTINGS_MAX_FRAME_SIZE
+    async with serving(probe) as (_, address), \
+            grpc.aio.insecure_channel(address, options=[("grpc.max_metadata_size", 1 << 20)]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await method(channel, "BigTrailers")(b"%d" % size)
+    assert refused.value.code() is grpc.StatusCode.ABORTED
+    assert dict(refused.value.trailing_metadata() or ())["note"] == "n" * size
+
+
 async def test_an_unknown_method_is_unimplemented():
     probe = Probe()
     async with serving(probe) as (_, address), grpc.aio.insecure_channel(address) as channel:
@@ -226,6 +243,25 @@ async def test_client_and_bidirectional_streams_are_served():
         upper = [item async for item in method(channel, "Bidi", "stream_stream")(iter([b"x", b"yz"]))]
     assert joined == b"a|b|c"
     assert upper == [b"X", b"YZ"]
+
+
+async def test_a_client_that_compresses_its_requests_is_served():
+    probe = Probe()
+    payload = b"the same words " * 1000
+    async with serving(probe) as (_, address):
+        for compression in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+            async with grpc.aio.insecure_channel(address, compression=compression) as channel:
+                assert await method(channel, "Len")(payload) == b"%d" % len(payload)
+                assert await method(channel, "Concat", "stream_unary")(iter([b"ab", b"cd"])) == b"ab|cd"
+
+
+async def test_a_compressed_request_that_inflates_above_the_receive_limit_is_resource_exhausted():
+    probe = Probe()
+    async with serving(probe) as (_, address), \
+            grpc.aio.insecure_channel(address, compression=grpc.Compression.Gzip) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await method(channel, "Len")(b"\0" * (MAX_RECEIVE_BYTES + 1))   # ~4 KiB on the wire
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_a_request_above_the_receive_limit_is_resource_exhausted():
@@ -354,6 +390,22 @@ async def test_the_server_ends_a_call_at_its_grpc_timeout_even_when_the_client_d
     assert probe.cancelled
 
 
+async def test_a_header_block_longer_than_the_clients_frame_size_is_cut_into_continuations():
+    probe = Probe()
+    size = 40_000
+    async with serving(probe) as (_, address):
+        client = await RawClient.connect(address)          # SETTINGS_MAX_FRAME_SIZE: the default 16 KiB
+        client.call(1, "BigTrailers", [], b"%d" % size)
+        await client.until(lambda frame: frame.stream_id == 1 and frame.type == h2.CONTINUATION
+                           and frame.flags & h2.END_HEADERS)
+        client.close()
+    frames = [frame for frame in client.frames if frame.stream_id == 1]
+    assert max(len(frame.payload) for frame in frames) <= h2.DEFAULT_MAX_FRAME
+    assert [frame.type for frame in frames] == [h2.HEADERS, h2.CONTINUATION, h2.CONTINUATION]
+    block = b"".join(frame.payload for frame in frames)
+    assert dict(hpack.Decoder().decode(block))["note"] == "n" * size
+
+
 async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
     probe = Probe()
     server, address = await started(probe)
@@ -401,5 +453,5 @@ def test_a_request_that_is_not_grpc_is_refused_by_its_head():
                            (b"content-type", b"application/grpc+proto"),
                            (b"te", b"trailers"), (b"grpc-timeout", b"100m"), (b"x-key", b"k"),
                            (b"bin-bin", b"AAE")])
-    assert (head.path, head.timeout_s, head.metadata, head.compressed) == (
-        "/a/b", pytest.approx(0.1), (("x-key", "k"), ("bin-bin", b"\x00\x01")), False)
+    assert (head.path, head.timeout_s, head.metadata, head.encoding) == (
+        "/a/b", pytest.approx(0.1), (("x-key", "k"), ("bin-bin", b"\x00\x01")), "identity")

@@ -126,7 +126,7 @@ class GatewaySection(Section):
     reuse_port: bool = False                         # several gateway processes share each address
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     metrics_port: Port = 50065                       # Prometheus /metrics of the gateway; 0 = not served
-    grpc_server: Literal["aio", "h2"] = "aio"        # h2: services/h2server.py (plaintext; TLS stays aio)
+    grpc_server: Literal["h2", "aio"] = "h2"         # h2: services/h2server.py (plaintext; TLS stays aio)
 
 
 class RunsSection(ListenSection):
