@@ -16,7 +16,13 @@ import hpack
 import pytest
 from sluice.services import grpc_wire as wire
 from sluice.services import h2frames as h2
-from sluice.services.h2server import ERR_UNIMPLEMENTED, MAX_RECEIVE_BYTES, REFUSED_STREAM, H2Server
+from sluice.services.h2server import (
+    ERR_UNIMPLEMENTED,
+    MAX_RECEIVE_BYTES,
+    REFUSED_STREAM,
+    H2Connection,
+    H2Server,
+)
 
 SERVICE = "test.Echo"
 def identity(data: bytes) -> bytes:
@@ -419,6 +425,41 @@ async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
     client.close()
     await stopping
     assert refused.type == h2.RST_STREAM and h2.parse_u32(refused.payload) == REFUSED_STREAM
+
+
+class RecordingTransport:
+    """What a connection hands its socket, one entry per send."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def write(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_what_several_streams_write_in_one_pass_of_the_loop_goes_out_in_one_send():
+    connection = H2Connection(H2Server())
+    transport = RecordingTransport()
+    connection.connection_made(transport)   # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    transport.sent.clear()                   # the server's SETTINGS
+    frames = [h2.frame(h2.DATA, 0, stream_id, h2.grpc_message(b"event %d" % stream_id))
+              for stream_id in (1, 3, 5)]
+    for frame in frames:
+        connection.write(frame)
+    assert transport.sent == []
+    await asyncio.sleep(0)
+    assert transport.sent == [b"".join(frames)]
+    connection.write(b"last")
+    connection.close()                       # what is queued goes out before the close
+    assert transport.sent[-1] == b"last" and transport.closed
 
 
 # --- grpc_wire, pure -------------------------------------------------------------------------------
