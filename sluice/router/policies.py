@@ -105,21 +105,28 @@ of ``max_conversations``.
 
 With ``home_in_cost = 1`` (the default) the credit is all the home gets: the
 cost decides, and the home keeps the turn unless its prefill queue and decode
-load outweigh the conversation's own blocks elsewhere, which with the queue
-capped at 2,048 tokens happens only while the conversation's history is under
-~2,000 tokens. With 0 the home takes every turn while it is within the bound
-(sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, p95 TTFT,
-sticky -> credited in the cost, SGLang's cache_aware in brackets): agent, whose
-tool outputs (~400 tokens, up to 1,500) pile up in one replica's prefill queue,
-59 -> 46 ms at 50% of capacity (57) and 79 -> 59 ms at 80% (87); chat 15 -> 15
-and 17 -> 17 ms (16, 19); bursty 16 -> 15 and 19 -> 19 ms (17, 20); restart
-20 -> 22 and 27 -> 27 ms (23, 39), goodput within 3% of the best peer's
-everywhere. Before the answer's length was known, the same option credited
-the home with the whole new prompt but one block and queued each home turn
-with its answer, which the home had cached: chat-shaped workloads, whose
-answers (~350 tokens) outweigh the messages (~120), saw an overstated queue
-and turns left homes they should have kept (bursty at 50%: 16 -> 18 ms
-against SGLang's 17, a loss), so it was off by default.
+load outweigh the blocks it holds beyond what the other replica holds, which
+with the queue capped at 2,048 tokens happens only while the conversation's
+own history (the shared system prompt aside) is shorter than that. With 0 the home takes every turn while it is within the bound
+(sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, median p95
+TTFT in ms, sticky -> credited in the cost, SGLang's cache_aware in brackets):
+
+    agent   50%: 58.6 -> 45.9 (56.8)   80%: 79.4 -> 59.4 (86.6)
+    chat    50%: 15.1 -> 14.8 (15.6)   80%: 17.3 -> 16.6 (18.5)
+    bursty  50%: 15.7 -> 15.4 (17.0)   80%: 18.5 -> 18.8 (20.2)
+    restart 50%: 19.7 -> 21.5 (24.2)   80%: 26.9 -> 27.0 (38.6)
+    slow    50%: 17.2 -> 16.7 (18.7)   80%: 19.2 -> 18.7 (22.8)
+
+with goodput within 3% of the best peer's everywhere. Agent's tool outputs
+(~400 tokens, up to 1,500) pile up in one replica's prefill queue, and a
+conversation with little history of its own is better served by a replica
+with less queued (SGLang's tree sends every turn to its longest match). Before
+the answer's length was known the same option credited the home with the
+whole new prompt but one block and queued each home turn with its answer,
+which the home already held: in chat-shaped workloads, whose answers (~350
+tokens) outweigh the messages (~120), the queue was overstated and turns left
+homes they should have kept (bursty at 50%: 16 -> 18 ms against SGLang's 17,
+a loss), so it was off by default.
 
 Long-context pool. Prompts longer than ``long_context_threshold_tokens`` go
 to replicas marked ``long_context`` and shorter ones stay off them, each
