@@ -107,8 +107,8 @@ With ``home_in_cost = 1`` (the default) the credit is all the home gets: the
 cost decides, and the home keeps the turn unless its prefill queue and decode
 load outweigh the blocks it holds beyond what the other replica holds, which
 with the queue capped at 2,048 tokens happens only while the conversation's
-own history (the shared system prompt aside) is shorter than that. With 0 the home takes every turn while it is within the bound
-(sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, median p95
+own history (the shared system prompt aside) is shorter than that. With 0
+the home takes every turn while it is within the bound (sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, median p95
 TTFT in ms, sticky -> credited in the cost, SGLang's cache_aware in brackets):
 
     agent   50%: 58.6 -> 45.9 (56.8)   80%: 79.4 -> 59.4 (86.6)
