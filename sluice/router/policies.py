@@ -108,8 +108,9 @@ cost decides, and the home keeps the turn unless its prefill queue and decode
 load outweigh the blocks it holds beyond what the other replica holds, which
 with the queue capped at 2,048 tokens happens only while the conversation's
 own history (the shared system prompt aside) is shorter than that. With 0
-the home takes every turn while it is within the bound (sticky affinity). bench_routing (4 replicas, 30 s, seeds 11-13, median p95
-TTFT in ms, sticky -> credited in the cost, SGLang's cache_aware in brackets):
+the home takes every turn while it is within the bound (sticky affinity).
+bench_routing (4 replicas, 30 s, seeds 11-13, median p95 TTFT in ms, sticky
+-> credited in the cost, SGLang's cache_aware in brackets):
 
     agent   50%: 58.6 -> 45.9 (56.8)   80%: 79.4 -> 59.4 (86.6)
     chat    50%: 15.1 -> 14.8 (15.6)   80%: 17.3 -> 16.6 (18.5)
