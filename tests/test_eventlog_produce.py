@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
 from bench.bench_platform import RequestCounter
@@ -211,3 +212,19 @@ async def test_a_first_token_sends_the_whole_open_window_at_once(broker):
         acks.append(await events.publish(first.delta([7], "x", 0), at_once=True))
         await asyncio.wait_for(asyncio.gather(*acks), 1.5)    # half the linger
         assert await produce_requests(counter, 1) == 1
+
+
+TOO_LARGE = 1_100_000   # bytes: over the producer's max_request_size (1 MiB) and the broker's limit
+
+
+async def test_an_event_too_large_for_a_request_is_refused_at_publish_and_the_run_goes_on(events):
+    """Refused before anything is sent (as send() refuses it): a batch the broker refused would have
+    taken sequence numbers, and the partition's next batch would fail out of order. The run's next
+    record lands right after the last one written."""
+    seq = RunEventSequencer(str(uuid.uuid4()))
+    written = await events.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+    too_large = seq.delta([1], "x" * TOO_LARGE, 0)
+    with pytest.raises(MessageSizeTooLargeError):
+        await events.publish(too_large, at_once=True)
+    after = await asyncio.wait_for(events.append(seq.delta([2], "z", 0)), 10)
+    assert after == LogPosition(written.partition, written.offset + 1)

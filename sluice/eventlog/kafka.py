@@ -53,6 +53,7 @@ from sluice.v1 import runs_pb2
 
 LINGER_MS = 20           # the writer's window across runs ([kafka].producer_linger_ms)
 PARTITION_CACHE = 8192   # runs whose partition is remembered
+MAX_REQUEST_BYTES = 1_048_576   # the largest record a publish accepts (aiokafka's default max_request_size)
 
 
 CLUSTER_BROKERS = 3   # [kafka].brokers of the local cluster (infra/kafka_cluster.sh)
@@ -106,9 +107,10 @@ class KafkaEventLog:
                     enable_idempotence=True,   # broker drops retried duplicates; order kept per partition
                     acks="all",
                     linger_ms=0,   # the writer's window lingers (across runs); deltas are coalesced upstream
+                    max_request_size=MAX_REQUEST_BYTES,
                 )
                 await producer.start()
-                self._writer = WindowedWriter(producer, self.topic, self.linger_ms / 1000)
+                self._writer = WindowedWriter(producer, self.topic, self.linger_ms / 1000, MAX_REQUEST_BYTES)
                 self._producer = producer
             return self._producer
 

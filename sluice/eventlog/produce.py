@@ -38,8 +38,9 @@ import collections
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import ProducerClosed
+from aiokafka.errors import MessageSizeTooLargeError, ProducerClosed
 from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import RecordMetadata
 
 from sluice.eventlog.interface import LogPosition
@@ -65,10 +66,12 @@ class WindowedWriter:
     the window they were opened in ends. Create it on the event loop that publishes; `producer` must
     be started, idempotent, acks=all, linger 0."""
 
-    def __init__(self, producer: AIOKafkaProducer, topic: str, linger_s: float) -> None:
+    def __init__(self, producer: AIOKafkaProducer, topic: str, linger_s: float,
+                 max_request_bytes: int) -> None:
         self.producer = producer
         self.topic = topic
         self.linger_s = linger_s
+        self.max_request_bytes = max_request_bytes   # the producer's max_request_size
         self._loop = asyncio.get_running_loop()
         self._partitions: dict[int, _Partition] = {}
         self._window = 0                                 # the open window's number
@@ -79,7 +82,14 @@ class WindowedWriter:
     def publish(self, partition: int, key: bytes, value: bytes, *,
                 at_once: bool = False) -> asyncio.Future[LogPosition]:
         """Add one record; the future resolves with its position once it is durable. `at_once`: end
-        the window now (everything added before it leaves with it)."""
+        the window now (everything added before it leaves with it). A record larger than a request
+        may be is refused here, as send() refuses it: the broker would refuse its batch, and that
+        batch's sequence numbers, already taken, would leave the idempotent producer out of order
+        (OutOfOrderSequenceNumber on the partition's next batch: the producer stops)."""
+        if len(value) > self.max_request_bytes // 2:   # a cheap guard first: events are far smaller
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, [])
+            if size > self.max_request_bytes:
+                raise MessageSizeTooLargeError(f"an event of {size} bytes, over {self.max_request_bytes}")
         state = self._partitions.get(partition)
         if state is None:
             state = self._partitions[partition] = _Partition()
