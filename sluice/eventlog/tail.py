@@ -20,8 +20,8 @@ synchronously too, so no record falls between the replay and the buffer; the rea
 EventDeduper absorbs any overlap.
 
 A fetch costs a gateway far more than the records it carries, so the tail fetches only while
-some stream needs it: every partition is assigned but paused; the first subscription after a
-quiet spell seeks every partition to its end and resumes them all (that end is the position p
+some stream needs it: no partition is followed (fetched) at first; the first subscription after
+a quiet spell follows every partition from its end (that end is the position p
 above: everything before it is replayed), and FOLLOW_LINGER_S after the last subscription ended
 they are paused again, their recent records dropped. All of them, not only the subscriptions'
 partitions: a partition resumed while the long poll on the others is at the broker would get its
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # record's delivery). At 100 ms, two idle gateways spent ~27 ms CPU/s (and the broker its share)
 # answering ten empty fetches a second each; at 500 ms ~17 ms/s, with delivery after an idle spell
 # unchanged (median 3-4 ms, max ~16 ms, publish at_once -> a follower, on the shared 2-core box).
-# Not longer: aiokafka keeps one fetch in flight per broker, so a partition resumed for a new stream
+# Not longer: the fetcher keeps one fetch in flight per broker, so a partition resumed for a new stream
 # is fetched only once the fetch held for the partitions already followed returns. At 5 s a run's
 # first event on a newly followed partition, beside an idle followed one, waited 2.7-3.7 s (3 of 4).
 TAIL_FETCH_WAIT_MS = 500
