@@ -28,6 +28,7 @@ PRIORITY_FLAG = 0x20  # HEADERS
 
 SETTINGS_HEADER_TABLE_SIZE = 0x1
 SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 SETTINGS_MAX_FRAME_SIZE = 0x5
 
@@ -35,6 +36,9 @@ CANCEL = 0x8          # RST_STREAM error code: the client no longer wants the st
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
+# A header block (HEADERS and its CONTINUATIONs) longer than this is refused: without a bound, a
+# peer that never sends END_HEADERS grows it without end (the CONTINUATION flood).
+MAX_HEADER_BLOCK = 64 * 1024
 
 _HEAD = struct.Struct(">BHBBL")      # length split 8 + 16 bits, type, flags, stream id
 _SETTING = struct.Struct(">HL")
@@ -64,6 +68,12 @@ def split_frames(buffer: bytes) -> tuple[list[Frame], bytes]:
         frames.append(Frame(kind, flags, stream_id & 0x7FFFFFFF, buffer[pos + 9:end]))
         pos = end
     return frames, buffer[pos:]
+
+
+def frame_length(buffer: bytes) -> int:
+    """The payload length a frame's 9-byte head at the start of `buffer` announces."""
+    high, low, _, _, _ = _HEAD.unpack_from(buffer, 0)
+    return int(high << 16 | low)
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -155,12 +165,14 @@ class HeaderBlocks:
     """Gathers header blocks (RFC 9113 §6.2, §6.10): a HEADERS frame, then CONTINUATIONs of the same
     stream until END_HEADERS, and no other frame in between."""
 
-    __slots__ = ("_stream_id", "_end_stream", "_parts")
+    __slots__ = ("_stream_id", "_end_stream", "_parts", "_size", "_limit")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_HEADER_BLOCK) -> None:
         self._stream_id = 0
         self._end_stream = False
         self._parts: list[bytes] | None = None      # None: no block under way
+        self._size = 0
+        self._limit = limit
 
     def takes(self, frame: Frame) -> bool:
         """Whether `frame` is part of a header block; raises ValueError for any other frame arriving
@@ -176,12 +188,17 @@ class HeaderBlocks:
         if frame.type == HEADERS:
             if self._parts is not None:
                 raise ValueError("a header block interrupted by another frame")
+            first = unpadded(frame)
             self._stream_id, self._end_stream, self._parts = (frame.stream_id, bool(frame.flags & END_STREAM),
-                                                              [unpadded(frame)])
+                                                              [first])
+            self._size = len(first)
         elif self._parts is None or frame.stream_id != self._stream_id:
             raise ValueError("CONTINUATION outside a header block")
         else:
             self._parts.append(frame.payload)
+            self._size += len(frame.payload)
+        if self._size > self._limit:
+            raise ValueError(f"a header block over {self._limit} bytes")
         if not frame.flags & END_HEADERS:
             return None
         parts, self._parts = self._parts, None

@@ -48,7 +48,11 @@ from sluice.services import h2frames as h2
 log = logging.getLogger(__name__)
 
 MAX_RECEIVE_BYTES = 4 * 1024 * 1024    # grpc's default max_receive_message_length
-NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x7
+# Calls open at once on one connection (advertised; one more is refused, RFC 9113 §5.1.2). With the
+# per-message limit it bounds what one connection can make the server hold; grpc's clients queue calls
+# beyond it rather than fail them.
+MAX_CONCURRENT_STREAMS = 4096
+NO_ERROR, PROTOCOL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x6, 0x7
 
 ERR_UNIMPLEMENTED = "Method not found!"                     # grpc's own text
 ERR_ENCODING = "grpc-encoding {encoding!r} is not accepted here: send identity, gzip or deflate"
@@ -350,6 +354,7 @@ class H2Connection(asyncio.Protocol):
             self.peer = f"{'ipv6' if ':' in peer[0] else 'ipv4'}:{peer[0]}:{peer[1]}"
         self.server.connections.add(self)
         self._transport.write(h2.settings_frame({h2.SETTINGS_ENABLE_PUSH: 0,
+                                                 h2.SETTINGS_MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
                                                  h2.SETTINGS_INITIAL_WINDOW_SIZE: h2.MAX_WINDOW})
                               + h2.window_update(0, h2.MAX_WINDOW - h2.DEFAULT_WINDOW))
         if self.server.stopping:
@@ -382,6 +387,12 @@ class H2Connection(asyncio.Protocol):
             self._preface = True
             buffer = buffer[len(h2.PREFACE):]
         frames, self._buffer = h2.split_frames(buffer)
+        # We never raise SETTINGS_MAX_FRAME_SIZE from its default: a longer frame is a connection error
+        # (RFC 9113 §4.2), refused once its 9-byte head says so, before its payload is buffered.
+        if len(self._buffer) >= 9 and h2.frame_length(self._buffer) > h2.DEFAULT_MAX_FRAME or \
+                any(len(frame.payload) > h2.DEFAULT_MAX_FRAME for frame in frames):
+            self._fail(f"a frame over {h2.DEFAULT_MAX_FRAME} bytes", FRAME_SIZE_ERROR)
+            return
         try:
             for frame in frames:
                 self._on_frame(frame)
@@ -529,7 +540,8 @@ class H2Connection(asyncio.Protocol):
             return
         if stream_id % 2 == 0 or stream_id <= self._last_stream_id:
             raise ValueError(f"HEADERS on stream {stream_id}, not a new client stream")
-        if self._going_away:
+        if self._going_away or len(self.calls) >= MAX_CONCURRENT_STREAMS:
+            self._last_stream_id = max(self._last_stream_id, stream_id)
             self.write(h2.rst_stream(stream_id, REFUSED_STREAM))
             return
         self._last_stream_id = stream_id
@@ -567,12 +579,12 @@ class H2Connection(asyncio.Protocol):
         self.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
         self._room.set()
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, code: int = PROTOCOL_ERROR) -> None:
         log.info("closing an HTTP/2 connection from %s: %s", self.peer or "?", why)
         if self._transport is not None:
             self._pending = []
-            self._transport.write(h2.frame(h2.GOAWAY, 0, 0, h2.goaway_payload(self._last_stream_id,
-                                                                              PROTOCOL_ERROR)))
+            self._buffer = b""
+            self._transport.write(h2.frame(h2.GOAWAY, 0, 0, h2.goaway_payload(self._last_stream_id, code)))
             self._transport.abort()
 
 

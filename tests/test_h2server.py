@@ -16,6 +16,7 @@ import hpack
 import pytest
 from sluice.services import grpc_wire as wire
 from sluice.services import h2frames as h2
+from sluice.services import h2server
 from sluice.services.h2server import (
     ERR_UNIMPLEMENTED,
     MAX_RECEIVE_BYTES,
@@ -424,6 +425,69 @@ async def test_a_stream_opened_after_goaway_on_the_same_connection_is_refused():
     refused = await client.until(ends(3))
     client.close()
     await stopping
+    assert refused.type == h2.RST_STREAM and h2.parse_u32(refused.payload) == REFUSED_STREAM
+
+
+def goaway_code(frame: h2.Frame) -> int:
+    return h2.parse_u32(frame.payload[4:8])
+
+
+async def closed(client: RawClient) -> bool:
+    """Whether the server closed the connection (read to its end)."""
+    while True:
+        data = await asyncio.wait_for(client.reader.read(65536), 5.0)
+        if not data:
+            return True
+        got, client._buffer = h2.split_frames(client._buffer + data)
+        client.frames += got
+
+
+async def test_a_frame_longer_than_the_servers_max_frame_size_closes_the_connection_before_its_payload():
+    # The server never raises SETTINGS_MAX_FRAME_SIZE from 16,384: a head announcing more is refused at
+    # once (FRAME_SIZE_ERROR), without waiting for (and buffering) the megabytes it announces.
+    probe = Probe()
+    async with serving(probe) as (_, address):
+        client = await RawClient.connect(address)
+        client.writer.write(bytes([0x10, 0x00, 0x00, h2.DATA, 0, 0, 0, 0, 1]))   # a head announcing 1 MiB
+        goaway = await client.until(lambda frame: frame.type == h2.GOAWAY)
+        assert await closed(client)
+    assert goaway_code(goaway) == 0x6                                            # FRAME_SIZE_ERROR
+
+
+async def test_a_header_block_that_never_ends_is_refused_once_over_its_bound():
+    # CONTINUATIONs without END_HEADERS (the CONTINUATION flood): the block is cut off past 64 KiB, not
+    # gathered for ever.
+    probe = Probe()
+    async with serving(probe) as (_, address):
+        client = await RawClient.connect(address)
+        chunk = b"\x00" * h2.DEFAULT_MAX_FRAME
+        client.writer.write(h2.frame(h2.HEADERS, 0, 1, chunk))
+        sent = len(chunk)
+        while sent <= h2.MAX_HEADER_BLOCK:
+            client.writer.write(h2.frame(h2.CONTINUATION, 0, 1, chunk))
+            sent += len(chunk)
+        goaway = await client.until(lambda frame: frame.type == h2.GOAWAY)
+        assert await closed(client)
+    assert goaway_code(goaway) == 0x1                                            # PROTOCOL_ERROR
+    assert probe.metadata == ()                                                  # no call was started
+
+
+async def test_a_call_past_the_advertised_concurrent_streams_is_refused(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(h2server, "MAX_CONCURRENT_STREAMS", 2)
+    probe = Probe()
+    async with serving(probe) as (_, address):
+        client = await RawClient.connect(address)
+        settings = await client.until(lambda frame: frame.type == h2.SETTINGS and frame.payload)
+        payload = settings.payload
+        advertised = {int.from_bytes(payload[i:i + 2], "big"): h2.parse_u32(payload[i + 2:i + 6])
+                      for i in range(0, len(payload), 6)}
+        client.call(1, "Slow", [], b"")
+        client.call(3, "Slow", [], b"")
+        client.call(5, "Echo", [], b"third")             # two calls open: one too many
+        refused = await client.until(ends(5))
+        client.close()
+    assert advertised[h2.SETTINGS_MAX_CONCURRENT_STREAMS] == 2
     assert refused.type == h2.RST_STREAM and h2.parse_u32(refused.payload) == REFUSED_STREAM
 
 
