@@ -596,3 +596,34 @@ def test_prefix_aware_bounds_a_slow_replica_by_its_weighted_load():
         views = [replace(view("slow", running=20), step_time_s=step_times[0]),
                  replace(view("fast"), step_time_s=step_times[1])]
         assert route(policy, request("q", prompt + [7]), views, now=2.0).replica == expected
+
+
+# -- round_robin ---------------------------------------------------------------------------------
+
+
+def rotate(policy: RoundRobin, views: Sequence[ReplicaView], times: int) -> list[str]:
+    picks = []
+    for n in range(times):
+        decision = policy.choose(request(f"q{n}", range(8)), views, float(n))
+        assert decision is not None
+        picks.append(decision.replica)
+    return picks
+
+
+def test_round_robin_takes_replicas_of_equal_speed_strictly_in_turn_by_name():
+    views = [view("r2"), view("r0"), view("r1")]
+    assert rotate(RoundRobin(), views, 7) == ["r0", "r1", "r2", "r0", "r1", "r2", "r0"]
+
+
+def test_round_robin_gives_a_slower_replica_its_share_by_speed_never_its_count():
+    # Seed 000's slow replica: one GPU throttled to 60% steps 1 / 0.6 times as long. Four replicas
+    # then hold 3 + 0.6 = 3.6 fast-replica units of capacity, of which the slow one is 0.6 / 3.6 = 1/6:
+    # over 36 decisions, 6 turns (plain rotation gave it 9, a quarter).
+    views = [replace(view(f"r{i}"), step_time_s=0.030) for i in range(3)] + \
+        [replace(view("slow"), step_time_s=0.030 / 0.6)]
+    picks = rotate(RoundRobin(), views, 36)
+    assert picks.count("slow") == round(36 * 0.6 / 3.6) == 6
+    assert all(picks.count(f"r{i}") == 10 for i in range(3))
+    # Spread out, not bunched: never two turns of the slow replica within any 4 decisions in a row.
+    slow_turns = [n for n, name in enumerate(picks) if name == "slow"]
+    assert min(b - a for a, b in zip(slow_turns, slow_turns[1:])) >= 4

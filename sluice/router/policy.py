@@ -95,20 +95,37 @@ class RoutingPolicy(Protocol):
 
 
 class RoundRobin:
-    """Cycle through the candidates in name order; the foundation's policy."""
+    """Take the candidates in turn, in name order; the foundation's policy, blind to load.
+
+    Blind to load, not to capacity: a replica that reports a slower step (`step_time_s`, e.g. a GPU
+    throttled to 60%) takes its turn in proportion to its speed against the pool's fastest (smooth
+    weighted round robin, as nginx does it), so it never gets more than its fair share of the work
+    (issue 17's slow replica: plain rotation sent it 25% of four, against 0.6 / 3.6 = 16.7%). Replicas
+    of equal or unknown speed keep strict rotation.
+    """
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._next = 0
+        self._credit: dict[str, float] = {}     # replica -> its running credit (smooth weighted RR)
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                now: float) -> RouteDecision | None:
         if not replicas:
             return None
         ordered = sorted(replicas, key=lambda view: view.name)
-        chosen = ordered[self._next % len(ordered)]
-        self._next += 1
+        fastest = min((view.step_time_s for view in ordered if view.step_time_s > 0.0), default=0.0)
+        credit = self._credit
+        total = 0.0
+        chosen: ReplicaView | None = None
+        for view in ordered:
+            weight = fastest / view.step_time_s if fastest > 0.0 and view.step_time_s > 0.0 else 1.0
+            total += weight
+            credit[view.name] = credit.get(view.name, 0.0) + weight
+            if chosen is None or credit[view.name] > credit[chosen.name]:
+                chosen = view
+        assert chosen is not None
+        credit[chosen.name] -= total
         return RouteDecision(replica=chosen.name, outcome="round_robin")
 
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
