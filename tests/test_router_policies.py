@@ -626,4 +626,4 @@ def test_round_robin_gives_a_slower_replica_its_share_by_speed_never_its_count()
     assert all(picks.count(f"r{i}") == 10 for i in range(3))
     # Spread out, not bunched: never two turns of the slow replica within any 4 decisions in a row.
     slow_turns = [n for n, name in enumerate(picks) if name == "slow"]
-    assert min(b - a for a, b in zip(slow_turns, slow_turns[1:])) >= 4
+    assert min(b - a for a, b in zip(slow_turns, slow_turns[1:], strict=False)) >= 4
