@@ -230,14 +230,11 @@ class PartitionFetcher:
         """One fetch of `partition` at `offset` from its leader, apart from run(): its records from
         `offset` on (none if the broker held the fetch max_wait_ms without any) and where the next
         fetch starts. Raises OffsetOutOfRangeError when `offset` is outside the partition's log."""
-        body = wire.fetch_body(self.topic, [(partition, offset)], max_wait_ms=self.max_wait_ms, min_bytes=1,
-                               max_bytes=MAX_BYTES, partition_max_bytes=PARTITION_MAX_BYTES)
         for _ in range(ATTEMPTS):
             node = self._leaders.get(partition, -1)
             if node != -1:
                 try:
-                    answer = await self._client.send(node, RawRequest(wire.FETCH_API, wire.FETCH_VERSION,
-                                                                      body, wire.decode_fetch))
+                    answer = await self._fetch(node, [(partition, offset)])
                 except TRANSIENT:
                     answer = []
                 for fetched in answer:
@@ -261,11 +258,8 @@ class PartitionFetcher:
                      if self._leaders.get(partition) == node]
             if not asked:
                 return
-            body = wire.fetch_body(self.topic, asked, max_wait_ms=self.max_wait_ms, min_bytes=1,
-                                   max_bytes=MAX_BYTES, partition_max_bytes=PARTITION_MAX_BYTES)
             try:
-                answer = await self._client.send(node, RawRequest(wire.FETCH_API, wire.FETCH_VERSION, body,
-                                                                  wire.decode_fetch))
+                answer = await self._fetch(node, asked)
             except TRANSIENT as exc:
                 if self._closed:
                     return
@@ -312,6 +306,13 @@ class PartitionFetcher:
                 # Let records gather at the broker: the next fetch takes them all at once. A record after
                 # a quiet spell is not held: the fetch then waits at the broker and answers at once.
                 await asyncio.sleep(max(0.0, answered + self.batch_interval_s - loop.time()))
+
+    async def _fetch(self, node: int, asked: list[tuple[int, int]]) -> list[wire.FetchedPartition]:
+        """One Fetch of `asked` (partition, offset) pairs from `node`, its answer decoded."""
+        body = wire.fetch_body(self.topic, asked, max_wait_ms=self.max_wait_ms, min_bytes=1,
+                               max_bytes=MAX_BYTES, partition_max_bytes=PARTITION_MAX_BYTES)
+        return await self._client.send(node, RawRequest(wire.FETCH_API, wire.FETCH_VERSION, body,
+                                                        wire.decode_fetch))
 
     async def _recover(self) -> None:
         await asyncio.sleep(RETRY_BACKOFF_S)
