@@ -52,7 +52,12 @@ MAX_RECEIVE_BYTES = 4 * 1024 * 1024    # grpc's default max_receive_message_leng
 # per-message limit it bounds what one connection can make the server hold; grpc's clients queue calls
 # beyond it rather than fail them.
 MAX_CONCURRENT_STREAMS = 4096
-NO_ERROR, PROTOCOL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x6, 0x7
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM = 0x0, 0x1, 0x3, 0x6, 0x7
+# Every stream's receive window (our SETTINGS_INITIAL_WINDOW_SIZE). A request-streaming call gets its
+# window back as its handler reads (the queue drained), so what a client can send ahead of a handler
+# that does not read is one window (plus the message that crossed it); a unary call's is given back on
+# receipt, its request being bounded by MAX_RECEIVE_BYTES and any further message dropped.
+STREAM_WINDOW = 1 << 20
 
 ERR_UNIMPLEMENTED = "Method not found!"                     # grpc's own text
 ERR_ENCODING = "grpc-encoding {encoding!r} is not accepted here: send identity, gzip or deflate"
@@ -90,7 +95,7 @@ class Call:
         self.reader = h2.MessageReader()
         self.inflate = wire.decompressor(head.encoding, MAX_RECEIVE_BYTES)
         self.send_window = connection.peer_initial_window
-        self.received = 0                                # bytes since this stream's window was topped up
+        self.unacked = 0                                 # bytes received, not yet given back (WINDOW_UPDATE)
         self.request: Any = None                         # a unary request, once whole
         self.requests: asyncio.Queue[Any] | None = (     # a streamed request's messages (None: the end)
             asyncio.Queue() if handler.request_streaming else None)
@@ -157,7 +162,25 @@ class Call:
         """The next request message of a client-streaming call (grpc.aio.EOF at its end)."""
         assert self.requests is not None, "read() on a call whose request is not streamed"
         item = await self.requests.get()
+        if self.requests.empty() and (update := self.window_update()):
+            with contextlib.suppress(_Closed):
+                self._connection.write(update)
         return grpc.aio.EOF if item is None else item
+
+    def received(self, size: int) -> bytes:
+        """`size` flow-controlled bytes arrived (after what they complete was queued): the WINDOW_UPDATE
+        to send now, if any. A streaming call's messages hold their window until its handler reads."""
+        self.unacked += size
+        if self.requests is not None and not self.requests.empty():
+            return b""
+        return self.window_update()
+
+    def window_update(self) -> bytes:
+        """The stream's window topped up once half of it is used (not one update per message)."""
+        if self.unacked < STREAM_WINDOW // 2 or self.half_closed or self._finished:
+            return b""
+        update, self.unacked = h2.window_update(self.stream_id, self.unacked), 0
+        return update
 
     # --- driving the handler --------------------------------------------------------------------
 
@@ -355,7 +378,7 @@ class H2Connection(asyncio.Protocol):
         self.server.connections.add(self)
         self._transport.write(h2.settings_frame({h2.SETTINGS_ENABLE_PUSH: 0,
                                                  h2.SETTINGS_MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-                                                 h2.SETTINGS_INITIAL_WINDOW_SIZE: h2.MAX_WINDOW})
+                                                 h2.SETTINGS_INITIAL_WINDOW_SIZE: STREAM_WINDOW})
                               + h2.window_update(0, h2.MAX_WINDOW - h2.DEFAULT_WINDOW))
         if self.server.stopping:
             self.go_away()
@@ -498,14 +521,18 @@ class H2Connection(asyncio.Protocol):
     def _on_data(self, frame: h2.Frame) -> None:
         size = len(frame.payload)
         self._received, update = h2.refill(self._received, size, 0)
-        call = self.calls.get(frame.stream_id)
-        if call is not None:
-            call.received, more = h2.refill(call.received, size, frame.stream_id)
-            update += more
         if update:
             self.write(update)
+        call = self.calls.get(frame.stream_id)
         if call is None:
             return                   # ended here: its late frames only count for the window
+        if call.unacked + size > STREAM_WINDOW:
+            # Past the window this side gave (every update gives back exactly what was unacked): a
+            # client ignoring flow control would queue without bound; the stream is reset (RFC 9113 §6.9.1).
+            del self.calls[call.stream_id]
+            call.peer_reset()
+            self.write(h2.rst_stream(call.stream_id, FLOW_CONTROL_ERROR))
+            return
         try:
             messages = call.reader.feed(h2.unpadded(frame) if frame.flags & h2.PADDED else frame.payload,
                                         MAX_RECEIVE_BYTES, call.inflate)
@@ -521,6 +548,8 @@ class H2Connection(asyncio.Protocol):
             return
         for body in messages:
             call.request_message(body)
+        if update := call.received(size):
+            self.write(update)
         if frame.flags & h2.END_STREAM:
             call.peer_ended()
             if call.task is None:

@@ -38,6 +38,7 @@ class Probe:
         self.sent = 0
         self.ended = asyncio.Event()       # a handler's finally ran (returned, cancelled or failed)
         self.cancelled = False
+        self.release = asyncio.Event()     # Hold's handler reads its requests only once this is set
 
 
 def handlers(probe: Probe) -> grpc.GenericRpcHandler:
@@ -99,6 +100,11 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
     async def concat(requests: AsyncIterator[bytes], context: Any) -> bytes:
         return b"|".join([item async for item in requests])
 
+    async def hold(requests: AsyncIterator[bytes], context: Any) -> bytes:
+        await probe.release.wait()           # a handler busy elsewhere (as one blocked writing)
+        received = [item async for item in requests]
+        return b"%d %d" % (len(received), sum(len(item) for item in received))
+
     async def bidi(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         async for item in requests:
             yield item.upper()
@@ -114,6 +120,7 @@ def handlers(probe: Probe) -> grpc.GenericRpcHandler:
         "Len": grpc.unary_unary_rpc_method_handler(length, identity, identity),
         "Concat": grpc.stream_unary_rpc_method_handler(concat, identity, identity),
         "Bidi": grpc.stream_stream_rpc_method_handler(bidi, identity, identity),
+        "Hold": grpc.stream_unary_rpc_method_handler(hold, identity, identity),
     }
     return grpc.method_handlers_generic_handler(SERVICE, table)
 
@@ -252,6 +259,61 @@ async def test_client_and_bidirectional_streams_are_served():
     assert upper == [b"X", b"YZ"]
 
 
+def queued_requests(server: H2Server) -> int:
+    """Request messages the server holds for handlers that have not read them yet."""
+    return sum(call.requests.qsize() for connection in server.connections
+               for call in connection.calls.values() if call.requests is not None)
+
+
+async def test_a_client_streaming_faster_than_its_handler_reads_is_held_to_the_stream_window():
+    # The stream's receive window is given back as the handler reads, not as messages arrive: a client
+    # writing 8 MiB to a handler that does not read gets at most one window (plus the message that
+    # crossed it) queued on the server, then waits; once the handler reads, everything arrives.
+    probe = Probe()
+    size, total = 16 * 1024, 512
+    message_on_wire = size + 5                       # the gRPC prefix of each message
+    async with serving(probe) as (server, address), grpc.aio.insecure_channel(address) as channel:
+        call = method(channel, "Hold", "stream_unary")()
+
+        async def write_all() -> None:
+            for index in range(total):
+                await call.write(index.to_bytes(4, "big") * (size // 4))
+            await call.done_writing()
+
+        writing = asyncio.create_task(write_all())
+        held, settled_since = -1, asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - settled_since < 1.0:   # until it stops growing
+            await asyncio.sleep(0.05)
+            if (now := queued_requests(server)) != held:
+                held, settled_since = now, asyncio.get_running_loop().time()
+        assert not writing.done()                    # the client is held back, not buffered without end
+        assert 0 < held * message_on_wire <= h2server.STREAM_WINDOW + message_on_wire
+        probe.release.set()
+        answer = await asyncio.wait_for(call, 30.0)
+        await writing
+    assert answer == b"%d %d" % (total, total * size)
+
+
+async def test_a_client_that_sends_past_the_stream_window_has_its_stream_reset():
+    # A bare client that ignores flow control: one byte past the window resets the stream
+    # (FLOW_CONTROL_ERROR) instead of being queued; the handler is cancelled.
+    probe = Probe()
+    message = h2.grpc_message(b"m" * (16 * 1024 - 5))           # one full frame each
+    frames_in_window = h2server.STREAM_WINDOW // len(message)
+    async with serving(probe) as (server, address):
+        client = await RawClient.connect(address)
+        client.open(1, "Hold")
+        for _ in range(frames_in_window):
+            client.writer.write(h2.frame(h2.DATA, 0, 1, message))
+        await asyncio.sleep(0.3)
+        assert queued_requests(server) == frames_in_window       # within the window: all queued
+        client.writer.write(h2.frame(h2.DATA, 0, 1, message))    # past it
+        reset = await client.until(ends(1))
+        client.close()
+    assert reset.type == h2.RST_STREAM and h2.parse_u32(reset.payload) == h2server.FLOW_CONTROL_ERROR
+    assert queued_requests(server) == 0
+
+
 async def test_a_client_that_compresses_its_requests_is_served():
     probe = Probe()
     payload = b"the same words " * 1000
@@ -356,13 +418,16 @@ class RawClient:
         writer.write(h2.PREFACE + h2.settings_frame({}))
         return cls(reader, writer, address)
 
-    def call(self, stream_id: int, name: str, headers: list[tuple[str, str]], body: bytes) -> None:
+    def open(self, stream_id: int, name: str, headers: list[tuple[str, str]] | None = None) -> None:
         block = self._encoder.encode([(":method", "POST"), (":scheme", "http"),
                                       (":path", f"/{SERVICE}/{name}"),
                                       (":authority", self.address), ("content-type", "application/grpc"),
-                                      ("te", "trailers"), *headers])
-        self.writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block)
-                          + h2.frame(h2.DATA, h2.END_STREAM, stream_id, h2.grpc_message(body)))
+                                      ("te", "trailers"), *(headers or [])])
+        self.writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
+
+    def call(self, stream_id: int, name: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.open(stream_id, name, headers)
+        self.writer.write(h2.frame(h2.DATA, h2.END_STREAM, stream_id, h2.grpc_message(body)))
 
     async def until(self, found: Any) -> h2.Frame:
         """Read frames until one for which `found(frame)` holds; that frame."""
