@@ -3,7 +3,8 @@ written by aiokafka's producer to chosen partitions, read back by a PartitionFet
 partition hands over is exactly its records from the followed offset on, once each; a partition
 paused (or sought elsewhere) while its fetch is at the broker gets nothing from that answer; an
 offset past the end is the end for a tail and an error for a replay. The shared replay reader on it
-reads one key's records of a range and refuses a range that retention deleted."""
+reads one key's records of a range, refuses a range that retention deleted, and fails a range
+whose end the log no longer reaches (truncated under it) instead of fetching at its end forever."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from aiokafka.structs import TopicPartition
 from sluice.config import load_settings
 from sluice.eventlog import wire
 from sluice.eventlog.fetcher import PartitionFetcher, Record
-from sluice.eventlog.replay import RangeDeleted, SharedReplay
+from sluice.eventlog.replay import RangeDeleted, RangeLost, SharedReplay
 
 pytestmark = pytest.mark.integration
 
@@ -203,5 +204,29 @@ async def test_a_replay_reads_one_keys_records_in_a_range_and_refuses_a_range_re
         with pytest.raises(RangeDeleted):
             await replay.read(b"run-a", 1, 2, end)
         assert await replay.read(b"run-a", 1, 3, end) == [b"v4"]
+    finally:
+        await replay.close()
+
+
+async def test_a_replay_whose_end_the_log_no_longer_reaches_fails_once_it_stalls_and_waits_out_a_short_gap(
+        topic):
+    # As when an unclean leader election truncated the log under the end the reader was told was
+    # durable: every fetch at the log's end gets nothing. Before the fix, read() fetched again every
+    # REPLAY_FETCH_WAIT_MS for ever.
+    written = await topic.write(1, b"k", b"k")           # key = value
+    end = written[-1] + 1
+    replay = SharedReplay(topic.bootstrap, topic.name, stall_limit_s=1.0)
+    await replay.start()
+    try:
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(RangeLost, match=rf"records in \[{end}, {end + 3}\) are gone"):
+            await asyncio.wait_for(replay.read(b"k", 1, 0, end + 3), 20)
+        assert asyncio.get_running_loop().time() - began >= 1.0     # not at the first empty fetch
+        # A gap that fills within the limit (a new leader's high watermark catching up) is waited out.
+        reading = asyncio.ensure_future(replay.read(b"k", 1, 0, end + 1))
+        await asyncio.sleep(0.3)
+        assert not reading.done()
+        await topic.write(1, b"k")
+        assert await asyncio.wait_for(reading, 20) == [b"k", b"k", b"k"]
     finally:
         await replay.close()

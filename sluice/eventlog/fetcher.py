@@ -31,6 +31,7 @@ import contextlib
 import io
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.client import AIOKafkaClient, ConnectionGroup
@@ -58,6 +59,15 @@ ATTEMPTS = 25                               # of a one-off request (offsets, a r
 # Failures of one broker or of its leadership: the partition is fetched again once metadata says
 # where; a reader waits meanwhile (as with aiokafka's consumer), it is not failed.
 TRANSIENT = (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What one fetch of one partition brought."""
+
+    records: list[Record]
+    next_offset: int             # where the next fetch starts
+    high_watermark: int          # one past the partition's last durable record, as its leader says
 
 
 class FetcherStopped(Exception):
@@ -226,10 +236,11 @@ class PartitionFetcher:
             await self._recover()
         raise NodeNotReadyError(f"no leader answered for {self.topic} partitions {pending}")
 
-    async def fetch_once(self, partition: int, offset: int) -> tuple[list[Record], int]:
+    async def fetch_once(self, partition: int, offset: int) -> Fetched:
         """One fetch of `partition` at `offset` from its leader, apart from run(): its records from
-        `offset` on (none if the broker held the fetch max_wait_ms without any) and where the next
-        fetch starts. Raises OffsetOutOfRangeError when `offset` is outside the partition's log."""
+        `offset` on (none if the broker held the fetch max_wait_ms without any), where the next
+        fetch starts and the partition's high watermark. Raises OffsetOutOfRangeError when `offset`
+        is outside the partition's log."""
         for _ in range(ATTEMPTS):
             node = self._leaders.get(partition, -1)
             if node != -1:
@@ -245,7 +256,8 @@ class PartitionFetcher:
                     if fetched.error != wire.NONE:
                         raise for_code(fetched.error)(f"fetch of {self.topic}-{partition} at {offset}")
                     self.fetches += 1
-                    return wire.decode_records(fetched.records, offset)
+                    records, following = wire.decode_records(fetched.records, offset)
+                    return Fetched(records, following, fetched.high_watermark)
             await self._recover()
         raise NodeNotReadyError(f"no leader of {self.topic}-{partition} answered a fetch")
 

@@ -8,7 +8,8 @@ fetched that nobody asked for:
 
     read(run, partition, [start, end))
        fetch at start ── keep the run's records below end ── fetch at the next position ── … end
-       └ out of range (below the log's first offset) ── RangeDeleted
+       ├ out of range (below the log's first offset) ── RangeDeleted
+       └ no progress for STALL_LIMIT_S below end (the log ends under it) ── RangeLost
 
 Reads do not wait for one another: each is its own sequence of fetches (a broker answers a
 connection's requests in order, and a replay's fetch waits at most REPLAY_FETCH_WAIT_MS when
@@ -28,10 +29,20 @@ from sluice.eventlog.fetcher import PartitionFetcher, Record
 # A range ends at or below the high watermark, so a replay's fetch finds records at once; this bounds
 # the wait only when a record vanished under it (a truncated log).
 REPLAY_FETCH_WAIT_MS = 100
+# How long a read may get nothing below the end it was told of before it gives up. Nothing comes
+# when the log now ends below that end (truncated under it: an unclean leader election lost the
+# records), or, briefly, when a new leader's high watermark has not caught up yet (its followers'
+# next fetches move it): long enough for the latter, and a read never asks forever.
+STALL_LIMIT_S = 5.0
 
 
 class RangeDeleted(Exception):
-    """Retention deleted part of the range asked for."""
+    """The log no longer holds part of the range asked for (retention deleted it)."""
+
+
+class RangeLost(RangeDeleted):
+    """The log ends below the end of the range, which it had reported durable: the records past its
+    end were lost under the read (a truncated log). Nothing will bring them back."""
 
 
 def _unused(partition: int, records: list[Record]) -> None:
@@ -39,9 +50,10 @@ def _unused(partition: int, records: list[Record]) -> None:
 
 
 class SharedReplay:
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, stall_limit_s: float = STALL_LIMIT_S) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
+        self.stall_limit_s = stall_limit_s
         self._fetcher: PartitionFetcher | None = None
         self._starting = asyncio.Lock()
         self.reads = 0                     # ranges served (tests check that streams share it)
@@ -84,17 +96,29 @@ class SharedReplay:
     async def read(self, key: bytes, partition: int, start: int, end: int) -> list[bytes]:
         """The values of `key`'s records at offsets [start, end) of `partition`. Raises RangeDeleted
         when `start` is below the partition's first offset (now, or by the time it is fetched): the
-        broker answers a fetch there OFFSET_OUT_OF_RANGE, no offsets request needed first."""
+        broker answers a fetch there OFFSET_OUT_OF_RANGE, no offsets request needed first; RangeLost
+        when the reads get nothing below `end` for stall_limit_s (the log ends below it)."""
         fetcher = await self._ready()
         self.reads += 1
+        loop = asyncio.get_running_loop()
         values: list[bytes] = []
         position = start
+        stalled_since: float | None = None
         while position < end:
             try:
-                records, position = await fetcher.fetch_once(partition, position)
+                fetched = await fetcher.fetch_once(partition, position)
             except OffsetOutOfRangeError as exc:
                 raise RangeDeleted(str(exc)) from exc      # deleted under a slow read
-            for offset, record_key, value in records:
+            if fetched.next_offset > position:
+                stalled_since = None
+            elif stalled_since is None:
+                stalled_since = loop.time()
+            elif loop.time() - stalled_since >= self.stall_limit_s:
+                raise RangeLost(
+                    f"{self.topic}-{partition} ends at {fetched.high_watermark}, below offset {end} it had"
+                    f" reported durable: its records in [{position}, {end}) are gone (a truncated log)")
+            position = fetched.next_offset
+            for offset, record_key, value in fetched.records:
                 if offset >= end:
                     return values
                 if record_key == key and value is not None:
