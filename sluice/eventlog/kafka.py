@@ -11,7 +11,8 @@ in-sync replicas; a run keeps several events in flight and their order holds
 (one partition per run, idempotent producer, a partition's batches in order).
 A run's first token is published `at_once`: the window ends now and its batches
 leave without waiting out the linger (TTFT pays no batching). `append` =
-publish and wait, for the rare caller that needs the position at once. A
+publish at once and wait, for the rare caller that needs the position (a
+terminal event, a fence): it does not wait out the linger either. A
 position is durable when its future resolves, and only then may it be recorded
 in the ledger.
 
@@ -145,7 +146,9 @@ class KafkaEventLog:
         return writer.publish(partition, key, event.SerializeToString(), at_once=at_once)
 
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
-        return await (await self.publish(event))
+        # At once: its caller waits for the position (a terminal event, a fence), the linger would
+        # only delay it; what the process published before it leaves with it.
+        return await (await self.publish(event, at_once=True))
 
     async def partition_of(self, run_id: str) -> int:
         """The partition the producer's default partitioner sends this run's key to."""
