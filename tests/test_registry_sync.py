@@ -1,5 +1,6 @@
 """The durable replica registry: an Admin API change reaches every routing process's registry
-(here two RegistrySync instances, each with its own registry, LISTEN connection and poll loop),
+(here two RegistrySync instances, each with its own registry and poll loop; in one process they share
+its listening connection, services/notify.py),
 and a routing process started later begins from it. Config stays the bootstrap underneath."""
 
 from __future__ import annotations
