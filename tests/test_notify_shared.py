@@ -5,7 +5,9 @@ process's three channels on three connections were three wake-ups per notificati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -46,15 +48,26 @@ async def all_listening(listeners: list[ChannelListener]) -> bool:
     return all(listener.listening for listener in listeners)
 
 
-async def test_three_channels_of_one_process_listen_on_one_backend_and_each_hears_only_its_own(
-        database_dsn: str):
-    heard = Heard()
-    listeners = [heard.listener(database_dsn, channel) for channel in CHANNELS]
-    admin = await asyncpg.connect(asyncpg_dsn(database_dsn))
+@contextlib.asynccontextmanager
+async def listening(dsn: str, heard: Heard) -> AsyncIterator[asyncpg.Connection]:
+    """A listener per channel, all LISTENing, and an admin connection that notifies; closed after."""
+    listeners = [heard.listener(dsn, channel) for channel in CHANNELS]
+    admin = await asyncpg.connect(asyncpg_dsn(dsn))
     try:
         for listener in listeners:
             listener.start()
         await until(lambda: all_listening(listeners))
+        yield admin
+    finally:
+        for listener in listeners:
+            await listener.close()
+        await admin.close()
+
+
+async def test_three_channels_of_one_process_listen_on_one_backend_and_each_hears_only_its_own(
+        database_dsn: str):
+    heard = Heard()
+    async with listening(database_dsn, heard) as admin:
         assert len(await admin.fetch(_LISTENING)) == 1
         for index, channel in enumerate(CHANNELS):
             await admin.execute("SELECT pg_notify($1, $2)", channel, f"p{index}")
@@ -64,22 +77,13 @@ async def test_three_channels_of_one_process_listen_on_one_backend_and_each_hear
         await until(delivered)
         assert heard.payloads == {"test_runs": ["p0"], "test_cancels": ["p1"], "test_replicas": ["p2"]}
         assert heard.connects == {channel: 1 for channel in CHANNELS}
-    finally:
-        for listener in listeners:
-            await listener.close()
-        await admin.close()
 
 
 async def test_when_the_shared_connection_dies_every_channel_is_told_it_listens_again(database_dsn: str):
     """Notifications sent while no connection listened are lost: each member's on_connect (its cue to
     re-read the ledger) runs again once the new connection LISTENs for its channel."""
     heard = Heard()
-    listeners = [heard.listener(database_dsn, channel) for channel in CHANNELS]
-    admin = await asyncpg.connect(asyncpg_dsn(database_dsn))
-    try:
-        for listener in listeners:
-            listener.start()
-        await until(lambda: all_listening(listeners))
+    async with listening(database_dsn, heard) as admin:
         [old] = [row["pid"] for row in await admin.fetch(_LISTENING)]
         await admin.execute("SELECT pg_terminate_backend($1)", old)
 
@@ -93,10 +97,6 @@ async def test_when_the_shared_connection_dies_every_channel_is_told_it_listens_
         async def delivered() -> bool:
             return heard.payloads[CHANNELS[1]] == ["again"]
         await until(delivered)
-    finally:
-        for listener in listeners:
-            await listener.close()
-        await admin.close()
 
 
 async def test_a_channel_whose_listener_closed_is_no_longer_heard_and_the_last_close_ends_the_connection(
