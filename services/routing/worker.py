@@ -113,6 +113,11 @@ CLAIM_RECHECK_S = 0.2        # after a failed claim, ask the ledger again this s
 # Runs claimed per transaction: small batches spread a burst over every routing process
 # instead of letting the first poller take it all (the loop claims again at once when full).
 CLAIM_BATCH = 8
+# Claim passes in flight at once. A run whose NOTIFY arrives after a pass in flight has sent its lock
+# is not in that pass's snapshot: a second pass takes it at once instead of after the first one's
+# COMMIT (four round trips, each a wake-up of this process and of a backend on a loaded box; a burst
+# of 16 Submits waited ~2 passes for its claim, issue 9). SKIP LOCKED keeps the passes disjoint.
+MAX_CLAIM_PASSES = 3
 HEALTH = HealthOptions(failure_threshold=2, open_s=3.0, check_interval_s=1.0, probe_interval_s=1.0)
 HEALTH_TICK_S = 0.25
 REPLICA_STOP_TIMEOUT_S = 2.0
@@ -166,6 +171,11 @@ class WorkerSettings:
                               coalesce_max_tokens=self.coalesce_max_tokens)
 
 
+@dataclass(slots=True)
+class _Pass:
+    locked: bool = False         # the pass has sent its lock (its snapshot of ACCEPTED runs is taken)
+
+
 @dataclass(frozen=True, slots=True)
 class _Routed:
     claim: ClaimedRun
@@ -211,6 +221,12 @@ class RoutingWorker:
         # asking whether anything waits (a timer's poll asks: most find nothing).
         self._claim_hinted = True
         self._idle = False                 # the last claim pass or poll found no run ACCEPTED
+        # Admission's NOTIFYs heard so far, and how many had been heard when the latest claim pass sent
+        # its lock: one heard after that is a run that pass may not see (another pass may start).
+        self._heard = 0
+        self._heard_at_lock = 0
+        self._unlocked = 0                 # claim passes begun that have not sent their lock yet
+        self._claiming = 0                 # runs the claim passes in flight may take (their `free`)
         self._accepted_listener: ChannelListener | None = None
         self._stopped = asyncio.Event()    # drained: every loop ends
         self._started_at = time.monotonic()
@@ -222,8 +238,7 @@ class RoutingWorker:
         """Run every loop until stop() is called, then drain: no more claims, while runs in
         progress get up to `drain_s` to finish with their leases still renewed. Runs still
         going after that are abandoned to another process's reaper (their leases lapse)."""
-        claiming = asyncio.create_task(
-            self._every(self.claim_once, self._claim_interval, busy_again=True, wake=self._accepted))
+        claiming = asyncio.create_task(self._claim_loop())
         self.keeper.start()
         upkeep = [asyncio.create_task(loop) for loop in (
             self._every(self.monitor_once, MONITOR_TICK_S, until=self._stopped),
@@ -284,6 +299,43 @@ class RoutingWorker:
 
     # --- claim --------------------------------------------------------------------------------
 
+    async def _claim_loop(self) -> None:
+        """Claim passes until stop(): one at start, on admission's NOTIFY, after a full pass and on the
+        poll timer (_claim_interval) while none is in flight; a NOTIFY heard once every pass in flight
+        has sent its lock starts another at once (up to MAX_CLAIM_PASSES). A wake-up that arrives while
+        passes run is otherwise answered by one more pass once they end, as with one pass at a time."""
+        passes: set[asyncio.Task[bool]] = set()
+        due = True
+        try:
+            while not self._stopping.is_set():
+                unseen = self._unlocked == 0 and self._heard > self._heard_at_lock
+                if due and (not passes or (len(passes) < MAX_CLAIM_PASSES and unseen)):
+                    due = False
+                    self._accepted.clear()
+                    passes.add(asyncio.create_task(self._claim_pass()))
+                waits = {asyncio.ensure_future(event.wait()) for event in (self._accepted, self._stopping)}
+                try:
+                    done, _ = await asyncio.wait({*passes, *waits}, return_when=asyncio.FIRST_COMPLETED,
+                                                 timeout=None if passes else self._claim_interval())
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+                ended = {task for task in passes if task in done}
+                passes -= ended
+                due = due or self._accepted.is_set() or not done or any(task.result() for task in ended)
+        finally:
+            await _cancelled(*passes)
+
+    async def _claim_pass(self) -> bool:
+        """One claim pass; an error is logged and counts as a pass that found nothing."""
+        try:
+            return bool(await self.claim_once())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("claim_once failed; retrying")
+            return False
+
     async def claim_once(self) -> bool:
         """Claim up to the free capacity; True when it filled it (more may be waiting).
 
@@ -293,9 +345,26 @@ class RoutingWorker:
         asks whether any run waits at all (one autocommit SELECT, where an idle worker's polls end);
         a pass woken by admission's NOTIFY, or following a full one, locks at once."""
         hinted, self._claim_hinted = self._claim_hinted, False
-        free = min(CLAIM_BATCH, self.settings.max_runs - len(self.drivers))
+        free = min(CLAIM_BATCH, self.settings.max_runs - len(self.drivers) - self._claiming)
         if free <= 0 or self._stopping.is_set():
             return False
+        self._claiming += free
+        self._unlocked += 1
+        claim = _Pass()
+        try:
+            return await self._claim(claim, free, hinted)
+        finally:
+            self._claiming -= free
+            if not claim.locked:
+                self._unlocked -= 1
+
+    def _locking(self, claim: _Pass) -> None:
+        """`claim` sends its lock now: what admission notified until here is in its snapshot."""
+        claim.locked = True
+        self._unlocked -= 1
+        self._heard_at_lock = self._heard
+
+    async def _claim(self, claim: _Pass, free: int, hinted: bool) -> bool:
         if not hinted:
             # A timer's poll: one autocommit round trip says whether anything waits at all.
             async with self.pool.connection() as connection:
@@ -316,6 +385,7 @@ class RoutingWorker:
         expired: list[TerminalRecord] = []
         try:
             async with self.pool.connection() as connection, connection.transaction():
+                self._locking(claim)
                 rows = await lock_accepted(connection, free, blocked)
                 self._idle = not rows
                 self._record_ladder(blocked, interactive_waiting=sum(
@@ -659,6 +729,7 @@ class RoutingWorker:
     def _run_accepted(self, pool: str) -> None:
         # A run for a pool none of our replicas serves would stay ACCEPTED here: no reason to wake.
         if self.registry.members(pool):
+            self._heard += 1
             self._claim_hinted = True
             self._accepted.set()
 
@@ -738,7 +809,7 @@ async def _first_of(timeout_s: float, *events: asyncio.Event | None) -> None:
             wait.cancel()
 
 
-async def _cancelled(*tasks: asyncio.Task[None]) -> None:
+async def _cancelled(*tasks: asyncio.Task[Any]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
