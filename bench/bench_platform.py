@@ -436,7 +436,7 @@ Profile = tuple[str, Path, "subprocess.Popen[bytes]"]
 
 
 def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: bool = True,
-                   native: bool = False) -> list[Profile]:
+                   native: bool = False, rate: int = 100) -> list[Profile]:
     """py-spy record on gateway 0 and (with `workers`) routing worker 0 (their main Python process),
     raw collapsed stacks (with `native`, C and Cython frames too: what the event loop's own time is)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -445,7 +445,7 @@ def start_profiles(stack: PlatformStack, seconds: int, out_dir: Path, workers: b
     for label, service in services:
         output = out_dir / f"{label.replace(' ', '-')}.txt"
         command = [py_spy, "record", "--pid", str(service.process.pid), "--duration", str(seconds),
-                   "--format", "raw", "--output", str(output),
+                   "--format", "raw", "--output", str(output), "--rate", str(rate),
                    *(["--native"] if native else ["--nonblocking"])]
         started.append((label, output, subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                                         stderr=subprocess.DEVNULL)))
@@ -602,7 +602,8 @@ async def bench(args: argparse.Namespace) -> None:
         background = await kafka_background(meter)
         print(f"Kafka background with the stack idle: {background * 1e3:.1f} ms CPU/s (whole broker,"
               " shared with other users of it)", flush=True)
-        profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
+        profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native,
+                                  rate=args.py_spy_rate) \
             if args.py_spy and args.py_spy_phase == "idle" else []
         idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
         requests.mark()
@@ -620,7 +621,8 @@ async def bench(args: argparse.Namespace) -> None:
                 print(line, flush=True)
         if "runs" in phases:
             cost_runs = args.cost_runs or plan.cost_runs
-            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native,
+                                  rate=args.py_spy_rate) \
                 if args.py_spy and args.py_spy_phase == "runs" else []
             requests.mark()
             threads.mark()
@@ -639,7 +641,8 @@ async def bench(args: argparse.Namespace) -> None:
         widths = ((64, plan.stream_runs_64), (256, plan.stream_runs_256))
         passes = range(1, args.stream_passes + 1)
         for width, runs, pass_no in ((w, r, p) for w, r in widths if f"stream{w}" in phases for p in passes):
-            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native,
+                                  rate=args.py_spy_rate) \
                 if args.py_spy and width == 64 and args.py_spy_phase == "stream64" else []
             print(f"[{load()}]", flush=True)
             requests.mark()
@@ -672,7 +675,8 @@ async def bench(args: argparse.Namespace) -> None:
         print(f"[{load()}]", flush=True)
         if "submit" in phases:
             await asyncio.to_thread(stack.stop_workers)
-            profiles = start_profiles(stack, args.py_spy, log_dir, workers=False, native=args.py_spy_native) \
+            profiles = start_profiles(stack, args.py_spy, log_dir, workers=False, native=args.py_spy_native,
+                                      rate=args.py_spy_rate) \
                 if args.py_spy and args.py_spy_phase == "submit" else []
             lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
             for line in lines:
@@ -703,6 +707,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile a gateway and the routing worker this long during stream-64")
     parser.add_argument("--py-spy-phase", choices=("stream64", "runs", "idle", "submit"), default="stream64",
                         help="the phase --py-spy samples")
+    parser.add_argument("--py-spy-rate", type=int, default=100, metavar="HZ",
+                        help="with --py-spy: samples per second (py-spy's default 100)")
     parser.add_argument("--py-spy-native", action="store_true",
                         help="with --py-spy: sample C and Cython frames too (grpc, uvloop, asyncpg)")
     parser.add_argument("--cost-runs", type=int, default=0,

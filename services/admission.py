@@ -1,6 +1,6 @@
 """Admission: the only way work enters Sluice (protos/sluice/v1/admission.proto).
 
-A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py):
+A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py), on one checkout:
 
     API key from metadata (pure)             missing → UNAUTHENTICATED
     READ   key → tenant, alias/version → model + its backlog (ACCEPTED runs), one SELECT
@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import asyncpg
 import grpc.aio
 from opentelemetry import trace
 from sluice.ledger.admission_sql import SubmitContext, drained_runs, insert_reserving, read_submit_context
@@ -259,6 +260,14 @@ class AdmissionService:
         return admitted
 
     async def _admit(self, metadata: Metadata, intent: SubmitIntent, span: trace.Span) -> Admitted:
+        # One hot connection for the read and the write (a checkout costs ~50 us of CPU): held
+        # through the checks and tokenization between them, which take well under a millisecond
+        # for prompts below tokenization.OFF_LOOP_MIN_CHARS.
+        async with self.hot.connection() as connection:
+            return await self._admit_on(connection, metadata, intent, span)
+
+    async def _admit_on(self, connection: asyncpg.Connection, metadata: Metadata, intent: SubmitIntent,
+                        span: trace.Span) -> Admitted:
         key = api_key_from_metadata(metadata)
         # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
         # the config sets is refused before the first query reads a field.
@@ -267,9 +276,8 @@ class AdmissionService:
         pace, traffic = self._settings.pace, self._settings.traffic
         # Sticky per conversation: every run of one conversation lands on the same side of a split.
         point = split_point(intent.model, intent.conversation_id or intent.request_key)
-        async with self.hot.connection() as connection:
-            context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
-                                                traffic.max_batch_backlog)
+        context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
+                                            traffic.max_batch_backlog)
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
@@ -326,7 +334,7 @@ class AdmissionService:
             self.ladder_metrics.acted(model.worker_pool, Step.FALLBACK)
         admitted = None
         if not retry and not tenant.has_rate_limits:
-            admitted = await self._insert_reserving(prepared)
+            admitted = await self._insert_reserving(connection, prepared)
         if admitted is None:
             async with self._sessionmaker() as session, session.begin():
                 admitted = await self._insert_or_match(session, prepared)
@@ -423,12 +431,10 @@ class AdmissionService:
             return True
         return False
 
-    async def _insert_reserving(self, prepared: _Prepared) -> Admitted | None:
+    async def _insert_reserving(self, connection: asyncpg.Connection, prepared: _Prepared) -> Admitted | None:
         """The one-statement write; None when it wrote nothing (the transactional path decides why)."""
-        async with self.hot.connection() as connection:
-            reserved = await insert_reserving(connection, self._written_values(prepared),
-                                              prepared.deadline_ms,
-                                              (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
+        reserved = await insert_reserving(connection, self._written_values(prepared), prepared.deadline_ms,
+                                          (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
         if reserved is None:
             return None          # the transactional path tells why (key taken, no fit, no period) and answers
         self.metrics.budget_left(prepared.tenant.name, reserved.tokens_left, reserved.cost_left_micros)
