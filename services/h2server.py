@@ -352,7 +352,7 @@ class H2Connection(asyncio.Protocol):
         self.peer = ""
         self._buffer = b""
         self._preface = False
-        self._decoder = hpack.Decoder()
+        self._decoder = wire.HeaderDecoder()
         self._blocks = h2.HeaderBlocks()
         self.calls: dict[int, Call] = {}
         self._last_stream_id = 0
@@ -561,7 +561,7 @@ class H2Connection(asyncio.Protocol):
             del self.calls[call.stream_id]
 
     def _on_headers(self, block: h2.HeaderBlock) -> None:
-        headers = self._decoder.decode(block.data, raw=True)
+        headers = self._decoder.decode(block.data)
         stream_id = block.stream_id
         if stream_id in self.calls:
             if block.end_stream:     # trailers from the client: its side is done
@@ -574,7 +574,7 @@ class H2Connection(asyncio.Protocol):
             self.write(h2.rst_stream(stream_id, REFUSED_STREAM))
             return
         self._last_stream_id = stream_id
-        head = wire.call_head(cast(Sequence[tuple[bytes, bytes]], headers))
+        head = wire.call_head(headers)
         handler = self.server.handler(head)
         if handler is None:
             self._answer_at_once(stream_id, block.end_stream, grpc.StatusCode.UNIMPLEMENTED,

@@ -240,8 +240,10 @@ class RunsService:
         start; the ledger is read again only once it is woken (or after WAIT_REPOLL_S): a stream opened
         right after Submit is usually handed its run's first event live and never reads it at all."""
         if started_since_read is not None:
+            # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for makes one).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(started_since_read.wait(), WAIT_REPOLL_S)
+                async with asyncio.timeout(WAIT_REPOLL_S):
+                    await started_since_read.wait()
             # The NOTIFY says the first event is durable; the live tail hands it over within a batch
             # interval or so, and then this wait is cancelled without reading the ledger at all.
             await asyncio.sleep(START_NOTIFIED_GRACE_S)
@@ -258,7 +260,8 @@ class RunsService:
                 if start is not None:
                     return start
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(started.wait(), WAIT_REPOLL_S)
+                    async with asyncio.timeout(WAIT_REPOLL_S):
+                        await started.wait()
 
     async def _event_start(self, run_id: uuid.UUID, after: int) -> StreamStart | None:
         async with self._hot.connection() as connection:

@@ -607,6 +607,33 @@ def test_header_blocks_decode_exactly_through_a_standard_hpack_decoder():
     assert hpack.Decoder().decode(wire.OK_TRAILERS) == [("grpc-status", "0")]
 
 
+def literal_indexed(name: bytes, value: bytes) -> bytes:
+    """A literal that enters the dynamic table (RFC 7541 §6.2.1), new name, no Huffman coding."""
+    return b"\x40" + bytes((len(name),)) + name + bytes((len(value),)) + value
+
+
+def test_a_remembered_header_block_decodes_as_the_dynamic_table_now_says():
+    # b"\xbe" names dynamic entry 62, the newest: once a later block inserts another entry, the same
+    # bytes name that one, and a block remembered from before would be wrong.
+    newest = b"\xbe"
+    decoder, reference = wire.HeaderDecoder(), hpack.Decoder()
+    blocks = [literal_indexed(b"x-a", b"1"), newest, newest, literal_indexed(b"x-b", b"2"), newest, newest]
+    decoded = [decoder.decode(block) for block in blocks]
+    assert decoded == [tuple(reference.decode(block, raw=True)) for block in blocks]
+    assert decoded[2] == ((b"x-a", b"1"),) and decoded[5] == ((b"x-b", b"2"),)
+
+
+def test_a_grpc_clients_repeated_request_block_is_decoded_once_and_read_the_same():
+    encoder = hpack.Encoder()
+    fields = [(":method", "POST"), (":scheme", "http"), (":path", "/test.Echo/Echo"), (":authority", "h:1"),
+              ("content-type", "application/grpc"), ("te", "trailers"), ("x-api-key", "sk-1")]
+    first, again = encoder.encode(fields), encoder.encode(fields)     # the second: table references only
+    decoder = wire.HeaderDecoder()
+    assert decoder.decode(first) == decoder.decode(again) == decoder.decode(again)
+    assert decoder.decode(again) is decoder.decode(again)              # remembered, not decoded again
+    assert wire.call_head(decoder.decode(again)).metadata == (("x-api-key", "sk-1"),)
+
+
 def test_grpc_timeout_units():
     assert wire.timeout_s(b"250m") == pytest.approx(0.25)
     assert wire.timeout_s(b"2S") == 2.0
