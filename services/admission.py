@@ -242,10 +242,14 @@ class AdmissionService:
         """Admit or refuse, timed and counted (GatewayMetrics) under the Submit span, whose
         traceparent the run row keeps for the routing worker's spans (one trace per run)."""
         started = time.perf_counter()
-        attributes = submit_span_attributes(intent.model, intent.max_output_tokens, intent.sampling.as_json())
         with tracer().start_as_current_span("admission.submit", kind=trace.SpanKind.SERVER,
-                                            attributes=attributes, record_exception=False,
-                                            set_status_on_exception=False) as span:
+                                            record_exception=False, set_status_on_exception=False) as span:
+            # Attributes only for a span that records them (tracing off or not sampled: no dicts, no
+            # formatted ids; the sampler, by trace id, does not read them).
+            recording = span.is_recording()
+            if recording:
+                span.set_attributes(submit_span_attributes(intent.model, intent.max_output_tokens,
+                                                           intent.sampling.as_json()))
             try:
                 admitted = await self._admit(metadata, intent, span)
             except SluiceError as error:
@@ -253,9 +257,10 @@ class AdmissionService:
                 span.set_attributes({"error.type": error.code.name, "sluice.refusal.reason": error.reason})
                 span.set_status(trace.StatusCode.ERROR, error.reason)
                 raise
-            span.set_attributes({"sluice.run_id": str(admitted.run_id),
-                                 "gen_ai.usage.input_tokens": admitted.input_tokens,
-                                 "sluice.deduplicated": admitted.deduplicated})
+            if recording:
+                span.set_attributes({"sluice.run_id": str(admitted.run_id),
+                                     "gen_ai.usage.input_tokens": admitted.input_tokens,
+                                     "sluice.deduplicated": admitted.deduplicated})
         self.metrics.submitted(time.perf_counter() - started)
         return admitted
 
@@ -281,7 +286,8 @@ class AdmissionService:
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
-        span.set_attributes({"sluice.tenant": str(tenant.id), "sluice.tenant.name": tenant.name})
+        if span.is_recording():
+            span.set_attributes({"sluice.tenant": str(tenant.id), "sluice.tenant.name": tenant.name})
         text = check_request_shape(intent, self._settings.max_request_key_chars)
         model = _permitted_model(context, tenant, intent.model)
         check_priority_permitted(tenant, priority)

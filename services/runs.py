@@ -240,7 +240,7 @@ class RunsService:
         start; the ledger is read again only once it is woken (or after WAIT_REPOLL_S): a stream opened
         right after Submit is usually handed its run's first event live and never reads it at all."""
         if started_since_read is not None:
-            # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for makes one).
+            # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for makes one)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WAIT_REPOLL_S):
                     await started_since_read.wait()
