@@ -135,6 +135,9 @@ class RunOutcome:
     run_id: str = ""
     submitted_at: float = 0.0   # wall clock (time.time()) when Submit was called
     first_at: float = 0.0       # wall clock when the first DELTA arrived (0: none)
+    # Each later DELTA: ms from its publish (the event's time_ms, the routing worker's wall clock at
+    # the window's close) to its arrival here: the event log's and the gateway's share of a token's wait.
+    delivery_ms: tuple[float, ...] = ()
 
 
 class Client:
@@ -168,6 +171,7 @@ class Client:
         started = time.perf_counter()
         first = float("nan")
         received = events = 0
+        delivery: list[float] = []
         status, detail = "NO TERMINAL", ""
         try:
             run_id = await self.submit(gateway, tenant, tokens)
@@ -179,13 +183,16 @@ class Client:
                     if received == 0:
                         first = time.perf_counter() - started
                         first_at = time.time()
+                    else:
+                        delivery.append(time.time() * 1000 - event.time_ms)
                     received += len(event.token_ids)
                 elif event.type == runs_pb2.EVENT_TYPE_TERMINAL:
                     status = common_pb2.RunStatus.Name(event.status).removeprefix("RUN_STATUS_")
                     detail = event.detail
         except grpc.aio.AioRpcError as error:
             status, detail = f"ERROR {error.code().name}", error.details() or ""
-        return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at)
+        return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at,
+                          tuple(delivery))
 
 
 async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]) -> list[T]:
@@ -413,6 +420,7 @@ def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, backgroun
                  idle: Spent) -> list[str]:
     tokens = sum(o.tokens for o in outcomes)
     events = sum(o.events for o in outcomes)
+    delivery = [ms for o in outcomes for ms in o.delivery_ms]
     kafka_net = max(0.0, spent.cpu["kafka"] - background * spent.wall_s)
     # What the stack would have burnt doing nothing for as long (pollers, timers, scrapes: paid per
     # second), taken off: the rest is what the phase's runs, events and tokens cost.
@@ -422,6 +430,8 @@ def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, backgroun
             f" ({tokens / max(events, 1):.2f} tokens/event), {spent.wall_s:.1f} s wall,"
             f" {tokens / spent.wall_s:.0f} tokens/s; outcomes: {outcome_counts(outcomes)}",
             f"  platform CPU per token {spent.split(max(tokens, 1), 'us', 1e6)}",
+            f"  a DELTA's publish -> client (after the first): p50 {pct(delivery, 50):.1f} / p95"
+            f" {pct(delivery, 95):.1f} / max {max(delivery, default=float('nan')):.1f} ms",
             f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)",
             f"  net of the idle stack's rate over the phase: {sum(net.values()) / max(tokens, 1) * 1e6:.1f}"
             f" us/token ({net_parts})"]

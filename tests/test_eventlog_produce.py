@@ -228,3 +228,31 @@ async def test_an_event_too_large_for_a_request_is_refused_at_publish_and_the_ru
         await events.publish(too_large, at_once=True)
     after = await asyncio.wait_for(events.append(seq.delta([2], "z", 0)), 10)
     assert after == LogPosition(written.partition, written.offset + 1)
+
+
+async def test_a_window_due_while_its_broker_owes_an_answer_leaves_in_one_request_with_the_answered_partition(
+        broker):
+    """A broker answers one produce request of a producer at a time. A window that ends while it owes
+    one waits for that answer, then all of it leaves in one request: the partition that was answered
+    too, not alone right after the others (which sent each busy partition's batch as its own request)."""
+    async with lingering_log(broker, 3000) as events:
+        partitions = sorted(await (await events._ready_producer()).partitions_for(events.topic))
+        busy, *others = [RunEventSequencer(run_id) for run_id in runs_over_partitions(partitions, 1)]
+        for seq in (busy, *others):                 # every partition's leader known, producer warm
+            await events.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
+        counter = RequestCounter(Path(broker["SLUICE_PATHS__DATA_DIR"]) / "logs" / "kafka.log")
+        pid = broker_pid(broker)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            owed = await events.publish(busy.delta([1], "a", 0), at_once=True)   # unanswered meanwhile
+            await asyncio.sleep(0.3)
+            counter.mark()
+            acks = [await events.publish(seq.delta([2], "b", 0)) for seq in (*others, busy)]
+            acks.append(await events.publish(busy.delta([3], "c", 0), at_once=True))
+            await asyncio.sleep(0.3)
+            assert not owed.done()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(owed, *acks), 30)
+        # The owed request is logged once answered (after mark()): it and one more.
+        assert await produce_requests(counter, 2) == 2

@@ -4,7 +4,8 @@
                 │                                        the last batch takes new records)
                 │ due when the window ends: one timer per window, or at once for a first token
                 ▼
-    ship: producer.send_batch(p's first due batch) unless p already has one unanswered
+    ship: producer.send_batch(p's first due batch) unless p's leader owes an answer (a batch of
+                │ any of its partitions unanswered): then p's batch waits for it, with the others
                 │ aiokafka's sender: one ProduceRequest per broker carries every partition handed over
                 ▼
     the batch's one future ──▶ each record's position = base offset + its index; p's next batch ships
@@ -21,7 +22,11 @@ its own linger ended (one request each, since aiokafka keeps one request in flig
 One batch per partition handed over and unanswered, as aiokafka's sender itself sends them: the
 records arriving meanwhile join the partition's next batch, which ships when the answer comes (so a
 busy partition sends fewer, larger batches, and send_batch never waits for room, which would hold up
-the other partitions behind a slow leader).
+the other partitions behind a slow leader). And nothing handed over to a broker that owes an answer:
+the sender sends one request at a time to a broker, so those batches would wait for the answer
+anyway, and the partitions answered then would follow in a request of their own (a window's records
+in two or three requests, each costing the broker as much as one carrying them all). Held back,
+the due batches of every partition the broker leads leave in the one request after the answer.
 
 What holds, as with send(): the producer is idempotent with acks=all, so the broker drops a retried
 duplicate and a partition's records are stored in the order they were published; a record's position
@@ -41,7 +46,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError, ProducerClosed
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
-from aiokafka.structs import RecordMetadata
+from aiokafka.structs import RecordMetadata, TopicPartition
 
 from sluice.eventlog.interface import LogPosition
 
@@ -116,6 +121,19 @@ class WindowedWriter:
     def _due(self, state: _Partition) -> bool:
         return state.sent is None and bool(state.queued) and state.queued[0].window < self._window
 
+    def _leader(self, partition: int) -> int | None:
+        return self.producer.client.cluster.leader_for_partition(TopicPartition(self.topic, partition))
+
+    def _ready(self) -> list[tuple[int, _Partition]]:
+        """The partitions whose first batch is due and whose leader owes no answer: the producer
+        sends one request at a time to a broker, so a batch handed over while its leader owes one
+        would wait for it anyway, and the partitions answered then would follow in a request of their
+        own. Held until the answer, they all leave in one."""
+        owing = {self._leader(partition) for partition, state in self._partitions.items()
+                 if state.sent is not None}
+        return [(partition, state) for partition, state in self._partitions.items()
+                if self._due(state) and (not owing or self._leader(partition) not in owing)]
+
     def _ship_soon(self) -> None:
         if self._shipper is None:
             self._shipper = self._loop.create_task(self._ship())
@@ -124,8 +142,7 @@ class WindowedWriter:
         """Hand every partition's first due batch to the producer, where none is unanswered. None of
         these awaits waits for room: the partition has no batch queued in the producer."""
         try:
-            while due := [(partition, state) for partition, state in self._partitions.items()
-                          if self._due(state)]:
+            while due := self._ready():
                 for partition, state in due:
                     await self._hand_over(partition, state)
         finally:
@@ -157,7 +174,9 @@ class WindowedWriter:
         for index, durable in enumerate(batch.waiting):
             if not durable.done():
                 durable.set_result(LogPosition(partition, base + index))
-        if self._due(state):
+        # Its leader may owe nothing now: every partition it holds back may go (the shipper runs after
+        # the answers of the request's other partitions, which come in the same response).
+        if any(self._due(other) for other in self._partitions.values()):
             self._ship_soon()
 
     @staticmethod
