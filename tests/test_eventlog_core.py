@@ -57,6 +57,31 @@ def test_coalescer_closes_a_window_at_its_token_limit_without_waiting_out_its_ti
     assert window.take() == [1, 2, 3, 4] and not window.full()
 
 
+def test_an_aligned_coalescer_closes_each_window_at_the_next_multiple_of_its_length_on_the_clock():
+    window = DeltaCoalescer(window_ms=200, aligned=True)
+    window.add([1], now_ms=1_030)                     # opens between 1,000 and 1,200: closes at 1,200
+    assert window.remaining_ms(now_ms=1_030) == 170
+    window.add([2], now_ms=1_130)
+    assert not window.due(now_ms=1_199.9) and window.due(now_ms=1_200)
+    assert window.take() == [1, 2]
+    window.add([3], now_ms=1_200)                     # at a multiple: a whole window
+    assert window.remaining_ms(now_ms=1_200) == 200
+    # Another run's window, opened elsewhere in the same stretch, closes at the same instant.
+    other = DeltaCoalescer(window_ms=200, aligned=True)
+    other.add([7], now_ms=1_399)
+    assert other.remaining_ms(now_ms=1_399) == window.remaining_ms(now_ms=1_399) == 1
+    # No token waits longer than the window, and the token limit still closes one at once.
+    limited = DeltaCoalescer(window_ms=200, max_tokens=2, aligned=True)
+    limited.add([1, 2], now_ms=1_250)
+    assert limited.due(now_ms=1_250)
+
+
+def test_an_aligned_coalescer_with_zero_window_emits_every_chunk():
+    window = DeltaCoalescer(window_ms=0, aligned=True)
+    window.add([9], now_ms=1)
+    assert window.due(now_ms=1)
+
+
 def test_coalescer_with_zero_window_emits_every_chunk():
     window = DeltaCoalescer(window_ms=0)
     window.add([9], now_ms=1)

@@ -127,6 +127,7 @@ class DriverSettings:
     block_size: int              # replica KV block size: reused blocks → cached prompt tokens
     max_attempts: int = DEFAULT_MAX_ATTEMPTS   # replicas a run may try before its first token
     coalesce_max_tokens: int = 0   # a window holding this many tokens closes at once (0: no limit)
+    coalesce_aligned: bool = False   # windows close on the host's clock grid ([kafka].coalesce_aligned)
     cache_salt_id: bool = True   # the replica takes the trust scope's salt (else requests go unsalted)
 
 
@@ -201,7 +202,7 @@ class _Pump:
         if first or coalescer.due(arrived * 1000):
             self.wake.set()
         elif opens:
-            self.arm_window(coalescer.window_ms / 1000)
+            self.arm_window((coalescer.remaining_ms(arrived * 1000) or 0.0) / 1000)
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
@@ -333,7 +334,8 @@ class RunDriver:
 
     async def _attempt(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder) -> Attempt:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
-        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens), self._wake,
+        pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens,
+                                    aligned=self.settings.coalesce_aligned), self._wake,
                      time.monotonic(), self.claim.max_output_tokens)
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")

@@ -141,6 +141,7 @@ class WorkerSettings:
     scrape_interval_s: float = 0.25     # 0 = replicas are not scraped
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     coalesce_max_tokens: int = 0
+    coalesce_aligned: bool = False
     headroom: Headroom = Headroom()     # [traffic]: what a pool must be below for batch dispatch
 
     @classmethod
@@ -156,6 +157,7 @@ class WorkerSettings:
             scrape_interval_s=routing.scrape_interval_ms / 1000,
             max_attempts=routing.max_attempts,
             coalesce_max_tokens=config.kafka.coalesce_max_tokens,
+            coalesce_aligned=config.kafka.coalesce_aligned,
             headroom=TrafficSettings.from_config(config).headroom,
         )
 
@@ -168,7 +170,8 @@ class WorkerSettings:
         return DriverSettings(owner=self.owner, lease_seconds=self.lease_seconds,
                               coalesce_ms=self.coalesce_ms, first_token_timeout_s=self.first_token_timeout_s,
                               block_size=self.block_size, max_attempts=self.max_attempts,
-                              coalesce_max_tokens=self.coalesce_max_tokens)
+                              coalesce_max_tokens=self.coalesce_max_tokens,
+                              coalesce_aligned=self.coalesce_aligned)
 
 
 @dataclass(slots=True)

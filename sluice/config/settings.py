@@ -90,6 +90,7 @@ class KafkaSection(Section):
     retention_ms: PositiveInt = 604_800_000
     coalesce_ms: NonNegative = 200.0
     coalesce_max_tokens: Annotated[int, Field(ge=0)] = 32
+    coalesce_aligned: bool = True
     producer_linger_ms: Annotated[int, Field(ge=0)] = 20
     brokers: Literal[1, 3] = 1         # 1: the single broker; 3: infra/kafka_cluster.sh's cluster
     cluster_bootstrap: str = "127.0.0.1:19111,127.0.0.1:19121,127.0.0.1:19131"

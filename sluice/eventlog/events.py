@@ -109,6 +109,14 @@ class DeltaCoalescer:
     share one event. A window opens with the first token buffered and closes `window_ms` later, or
     at once when it holds `max_tokens` (0: no count limit). No token waits longer than `window_ms`.
 
+    `aligned`: a window closes instead at the first multiple of `window_ms` on the clock after it
+    opened (the callers' clock is time.monotonic(), the host's), so the windows of every run of every
+    process on the host close at the same instants: their DELTAs leave in one produce request per
+    window (a request per broker, per linger, whatever it carries, was most of the broker's cost per
+    token), and each gateway takes them in one fetch. A token still waits at most `window_ms`; a
+    run's first window after its first token is shorter, the ones after it as long (a run whose
+    tokens keep coming is in step with the clock after one window).
+
     The trade-off (README "Cost per token"): each event costs the platform the same whatever it
     carries (a log record, an acknowledgment, a fetch and a gRPC message per reader), so a wider
     window divides that cost by the tokens it gathers, and a reader sees tokens in bursts at most
@@ -116,21 +124,25 @@ class DeltaCoalescer:
     publishes it at once): TTFT does not pay the window.
     """
 
-    __slots__ = ("window_ms", "max_tokens", "_tokens", "_opened_ms")
+    __slots__ = ("window_ms", "max_tokens", "aligned", "_tokens", "_closes_ms")
 
-    def __init__(self, window_ms: float, max_tokens: int = 0) -> None:
+    def __init__(self, window_ms: float, max_tokens: int = 0, *, aligned: bool = False) -> None:
         assert window_ms >= 0, "coalescing window cannot be negative"
         assert max_tokens >= 0, "a window's token limit cannot be negative"
         self.window_ms = window_ms
         self.max_tokens = max_tokens
+        self.aligned = aligned and window_ms > 0
         self._tokens: list[int] = []
-        self._opened_ms: float | None = None
+        self._closes_ms: float | None = None
 
     def add(self, token_ids: Sequence[int], now_ms: float) -> None:
         if not token_ids:
             return
-        if self._opened_ms is None:
-            self._opened_ms = now_ms
+        if self._closes_ms is None:
+            if self.aligned:
+                self._closes_ms = (now_ms // self.window_ms + 1) * self.window_ms
+            else:
+                self._closes_ms = now_ms + self.window_ms
         self._tokens.extend(token_ids)
 
     def pending(self) -> bool:
@@ -142,18 +154,18 @@ class DeltaCoalescer:
 
     def due(self, now_ms: float) -> bool:
         """True when the buffered tokens should be emitted now."""
-        return self._opened_ms is not None and (now_ms - self._opened_ms >= self.window_ms or self.full())
+        return self._closes_ms is not None and (now_ms >= self._closes_ms or self.full())
 
     def remaining_ms(self, now_ms: float) -> float | None:
         """How long until the window closes; None when nothing is buffered."""
-        if self._opened_ms is None:
+        if self._closes_ms is None:
             return None
         if self.full():
             return 0.0
-        return max(0.0, self.window_ms - (now_ms - self._opened_ms))
+        return max(0.0, self._closes_ms - now_ms)
 
     def take(self) -> list[int]:
-        tokens, self._tokens, self._opened_ms = self._tokens, [], None
+        tokens, self._tokens, self._closes_ms = self._tokens, [], None
         return tokens
 
 

@@ -1,0 +1,42 @@
+"""Aligned coalescing windows ([kafka].coalesce_aligned, issue 9): the routing worker's windows close
+on the host's clock at multiples of coalesce_ms, so that every run's DELTAs of a window leave in one
+produce request and reach each gateway in one fetch. The configuration reaches the driver, and the
+driver's window timer fires at the window's aligned close (its clock: time.monotonic(), the loop's)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sluice.config import load_settings
+from sluice.eventlog.events import DeltaCoalescer
+from sluice.services.replica_client import TokenChunk
+from sluice.services.routing.driver import _Pump
+from sluice.services.routing.worker import WorkerSettings
+
+WINDOW_MS = 200.0
+
+
+def test_the_configured_alignment_reaches_the_driver_and_is_on_by_default():
+    config = load_settings()
+    assert config.kafka.coalesce_aligned
+    assert WorkerSettings.from_config(config, "me").driver().coalesce_aligned
+    off = config.updated(kafka={"coalesce_aligned": False})
+    assert not WorkerSettings.from_config(off, "me").driver().coalesce_aligned
+
+
+async def test_a_window_opened_mid_way_closes_at_the_next_multiple_of_the_window_on_the_clock():
+    loop = asyncio.get_running_loop()
+    assert abs(loop.time() - time.monotonic()) < 0.001, "the driver's timers run on the monotonic clock"
+    pump = _Pump(DeltaCoalescer(WINDOW_MS, aligned=True), asyncio.Event(), time.monotonic(), cap=100)
+    pump.take(TokenChunk((1,), 4, 0))
+    assert pump.wake.is_set() and pump.coalescer.take() == [1]   # the first token: published at once
+    # The next token opens a window half-way between two multiples of the window: it closes at the
+    # next one, ~100 ms on (a window counted from its opening would close ~200 ms on).
+    while not 100 <= (time.monotonic() * 1000) % WINDOW_MS < 110:
+        await asyncio.sleep(0.001)
+    pump.take(TokenChunk((2,), 4, 0))
+    assert pump.window_timer is not None
+    closes_ms = (pump.last_token_at * 1000 // WINDOW_MS + 1) * WINDOW_MS   # type: ignore[operator]
+    assert abs(pump.window_timer.when() * 1000 - closes_ms) < 50
+    pump.disarm_window()
