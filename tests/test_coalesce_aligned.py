@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from sluice.config import load_settings
-from sluice.eventlog.events import DeltaCoalescer
 from sluice.services.replica_client import TokenChunk
 from sluice.services.routing.driver import _Pump
 from sluice.services.routing.worker import WorkerSettings
+
+from sluice.config import load_settings
+from sluice.eventlog.events import DeltaCoalescer
 
 WINDOW_MS = 200.0
 
