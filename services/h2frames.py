@@ -55,6 +55,11 @@ class Frame:
     payload: bytes
 
 
+# A frame head at an offset of a buffer: (length's high 8 bits, its low 16, type, flags, R + stream id).
+# For a reader that handles frames as it cuts them (replica_conn) instead of building a Frame each.
+unpack_head = _HEAD.unpack_from
+
+
 def split_frames(buffer: bytes) -> tuple[list[Frame], bytes]:
     """The complete frames at the start of `buffer`, and the incomplete rest (kept for the next read)."""
     frames = []
@@ -173,6 +178,11 @@ class HeaderBlocks:
         self._parts: list[bytes] | None = None      # None: no block under way
         self._size = 0
         self._limit = limit
+
+    @property
+    def open(self) -> bool:
+        """A block is under way: the next frame must be its CONTINUATION."""
+        return self._parts is not None
 
     def takes(self, frame: Frame) -> bool:
         """Whether `frame` is part of a header block; raises ValueError for any other frame arriving

@@ -44,6 +44,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 from sluice.services import replica_conn
+from sluice.services.replica_responses import ResponseLayout
+from sluice.services.replica_responses import is_final as _is_final
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from sluice.replica.protocol import MODEL_NAME, REQUEST_ID_PARAM
@@ -232,11 +234,6 @@ def error_text(message: str) -> str:
     return text if sep and " " not in kind else last
 
 
-def _is_final(response: service_pb2.ModelInferResponse) -> bool:
-    param = response.parameters.get("triton_final_response")
-    return bool(param is not None and param.bool_param)
-
-
 def _tensor_ints(raw: bytes, datatype: str, name: str) -> tuple[int, ...]:
     """One output tensor's values, straight from its raw bytes (little-endian, as Triton sends), with a
     compiled Struct per (datatype, size): a stream's responses all have the same few shapes."""
@@ -312,7 +309,7 @@ class _Generation:
     ReplicaError that ended the request."""
 
     __slots__ = ("address", "request_id", "num_input_tokens", "reused", "on_chunk", "chunks", "waiter",
-                 "limit_s", "inactivity_s", "last_activity", "connection", "stream_id", "ended")
+                 "limit_s", "inactivity_s", "last_activity", "connection", "stream_id", "ended", "layout")
 
     def __init__(self, address: str, request_id: str, num_input_tokens: int,
                  on_chunk: Callable[[TokenChunk], None] | None, first_timeout_s: float,
@@ -327,12 +324,21 @@ class _Generation:
         self.connection = connection
         self.stream_id = 0
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.layout = ResponseLayout()
 
     # --- replica_conn.StreamSink ---
 
     def message(self, body: bytes) -> None:
-        self.last_activity = time.monotonic()
+        self.last_activity = self.connection.last_received    # when the read that brought it came
         self.limit_s = self.inactivity_s
+        known = self.layout.tokens(body)
+        if known is not None:                # the stream's usual response: its values at their offsets
+            token_ids, reused = known
+            if reused is not None:
+                self.reused = reused
+            if token_ids:
+                self._deliver(TokenChunk(token_ids, self.num_input_tokens, self.reused))
+            return
         try:
             message = service_pb2.ModelStreamInferResponse.FromString(body)
             if message.error_message:
@@ -349,19 +355,26 @@ class _Generation:
             self._end(ReplicaLost(ERR_LOST_RPC.format(address=self.address, request_id=self.request_id,
                                                       code="INTERNAL", details=exc)))
             return
+        self.layout.learn(body, message)
         self.reused = chunk.kv_cache_reused_blocks
-        if chunk.token_ids:                  # a final response may carry no tokens
-            if self.on_chunk is not None:
-                try:
-                    self.on_chunk(chunk)
-                except Exception as exc:     # the consumer's failure ends its request, not the connection
-                    self._end(exc)
-                    return
-            else:
-                self.chunks.append(chunk)
-                self._wake()
+        if chunk.token_ids and not self._deliver(chunk):   # a final response may carry no tokens
+            return
         if _is_final(response):
             self._end(None)
+
+    def _deliver(self, chunk: TokenChunk) -> bool:
+        """Hand a chunk to the consumer; False when the consumer failed, which ended its request (not
+        the connection)."""
+        if self.on_chunk is None:
+            self.chunks.append(chunk)
+            self._wake()
+            return True
+        try:
+            self.on_chunk(chunk)
+        except Exception as exc:
+            self._end(exc)
+            return False
+        return True
 
     def closed(self, code: str | None, details: str) -> None:
         """The stream ended before the final response: the server closed it, or the connection went."""

@@ -122,12 +122,30 @@ class ReplicaConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_received = time.monotonic()
         self._ping_sent_at = None           # anything received proves the peer alive
-        frames, self._buffer = h2.split_frames(self._buffer + data if self._buffer else data)
+        buffer = self._buffer + data if self._buffer else data
         try:
-            for frame in frames:
-                self._on_frame(frame)
+            self._buffer = buffer[self._on_frames(buffer):]
         except (hpack.HPACKError, ValueError, KeyError) as exc:
             self._fail(ERR_PROTOCOL.format(why=exc))
+
+    def _on_frames(self, buffer: bytes) -> int:
+        """Handle every complete frame of `buffer`, in one pass; returns where the incomplete rest
+        begins. DATA, nearly every frame a replica sends (one per token of every stream), goes
+        straight to its stream without a Frame built for it."""
+        pos, size = 0, len(buffer)
+        unpack_head = h2.unpack_head
+        while size - pos >= 9:
+            high, low, kind, flags, stream_id = unpack_head(buffer, pos)
+            start = pos + 9
+            end = start + (high << 16 | low)
+            if end > size:
+                break
+            pos = end
+            if kind == h2.DATA and not self._blocks.open:
+                self._on_data(stream_id & 0x7FFFFFFF, flags, buffer[start:end])
+            else:
+                self._on_frame(h2.Frame(kind, flags, stream_id & 0x7FFFFFFF, buffer[start:end]))
+        return pos
 
     # --- streams --------------------------------------------------------------------------------
 
@@ -210,7 +228,7 @@ class ReplicaConnection(asyncio.Protocol):
             if block is not None:
                 self._on_headers(block)
         elif kind == h2.DATA:
-            self._on_data(frame)
+            self._on_data(frame.stream_id, frame.flags, frame.payload)
         elif kind == h2.RST_STREAM:
             self._end(frame.stream_id, "UNAVAILABLE" if h2.parse_u32(frame.payload) == 7 else "INTERNAL",
                       ERR_RESET.format(code=h2.parse_u32(frame.payload)))
@@ -233,25 +251,27 @@ class ReplicaConnection(asyncio.Protocol):
             raise ValueError("PUSH_PROMISE after SETTINGS_ENABLE_PUSH 0")
         # PRIORITY and unknown frame types are ignored (RFC 9113 §4.1, §5.5).
 
-    def _on_data(self, frame: h2.Frame) -> None:
-        size = len(frame.payload)
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        size = len(payload)
         transport = self._transport
         assert transport is not None, "frames arrive on a connected transport"
         self._received, update = h2.refill(self._received, size, 0)
-        stream = self._streams.get(frame.stream_id)
+        stream = self._streams.get(stream_id)
         if stream is not None:
-            stream.received, more = h2.refill(stream.received, size, frame.stream_id)
+            stream.received, more = h2.refill(stream.received, size, stream_id)
             update += more
         if update:
             transport.write(update)
         if stream is None:
             return                           # cancelled here: its late frames only count for the window
-        for body in stream.reader.feed(h2.unpadded(frame) if frame.flags & h2.PADDED else frame.payload):
+        if flags & h2.PADDED:
+            payload = h2.unpadded(h2.Frame(h2.DATA, flags, stream_id, payload))
+        for body in stream.reader.feed(payload):
             stream.sink.message(body)
-            if self._streams.get(frame.stream_id) is not stream:
+            if self._streams.get(stream_id) is not stream:
                 return                       # the sink cancelled the stream
-        if frame.flags & h2.END_STREAM:
-            self._end(frame.stream_id, "INTERNAL", ERR_NO_TRAILERS)
+        if flags & h2.END_STREAM:
+            self._end(stream_id, "INTERNAL", ERR_NO_TRAILERS)
 
     def _on_headers(self, block: h2.HeaderBlock) -> None:
         headers = dict(self._decoder.decode(block.data, raw=True))
