@@ -615,7 +615,7 @@ async def bench(args: argparse.Namespace) -> None:
         profiles = start_profiles(stack, args.py_spy, log_dir, native=args.py_spy_native,
                                   rate=args.py_spy_rate) \
             if args.py_spy and args.py_spy_phase == "idle" else []
-        idle_s = max(3.0, args.py_spy + 0.5) if profiles else 3.0
+        idle_s = max(args.idle_s, args.py_spy + 0.5) if profiles else args.idle_s
         requests.mark()
         threads.mark()
         _, idle = await measured(meter, asyncio.sleep(idle_s))
@@ -721,6 +721,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --py-spy: samples per second (py-spy's default 100)")
     parser.add_argument("--py-spy-native", action="store_true",
                         help="with --py-spy: sample C and Cython frames too (grpc, uvloop, asyncpg)")
+    parser.add_argument("--idle-s", type=float, default=3.0, metavar="SECONDS",
+                        help="how long the idle stack is measured (the idle line; longer: steadier)")
     parser.add_argument("--cost-runs", type=int, default=0,
                         help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")
     parser.add_argument("--interrupt-runs", type=int, default=0,
