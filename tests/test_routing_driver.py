@@ -15,7 +15,7 @@ from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
 from sluice.services.routing.claims import ClaimedRun
-from sluice.services.routing.driver import DriverSettings, RunDriver, Target
+from sluice.services.routing.driver import DriverSettings, RunDriver, Target, Wake
 from sluice.services.routing.leases import Lease
 from sluice.services.routing.monitor import STALLED_TICK_S, Silence, StallGuard, hung
 from sluice.services.routing.outcome import (
@@ -246,8 +246,8 @@ async def test_only_the_first_delta_is_sent_without_waiting_to_be_batched():
     assert log.at_once == [2]
 
 
-class CountingEvent(asyncio.Event):
-    """The driver's wake-up event, counting how often it is set."""
+class CountingWake(Wake):
+    """The driver's wake-up call, counting how often it is set."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -264,7 +264,7 @@ async def test_tokens_joining_an_open_window_do_not_wake_the_driver():
     # eight after it join that window and wake nobody, and the stream's end wakes it once more.
     replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 11)], gap_s=0.005)})
     driver, ledger, _ = driver_for(replicas, window_ms=60_000)
-    driver._wake = wake = CountingEvent()
+    driver._wake = wake = CountingWake()
     await driver.run()
     deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
     assert deltas == [[1], list(range(2, 11))]

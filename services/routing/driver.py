@@ -150,10 +150,51 @@ async def _nowhere(driver: RunDriver) -> Target | None:
     return None
 
 
+class Wake:
+    """The driver's wake-up call: set by a token, a window's end, an ack that failed, a cancel, a lease
+    or hung verdict; the driver clears it, looks at everything, and waits for it again.
+
+    asyncio.Event would do, but it asks for the running loop on every wait, and CPython 3.11 makes a
+    getpid system call each time it is asked (a wait per event of every run); this one keeps the loop
+    it first waited on, and its one waiter."""
+
+    __slots__ = ("_flag", "_loop", "_waiter")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    async def wait(self) -> None:
+        """Until set (at once if it is). One waiter at a time: the driver."""
+        if self._flag:
+            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+
 @dataclass(slots=True)
 class _Pump:
     coalescer: DeltaCoalescer
-    wake: asyncio.Event
+    wake: Wake
+    loop: asyncio.AbstractEventLoop         # the driver's: asked once (see Wake), not per window
     sent_at: float                          # monotonic: the request left for the replica
     cap: int                                # the run's max output tokens (the budget reserved for them)
     done: bool = False
@@ -168,7 +209,7 @@ class _Pump:
     def arm_window(self, seconds: float) -> None:
         """Wake the driver in `seconds`, when the window just opened closes (one timer per window)."""
         self.disarm_window()
-        self.window_timer = asyncio.get_running_loop().call_later(seconds, self._window_closed)
+        self.window_timer = self.loop.call_later(seconds, self._window_closed)
 
     def disarm_window(self) -> None:
         if self.window_timer is not None:
@@ -237,7 +278,7 @@ class RunDriver:
     _reported_cached: int = 0
     _first_token_wall: float | None = None
     _tpot_s: float | None = None
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _wake: Wake = field(default_factory=Wake)
     _deadline: float = float("inf")   # the run's deadline on the monotonic clock (set when the run starts)
     _horizon: asyncio.TimerHandle | None = None   # wakes the driver at the deadline, lease end or first-token
     _horizon_at: float = 0.0                      # limit, whichever comes first (monotonic)
@@ -336,7 +377,7 @@ class RunDriver:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
         pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens,
                                     aligned=self.settings.coalesce_aligned), self._wake,
-                     time.monotonic(), self.claim.max_output_tokens)
+                     asyncio.get_running_loop(), time.monotonic(), self.claim.max_output_tokens)
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
@@ -419,7 +460,7 @@ class RunDriver:
                 return
             self._horizon.cancel()
         self._horizon_at = at
-        self._horizon = asyncio.get_running_loop().call_later(max(0.0, at - now), self._horizon_reached)
+        self._horizon = pump.loop.call_later(max(0.0, at - now), self._horizon_reached)
 
     def _horizon_reached(self) -> None:
         self._horizon = None
