@@ -169,13 +169,14 @@ class ReplicaConnection(asyncio.Protocol):
         self._transport.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
         return stream_id
 
-    async def send(self, stream_id: int, body: bytes) -> None:
+    async def send(self, stream_id: int, body: bytes, *, last: bool = False) -> None:
         """Send `body` as one gRPC message on the stream, which stays open for writing (as grpc.aio's
-        stream-stream calls leave it). A stream ended meanwhile takes nothing; a lost connection
-        raises ConnectionError (its streams' sinks were told)."""
+        stream-stream calls leave it) unless it is the `last` (a unary call's request: END_STREAM). A
+        stream ended meanwhile takes nothing; a lost connection raises ConnectionError (its streams'
+        sinks were told)."""
         stream = self._streams.get(stream_id)
         if stream is not None:
-            await self._send(stream_id, stream, h2.grpc_message(body))
+            await self._send(stream_id, stream, h2.grpc_message(body), h2.END_STREAM if last else 0)
 
     def cancel(self, stream_id: int) -> None:
         """Drop the stream (RST_STREAM CANCEL); its sink hears nothing more."""
@@ -203,8 +204,9 @@ class ReplicaConnection(asyncio.Protocol):
 
     # --- internals ------------------------------------------------------------------------------
 
-    async def _send(self, stream_id: int, stream: _Stream, data: bytes) -> None:
-        """DATA frames within the peer's windows and frame size (a long prompt may wait for room)."""
+    async def _send(self, stream_id: int, stream: _Stream, data: bytes, end: int = 0) -> None:
+        """DATA frames within the peer's windows and frame size (a long prompt may wait for room); the
+        last one carries `end` (END_STREAM or 0)."""
         view = memoryview(data)
         while view:
             if self._lost is not None or self._transport is None:
@@ -216,7 +218,8 @@ class ReplicaConnection(asyncio.Protocol):
                 self._window_opened.clear()
                 await self._window_opened.wait()
                 continue
-            self._transport.write(h2.frame(h2.DATA, 0, stream_id, bytes(view[:room])))
+            self._transport.write(h2.frame(h2.DATA, end if room == len(view) else 0, stream_id,
+                                           bytes(view[:room])))
             self._send_window -= room
             stream.send_window -= room
             view = view[room:]

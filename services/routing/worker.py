@@ -122,6 +122,7 @@ HEALTH = HealthOptions(failure_threshold=2, open_s=3.0, check_interval_s=1.0, pr
 HEALTH_TICK_S = 0.25
 REPLICA_STOP_TIMEOUT_S = 2.0
 SCRAPE_TIMEOUT_S = 1.0      # a metrics endpoint slower than this counts as a failed scrape
+IDLE_SCRAPE_S = 1.0         # the scrape interval while this process drives no run (_scrape_interval)
 
 
 def new_owner_id(label: str | None = None) -> str:
@@ -206,6 +207,7 @@ class RoutingWorker:
         self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
         self.keeper = LeaseKeeper(dsn or dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
+        self._published_health: dict[str, bool] = {}   # the health gauges as last set
         self.drivers: dict[str, RunDriver] = {}
         self._tasks: dict[str, asyncio.Task[TerminalRecord | None]] = {}
         self._requests: dict[str, _Routed] = {}
@@ -249,7 +251,7 @@ class RoutingWorker:
             self._every(self.check_health_once, HEALTH_TICK_S, until=self._stopped))]
         if self.settings.scrape_interval_s > 0:
             upkeep.append(asyncio.create_task(
-                self._every(self.scrape_once, self.settings.scrape_interval_s, until=self._stopped)))
+                self._every(self.scrape_once, self._scrape_interval, until=self._stopped)))
         # LISTEN for Runs.Cancel's NOTIFY so a cancel reaches its driver in milliseconds, and for
         # admission's NOTIFY of each new run so the claim loop wakes at once instead of at its next
         # poll. Both keep polling (lease renewals read cancel_requested_at; the claim loop its
@@ -297,8 +299,16 @@ class RoutingWorker:
                 raise
             except Exception:
                 log.exception("%s failed; retrying", getattr(step, "__name__", step))
-            if not (busy and busy_again):
-                await _first_of(interval_s() if callable(interval_s) else interval_s, done, wake)
+            if busy and busy_again:
+                continue
+            pause = interval_s() if callable(interval_s) else interval_s
+            if wake is None:
+                # A plain timer: a loop without a wake-up signal sees `done` at its next tick, and
+                # serve() cancels every loop once drained. Waiting on `done` as well took two tasks
+                # per tick (the upkeep loops tick several times a second, busy or idle).
+                await asyncio.sleep(pause)
+            else:
+                await _first_of(pause, done, wake)
 
     # --- claim --------------------------------------------------------------------------------
 
@@ -656,9 +666,21 @@ class RoutingWorker:
             record = self.health.record_success if ready else self.health.record_failure
             record(name, time.time())
         now = time.time()
-        self.metrics.health({name: self.health.is_healthy(name, now)
-                             for name in (spec.name for spec in self.registry.specs())})
+        healthy = {spec.name: self.health.is_healthy(spec.name, now) for spec in self.registry.specs()}
+        if healthy != self._published_health:     # the gauges change only with a verdict
+            self.metrics.health(healthy)
+            self._published_health = healthy
         return False
+
+    def _scrape_interval(self) -> float:
+        """The scrape loop's next pause: the configured interval while this process drives a run,
+        IDLE_SCRAPE_S otherwise. What an idle process's scrapes feed waits for its next claim (the
+        load a policy routes on: the replicas' own runs plus what this process sent since the last
+        scrape; restarts), and a scrape is a TCP connection (~0.5 ms of this process's CPU each:
+        four a second per replica was most of an idle routing process's CPU, issue 9)."""
+        if self.drivers:
+            return self.settings.scrape_interval_s
+        return max(self.settings.scrape_interval_s, IDLE_SCRAPE_S)
 
     async def scrape_once(self) -> bool:
         """Scrape every replica's metrics endpoint at once (a slow one delays no other)."""
