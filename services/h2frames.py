@@ -36,6 +36,7 @@ CANCEL = 0x8          # RST_STREAM error code: the client no longer wants the st
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
+DEFAULT_HEADER_TABLE = 4_096      # HPACK's dynamic table, until SETTINGS_HEADER_TABLE_SIZE says otherwise
 # A header block (HEADERS and its CONTINUATIONs) longer than this is refused: without a bound, a
 # peer that never sends END_HEADERS grows it without end (the CONTINUATION flood).
 MAX_HEADER_BLOCK = 64 * 1024

@@ -88,6 +88,8 @@ class ReplicaConnection(asyncio.Protocol):
         self._streams: dict[int, _Stream] = {}
         self._next_id = 1
         self._encoder = hpack.Encoder()
+        self._request_blocks: dict[str, bytes] = {}    # path -> request headers (_request_block)
+        self._table_shrunk = False                 # the peer's header table is below the default
         self._decoder = hpack.Decoder()
         self._blocks = h2.HeaderBlocks()
         self._send_window = h2.DEFAULT_WINDOW      # the connection's, set by the peer
@@ -162,9 +164,7 @@ class ReplicaConnection(asyncio.Protocol):
         self._next_id += 2
         if self._next_id > MAX_STREAM_ID:
             self.usable = False             # ids run out: the next stream opens a new connection
-        block = self._encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path),
-                                      (":authority", self.address), ("content-type", "application/grpc"),
-                                      ("te", "trailers")])
+        block = self._request_blocks.get(path) or self._request_block(path)
         self._streams[stream_id] = _Stream(sink, h2.MessageReader(), self._peer_initial)
         self._transport.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
         return stream_id
@@ -203,6 +203,20 @@ class ReplicaConnection(asyncio.Protocol):
             self._transport.close()
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _request_block(self, path: str) -> bytes:
+        """A stream's request headers. Written as literals that reference only HPACK's static table
+        (never indexed), they add nothing to the peer's dynamic table, so one block per path serves
+        every stream of the connection (encoding them per stream cost ~60 us). Once the peer shrinks
+        its table below the default, which this side must acknowledge in its next block, the encoder
+        takes over."""
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self.address),
+                   ("content-type", "application/grpc"), ("te", "trailers")]
+        if self._table_shrunk:
+            return bytes(self._encoder.encode(headers))
+        block = self._request_blocks[path] = bytes(hpack.Encoder().encode(
+            [hpack.NeverIndexedHeaderTuple(name, value) for name, value in headers]))
+        return block
 
     async def _send(self, stream_id: int, stream: _Stream, data: bytes, end: int = 0) -> None:
         """DATA frames within the peer's windows and frame size (a long prompt may wait for room); the
@@ -298,6 +312,9 @@ class ReplicaConnection(asyncio.Protocol):
         self._max_frame = settings.get(h2.SETTINGS_MAX_FRAME_SIZE, self._max_frame)
         if (table := settings.get(h2.SETTINGS_HEADER_TABLE_SIZE)) is not None:
             self._encoder.header_table_size = table
+            if table < h2.DEFAULT_HEADER_TABLE:
+                self._table_shrunk = True
+                self._request_blocks.clear()
         assert self._transport is not None, "frames arrive on a connected transport"
         self._transport.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
         self._window_opened.set()

@@ -205,3 +205,36 @@ async def _until(condition, step: float = 0.01) -> None:
         if condition():
             return
         await asyncio.sleep(step)
+
+
+async def test_every_streams_request_headers_decode_whole_and_leave_the_peers_table_empty(served):
+    connection, peers = served
+    other = "/inference.GRPCInferenceService/ModelReady"
+    ids = [connection.start(path, Sink()) for path in (PATH, other, PATH)]
+    peer = await peers.get()
+    await peer.handshake()
+    decoder = hpack.Decoder()
+    for stream_id, path in zip(ids, (PATH, other, PATH), strict=True):
+        block = await peer.next_frame(*SETUP)
+        assert block.type == h2.HEADERS and block.stream_id == stream_id
+        assert decoder.decode(block.payload) == [
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", connection.address),
+            ("content-type", "application/grpc"), ("te", "trailers")]
+        assert len(decoder.header_table.dynamic_entries) == 0     # nothing indexed: one block per path
+
+
+async def test_a_peer_that_shrinks_its_header_table_has_it_acknowledged_in_the_next_block(served):
+    connection, peers = served
+    connection.start(PATH, Sink())
+    peer = await peers.get()
+    await peer.handshake({h2.SETTINGS_HEADER_TABLE_SIZE: 0})
+    decoder = hpack.Decoder()
+    first = await peer.next_frame(*SETUP)
+    decoder.decode(first.payload)
+    while not (await peer.next_frame(h2.WINDOW_UPDATE)).flags & h2.ACK:   # our SETTINGS ACKed
+        pass
+    decoder.max_allowed_table_size = 0
+    connection.start(PATH, Sink())
+    second = await peer.next_frame(*SETUP)
+    assert second.payload[0] & 0xE0 == 0x20          # a dynamic table size update opens the block
+    assert dict(decoder.decode(second.payload))[":path"] == PATH
