@@ -194,7 +194,6 @@ class Wake:
 class _Pump:
     coalescer: DeltaCoalescer
     wake: Wake
-    loop: asyncio.AbstractEventLoop         # the driver's: asked once (see Wake), not per window
     sent_at: float                          # monotonic: the request left for the replica
     cap: int                                # the run's max output tokens (the budget reserved for them)
     done: bool = False
@@ -205,10 +204,13 @@ class _Pump:
     first_token_wall: float | None = None   # time.time(), for TTFT from the submit
     last_token_at: float | None = None      # monotonic
     window_timer: asyncio.TimerHandle | None = None   # wakes the driver when the open window closes
+    loop: asyncio.AbstractEventLoop | None = None     # the driver's, asked once (see Wake), not per window
 
     def arm_window(self, seconds: float) -> None:
         """Wake the driver in `seconds`, when the window just opened closes (one timer per window)."""
         self.disarm_window()
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
         self.window_timer = self.loop.call_later(seconds, self._window_closed)
 
     def disarm_window(self) -> None:
@@ -377,7 +379,7 @@ class RunDriver:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
         pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens,
                                     aligned=self.settings.coalesce_aligned), self._wake,
-                     asyncio.get_running_loop(), time.monotonic(), self.claim.max_output_tokens)
+                     time.monotonic(), self.claim.max_output_tokens, loop=asyncio.get_running_loop())
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
@@ -460,7 +462,8 @@ class RunDriver:
                 return
             self._horizon.cancel()
         self._horizon_at = at
-        self._horizon = pump.loop.call_later(max(0.0, at - now), self._horizon_reached)
+        self._horizon = (pump.loop or asyncio.get_running_loop()).call_later(max(0.0, at - now),
+                                                                            self._horizon_reached)
 
     def _horizon_reached(self) -> None:
         self._horizon = None
