@@ -114,10 +114,14 @@ CLAIM_RECHECK_S = 0.2        # after a failed claim, ask the ledger again this s
 # instead of letting the first poller take it all (the loop claims again at once when full).
 CLAIM_BATCH = 8
 # Claim passes in flight at once. A run whose NOTIFY arrives after a pass in flight has sent its lock
-# is not in that pass's snapshot: a second pass takes it at once instead of after the first one's
-# COMMIT (four round trips, each a wake-up of this process and of a backend on a loaded box; a burst
-# of 16 Submits waited ~2 passes for its claim, issue 9). SKIP LOCKED keeps the passes disjoint.
+# is not in that pass's snapshot: a second pass takes it instead of waiting for the first one's COMMIT
+# (four round trips, each a wake-up of this process and of a backend on a loaded box; a burst of 16
+# Submits waited ~2 passes for its claim, issue 9). SKIP LOCKED keeps the passes disjoint. Only once
+# the passes in flight have gone on SECOND_PASS_AFTER_S: a pass's lock and queue cost nearly the same
+# for one run as for eight (bench_ledger_run), and in bench-platform's run-cost phase (16 concurrent)
+# lock statements per run were 0.37 one pass at a time, 0.63 with second passes at once, 0.51 so.
 MAX_CLAIM_PASSES = 3
+SECOND_PASS_AFTER_S = 0.005
 HEALTH = HealthOptions(failure_threshold=2, open_s=3.0, check_interval_s=1.0, probe_interval_s=1.0)
 HEALTH_TICK_S = 0.25
 REPLICA_STOP_TIMEOUT_S = 2.0
@@ -314,22 +318,30 @@ class RoutingWorker:
 
     async def _claim_loop(self) -> None:
         """Claim passes until stop(): one at start, on admission's NOTIFY, after a full pass and on the
-        poll timer (_claim_interval) while none is in flight; a NOTIFY heard once every pass in flight
-        has sent its lock starts another at once (up to MAX_CLAIM_PASSES). A wake-up that arrives while
-        passes run is otherwise answered by one more pass once they end, as with one pass at a time."""
+        poll timer (_claim_interval) while none is in flight. A NOTIFY heard once every pass in flight
+        has sent its lock starts another pass if they are still going SECOND_PASS_AFTER_S later (up to
+        MAX_CLAIM_PASSES); otherwise a wake-up that arrives while passes run is answered by one more
+        pass once they end, as with one pass at a time."""
         passes: set[asyncio.Task[bool]] = set()
         due = True
+        unseen_since: float | None = None    # when a NOTIFY no pass in flight will see began to wait
         try:
             while not self._stopping.is_set():
-                unseen = self._unlocked == 0 and self._heard > self._heard_at_lock
-                if due and (not passes or (len(passes) < MAX_CLAIM_PASSES and unseen)):
-                    due = False
+                now = time.monotonic()
+                unseen = due and bool(passes) and len(passes) < MAX_CLAIM_PASSES and self._unlocked == 0 \
+                    and self._heard > self._heard_at_lock
+                unseen_since = (unseen_since or now) if unseen else None
+                if due and (not passes or (unseen_since is not None
+                                           and now - unseen_since >= SECOND_PASS_AFTER_S)):
+                    due, unseen_since = False, None
                     self._accepted.clear()
                     passes.add(asyncio.create_task(self._claim_pass()))
+                timeout = self._claim_interval() if not passes else \
+                    None if unseen_since is None else unseen_since + SECOND_PASS_AFTER_S - now
                 waits = {asyncio.ensure_future(event.wait()) for event in (self._accepted, self._stopping)}
                 try:
                     done, _ = await asyncio.wait({*passes, *waits}, return_when=asyncio.FIRST_COMPLETED,
-                                                 timeout=None if passes else self._claim_interval())
+                                                 timeout=timeout)
                 finally:
                     for wait in waits:
                         wait.cancel()
