@@ -17,7 +17,7 @@ from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenCh
 from sluice.services.routing.claims import ClaimedRun
 from sluice.services.routing.driver import DriverSettings, RunDriver, Target, Wake
 from sluice.services.routing.leases import Lease
-from sluice.services.routing.monitor import STALLED_TICK_S, Silence, StallGuard, hung
+from sluice.services.routing.monitor import JUDGED_FROM_S, STALLED_TICK_S, Silence, StallGuard, hung
 from sluice.services.routing.outcome import (
     DETAIL_CANCELLED,
     DETAIL_REPLICA_HUNG,
@@ -424,6 +424,17 @@ def test_readers_drop_a_fenced_off_writers_late_events():
     assert accepted == [(1, DELTA, 1), (2, DELTA, 1), (3, DELTA, 1), (4, TERMINAL, 2)]
     resumed = EventDeduper(after=2)
     assert [e.sequence for e in log if resumed.accept(e)] == [3, 4]
+
+
+def test_a_stream_silent_for_less_than_the_monitors_floor_is_never_hung():
+    # The monitor skips these streams without building their Silence: no step time, liveness or first
+    # token may make one of them hung.
+    for silent_s in (0.0, JUDGED_FROM_S / 2, JUDGED_FROM_S - 1e-9):
+        for step_s in (None, 0.0, 0.001, 1.0):
+            for alive_age_s in (None, 0.0, 3.0, 1e6):
+                for first_token in (True, False):
+                    assert hung(Silence(silent_s, step_s, alive_age_s, first_token)) is None
+    assert hung(Silence(JUDGED_FROM_S, 0.001, 1e6)) is not None     # the floor itself may be
 
 
 def test_the_monitor_judges_nobody_on_the_first_tick_after_its_own_process_stalled():

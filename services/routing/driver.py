@@ -303,13 +303,21 @@ class RunDriver:
         self.lease.refused = True
         self._wake.set()
 
-    def silence(self, now: float, alive_age_s: float | None) -> Silence | None:
-        """How long the current attempt's replica has been silent (None when nothing is streaming)."""
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the current attempt's replica last sent a token (or was sent the request);
+        None when nothing is streaming."""
         pump = self._pump
         if pump is None or pump.done:
             return None
-        since = pump.last_token_at if pump.last_token_at is not None else pump.sent_at
-        return Silence(now - since, pump.step_s(), alive_age_s, first_token=pump.first_token_at is not None)
+        return now - (pump.last_token_at if pump.last_token_at is not None else pump.sent_at)
+
+    def silence(self, now: float, alive_age_s: float | None) -> Silence | None:
+        """How long the current attempt's replica has been silent (None when nothing is streaming)."""
+        silent_s = self.silent_for(now)
+        pump = self._pump
+        if silent_s is None or pump is None:
+            return None
+        return Silence(silent_s, pump.step_s(), alive_age_s, first_token=pump.first_token_at is not None)
 
     def replica_hung(self, why: str) -> None:
         if self._hung is None:

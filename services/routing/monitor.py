@@ -26,6 +26,10 @@ HUNG_STEPS = 20              # silence longer than this many of the run's steps 
 MIN_SILENCE_S = 2.0          # ... and never less than this (batching pauses, a GC, a busy box)
 LIVENESS_STALE_S = 2.5       # scrapes run every 0.25 s with a 1 s timeout: ~8 missed in a row
 UNSCRAPED_SILENCE_S = 10.0   # no liveness source: the old fixed limit
+# A stream silent for less than this is never hung, whatever its step time and liveness (both
+# branches of `hung` ask for at least this much): the monitor, which looks at every stream four times
+# a second, judges only the streams silent this long (a Silence per stream per tick was ~4 us each).
+JUDGED_FROM_S = min(MIN_SILENCE_S, UNSCRAPED_SILENCE_S)
 MONITOR_TICK_S = 0.25
 # A tick later than this after the previous one means the routing process itself was stalled (a
 # starved box, a long GC): every silence it measures now includes time it could not read its sockets,

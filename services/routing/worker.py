@@ -73,7 +73,7 @@ from sluice.services.routing.claims import (
 )
 from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
 from sluice.services.routing.leases import Lease, LeaseKeeper
-from sluice.services.routing.monitor import MONITOR_TICK_S, StallGuard, hung
+from sluice.services.routing.monitor import JUDGED_FROM_S, MONITOR_TICK_S, StallGuard, hung
 from sluice.services.routing.observability import (
     RoutingMetrics,
     claim_attributes,
@@ -737,9 +737,14 @@ class RoutingWorker:
         if not self._stall_guard.may_judge(now):
             log.info("replica monitor: this process stalled; judging no stream until it has read its sockets")
             return False
-        scraped = {spec.name for spec in self.registry.specs() if spec.metrics_url} \
-            if self.settings.scrape_interval_s > 0 else set()
+        scraped: set[str] | None = None
         for driver in list(self.drivers.values()):
+            silent_s = driver.silent_for(now)
+            if silent_s is None or silent_s < JUDGED_FROM_S:
+                continue                       # streaming, or not silent long enough to be hung
+            if scraped is None:
+                scraped = {spec.name for spec in self.registry.specs() if spec.metrics_url} \
+                    if self.settings.scrape_interval_s > 0 else set()
             replica = driver.replica
             alive = self._alive_at.get(replica)
             if replica not in scraped and alive is None:
