@@ -2,7 +2,7 @@
 
 import random
 
-from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.services.routing.textdecode import WINDOW_TOKENS, IncrementalDecoder, load_tokenizer
 
 TOKENIZER = "tiny-chat/tokenizer.json"
 TEXT = ("Sluice streams tokens — résumé, naïve café, 東京, emoji 🚰🌊 and plain ASCII words, "
@@ -63,4 +63,17 @@ def test_each_delta_decodes_a_short_window_not_the_whole_run():
     for token in ids:
         decoder.push([token])
     assert len(ids) > 1000
-    assert max(counting.decoded_lengths) <= 8
+    # The window holds at most WINDOW_TOKENS tokens, and the tokens of a character not yet whole (a
+    # character is at most 4 bytes: at most 3 byte-level tokens held back).
+    assert max(counting.decoded_lengths) <= WINDOW_TOKENS + 3
+
+
+def test_most_deltas_cost_one_decode_the_window_is_decoded_again_only_when_it_moves_on():
+    counting = CountingTokenizer()
+    ids = counting.real.encode(TEXT * 4).ids
+    decoder = IncrementalDecoder(counting)  # type: ignore[arg-type]
+    for token in ids:
+        decoder.push([token])
+    # A push decodes its window; the one after the window moved on also decodes the window's
+    # emitted part: 1 + 1/WINDOW_TOKENS decodes per single-token push, plus the held-back ones.
+    assert len(counting.decoded_lengths) / len(ids) < 1 + 2 / WINDOW_TOKENS

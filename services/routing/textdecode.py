@@ -36,24 +36,45 @@ def load_tokenizer(path: str) -> Tokenizer | None:
     return sluice.models.load_tokenizer(path)
 
 
+WINDOW_TOKENS = 8   # the decoding window is moved on once it holds this many tokens
+
+
 class IncrementalDecoder:
-    __slots__ = ("_tokenizer", "_tokens", "_prefix_offset", "_read_offset")
+    """Pieces of text, one per push, that concatenate to the decode of every token pushed.
+
+    The window (tokens[prefix_offset:]) starts at a character boundary already emitted; each push
+    decodes it whole and emits what grew past `emitted`, the decode of its first part
+    (tokens[prefix_offset:read_offset]). The window is moved on (prefix to read offset) only once it
+    holds WINDOW_TOKENS tokens: until then the decode a push just made is the next push's `emitted`,
+    so most pushes cost one decode instead of two (a decode per event of every run: the largest share
+    of the driver's own work, issue 9)."""
+
+    __slots__ = ("_tokenizer", "_tokens", "_prefix_offset", "_read_offset", "_emitted")
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer
         self._tokens: list[int] = []
         self._prefix_offset = 0     # start of the decoding window (context for the next piece)
         self._read_offset = 0       # tokens before this are emitted as text
+        self._emitted: str | None = ""   # the decode of tokens[prefix_offset:read_offset]; None: not made
 
     def push(self, token_ids: Sequence[int]) -> str:
-        if self._tokenizer is None:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
             return ""
-        self._tokens.extend(token_ids)
-        window = self._tokens[self._prefix_offset:]
-        emitted = self._tokenizer.decode(window[:self._read_offset - self._prefix_offset],
-                                         skip_special_tokens=True)
-        text = self._tokenizer.decode(window, skip_special_tokens=True)
+        tokens = self._tokens
+        tokens.extend(token_ids)
+        prefix = self._prefix_offset
+        emitted = self._emitted
+        if emitted is None:
+            emitted = self._emitted = tokenizer.decode(tokens[prefix:self._read_offset],
+                                                       skip_special_tokens=True)
+        text = tokenizer.decode(tokens[prefix:], skip_special_tokens=True)
         if len(text) <= len(emitted) or text.endswith(REPLACEMENT):
             return ""               # an incomplete character: wait for the bytes that finish it
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        if len(tokens) - prefix >= WINDOW_TOKENS:
+            self._prefix_offset, self._emitted = self._read_offset, None
+        else:
+            self._emitted = text
+        self._read_offset = len(tokens)
         return text[len(emitted):]
