@@ -164,11 +164,26 @@ async def close_channels() -> None:
 
 
 def _tensor(request: service_pb2.ModelInferRequest, name: str, array: NDArray[Any], datatype: str) -> None:
+    _raw_tensor(request, name, array.shape, array.tobytes(), datatype)
+
+
+def _raw_tensor(request: service_pb2.ModelInferRequest, name: str, shape: Sequence[int], raw: bytes,
+                datatype: str) -> None:
     tensor = request.inputs.add()
     tensor.name = name
     tensor.datatype = datatype
-    tensor.shape.extend(array.shape)
-    request.raw_input_contents.append(array.tobytes())
+    tensor.shape.extend(shape)
+    request.raw_input_contents.append(raw)
+
+
+# A [1, 1] tensor's bytes by Triton datatype (little-endian, as numpy's tobytes on this platform):
+# packed by struct, a run's request costs no numpy array per input (~10 of them per run).
+_SCALAR = {"INT32": struct.Struct("<i").pack, "UINT64": struct.Struct("<Q").pack,
+           "FP32": struct.Struct("<f").pack, "BOOL": struct.Struct("<?").pack}
+
+
+def _scalar(request: service_pb2.ModelInferRequest, name: str, value: float, datatype: str) -> None:
+    _raw_tensor(request, name, (1, 1), _SCALAR[datatype](value), datatype)
 
 
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -181,36 +196,36 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
     defaults: greedy, no nucleus cut, no stop words). `perf_metrics` asks for the perf outputs,
     which the backend returns only when asked: the platform reads kv_cache_reused_blocks from them."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
-    ids = np.asarray(list(prompt_ids), dtype=np.int32).reshape(1, -1)
-    _tensor(request, "input_ids", ids, "INT32")
-    _tensor(request, "input_lengths", np.asarray([[ids.shape[1]]], dtype=np.int32), "INT32")
-    _tensor(request, "request_output_len", np.asarray([[max_new_tokens]], dtype=np.int32), "INT32")
-    _tensor(request, "streaming", np.asarray([[streaming]], dtype=np.bool_), "BOOL")
+    ids = list(prompt_ids)
+    _raw_tensor(request, "input_ids", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids), "INT32")
+    _scalar(request, "input_lengths", len(ids), "INT32")
+    _scalar(request, "request_output_len", max_new_tokens, "INT32")
+    _scalar(request, "streaming", streaming, "BOOL")
     # Only new tokens, whatever the deployment's exclude_input_in_output parameter says (a
     # non-streaming response would otherwise start with the prompt).
-    _tensor(request, "exclude_input_in_output", np.asarray([[True]], dtype=np.bool_), "BOOL")
+    _scalar(request, "exclude_input_in_output", True, "BOOL")
     if perf_metrics:
-        _tensor(request, "return_perf_metrics", np.asarray([[True]], dtype=np.bool_), "BOOL")
+        _scalar(request, "return_perf_metrics", True, "BOOL")
     # Only the outputs parse_chunk reads (Triton returns every declared output when none is
     # listed): ten perf tensors per streamed token would cost more than the token itself.
     for name in _OUTPUTS_READ if perf_metrics else _OUTPUTS_READ[:2]:
         request.outputs.add().name = name
     if end_id is not None:
-        _tensor(request, "end_id", np.asarray([[end_id]], dtype=np.int32), "INT32")
+        _scalar(request, "end_id", end_id, "INT32")
     if seed is not None:
-        _tensor(request, "random_seed", np.asarray([[seed]], dtype=np.uint64), "UINT64")
+        _scalar(request, "random_seed", seed, "UINT64")
     if cache_salt:
         # The trust scope (DESIGN.md "Trust scopes"): KV blocks are reused only between requests
         # with the same salt. TensorRT-LLM's request field cache_salt_id; replica/README.md.
-        _tensor(request, "cache_salt_id", np.asarray([[cache_salt]], dtype=np.uint64), "UINT64")
+        _scalar(request, "cache_salt_id", cache_salt, "UINT64")
     if temperature is not None:
-        _tensor(request, "temperature", np.asarray([[temperature]], dtype=np.float32), "FP32")
+        _scalar(request, "temperature", temperature, "FP32")
     if top_p is not None:
-        _tensor(request, "runtime_top_p", np.asarray([[top_p]], dtype=np.float32), "FP32")
+        _scalar(request, "runtime_top_p", top_p, "FP32")
     if stop_words:
         _tensor(request, "stop_words_list", stop_words_tensor(stop_words), "INT32")
     if stop:
-        _tensor(request, "stop", np.asarray([[True]], dtype=np.bool_), "BOOL")
+        _scalar(request, "stop", True, "BOOL")
     request.parameters[REQUEST_ID_PARAM].string_param = request_id
     # Without this Triton drops the flags-only last response, and the client could not see the end.
     request.parameters["triton_enable_empty_final_response"].bool_param = True

@@ -89,6 +89,8 @@ class ReplicaConnection(asyncio.Protocol):
         self._next_id = 1
         self._encoder = hpack.Encoder()
         self._request_blocks: dict[str, bytes] = {}    # path -> request headers (_request_block)
+        self._out: list[bytes] = []                # written this loop pass, sent at its end (_write)
+        self._loop = asyncio.get_running_loop()    # made on the loop it serves (connect)
         self._table_shrunk = False                 # the peer's header table is below the default
         self._decoder = hpack.Decoder()
         self._blocks = h2.HeaderBlocks()
@@ -166,7 +168,7 @@ class ReplicaConnection(asyncio.Protocol):
             self.usable = False             # ids run out: the next stream opens a new connection
         block = self._request_blocks.get(path) or self._request_block(path)
         self._streams[stream_id] = _Stream(sink, h2.MessageReader(), self._peer_initial)
-        self._transport.write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
+        self._write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
         return stream_id
 
     async def send(self, stream_id: int, body: bytes, *, last: bool = False) -> None:
@@ -182,7 +184,7 @@ class ReplicaConnection(asyncio.Protocol):
         """Drop the stream (RST_STREAM CANCEL); its sink hears nothing more."""
         if self._streams.pop(stream_id, None) is not None and self._transport is not None \
                 and not self._transport.is_closing():
-            self._transport.write(h2.rst_stream(stream_id))
+            self._write(h2.rst_stream(stream_id))
         self._close_if_drained()
 
     def check(self, now: float) -> None:
@@ -195,14 +197,28 @@ class ReplicaConnection(asyncio.Protocol):
                 self._fail(ERR_KEEPALIVE.format(seconds=now - self._ping_sent_at))
         elif now - self.last_received > KEEPALIVE_S:
             self._ping_sent_at = now
-            self._transport.write(h2.frame(h2.PING, 0, 0, b"\0" * 8))
+            self._write(h2.frame(h2.PING, 0, 0, b"\0" * 8))
 
     def close(self) -> None:
         self.usable = False
         if self._transport is not None:
+            self._flush()
             self._transport.close()
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        """Queue `data` for the socket: what one pass of the event loop writes on the connection goes
+        out in one send (a claim pass starts several streams, each a HEADERS and a DATA frame: a
+        system call each, written at once)."""
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(out))
 
     def _request_block(self, path: str) -> bytes:
         """A stream's request headers. Written as literals that reference only HPACK's static table
@@ -232,8 +248,7 @@ class ReplicaConnection(asyncio.Protocol):
                 self._window_opened.clear()
                 await self._window_opened.wait()
                 continue
-            self._transport.write(h2.frame(h2.DATA, end if room == len(view) else 0, stream_id,
-                                           bytes(view[:room])))
+            self._write(h2.frame(h2.DATA, end if room == len(view) else 0, stream_id, bytes(view[:room])))
             self._send_window -= room
             stream.send_window -= room
             view = view[room:]
@@ -254,7 +269,7 @@ class ReplicaConnection(asyncio.Protocol):
                 self._on_settings(h2.parse_settings(frame.payload))
         elif kind == h2.PING:
             if not frame.flags & h2.ACK and self._transport is not None:
-                self._transport.write(h2.frame(h2.PING, h2.ACK, 0, frame.payload))
+                self._write(h2.frame(h2.PING, h2.ACK, 0, frame.payload))
         elif kind == h2.GOAWAY:
             self._on_goaway(*h2.parse_goaway(frame.payload))
         elif kind == h2.WINDOW_UPDATE:
@@ -278,7 +293,7 @@ class ReplicaConnection(asyncio.Protocol):
             stream.received, more = h2.refill(stream.received, size, stream_id)
             update += more
         if update:
-            transport.write(update)
+            self._write(update)
         if stream is None:
             return                           # cancelled here: its late frames only count for the window
         if flags & h2.PADDED:
@@ -316,7 +331,7 @@ class ReplicaConnection(asyncio.Protocol):
                 self._table_shrunk = True
                 self._request_blocks.clear()
         assert self._transport is not None, "frames arrive on a connected transport"
-        self._transport.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        self._write(h2.frame(h2.SETTINGS, h2.ACK, 0))
         self._window_opened.set()
 
     def _on_goaway(self, last_stream_id: int, code: int) -> None:
@@ -333,6 +348,7 @@ class ReplicaConnection(asyncio.Protocol):
 
     def _close_if_drained(self) -> None:
         if not self.usable and not self._streams and self._transport is not None:
+            self._flush()
             self._transport.close()
 
     def _fail(self, why: str) -> None:

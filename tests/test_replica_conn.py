@@ -238,3 +238,48 @@ async def test_a_peer_that_shrinks_its_header_table_has_it_acknowledged_in_the_n
     second = await peer.next_frame(*SETUP)
     assert second.payload[0] & 0xE0 == 0x20          # a dynamic table size update opens the block
     assert dict(decoder.decode(second.payload))[":path"] == PATH
+
+
+class CountingTransport:
+    """The connection's transport, counting the sends made on it."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
+
+
+async def test_what_one_loop_pass_writes_leaves_in_one_send_in_order(served):
+    connection, peers = served
+    counting = connection._transport = CountingTransport(connection._transport)  # type: ignore[assignment]
+    ids = []
+    for body in (b"one", b"two", b"three"):                # a claim pass starting three runs
+        ids.append(connection.start(PATH, Sink()))
+        await connection.send(ids[-1], body)               # the window is open: no wait
+    assert counting.writes == []
+    await asyncio.sleep(0)
+    assert len(counting.writes) == 1
+    peer = await peers.get()
+    await peer.handshake()
+    frames = [await peer.next_frame(*SETUP) for _ in range(6)]
+    assert [(f.type, f.stream_id) for f in frames] == [(kind, stream_id) for stream_id in ids
+                                                       for kind in (h2.HEADERS, h2.DATA)]
+    assert [h2.MessageReader().feed(f.payload)[0] for f in frames[1::2]] == [b"one", b"two", b"three"]
+
+
+async def test_closing_sends_what_was_written_before_it(served):
+    connection, peers = served
+    stream_id = connection.start(PATH, Sink())
+    connection.cancel(stream_id)
+    connection.close()
+    peer = await peers.get()
+    await peer.handshake()
+    assert (await peer.next_frame(*SETUP)).type == h2.HEADERS
+    reset = await peer.next_frame(*SETUP)
+    assert (reset.type, reset.stream_id, h2.parse_u32(reset.payload)) == (h2.RST_STREAM, stream_id, h2.CANCEL)
