@@ -6,6 +6,7 @@ through replica_client in test_replica.py); the keepalive is driven with explici
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -62,21 +63,29 @@ class Peer:
         self.writer.write(h2.frame(h2.DATA, 0, stream_id, payload))
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[ReplicaConnection, asyncio.Queue[Peer]]]:
+@contextlib.asynccontextmanager
+async def scripted_peers() -> AsyncIterator[tuple[str, asyncio.Queue[Peer]]]:
+    """A listener whose every connection is a Peer a test scripts; its address."""
     peers: asyncio.Queue[Peer] = asyncio.Queue()
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await peers.put(Peer(reader, writer))
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    connection = await replica_conn.connect(f"127.0.0.1:{port}")
     try:
-        yield connection, peers
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", peers
     finally:
-        connection.close()
         server.close()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[ReplicaConnection, asyncio.Queue[Peer]]]:
+    async with scripted_peers() as (address, peers):
+        connection = await replica_conn.connect(address)
+        try:
+            yield connection, peers
+        finally:
+            connection.close()
 
 
 SETUP = (h2.SETTINGS, h2.WINDOW_UPDATE)   # the client's preface frames

@@ -13,7 +13,7 @@ from sluice.services import replica_client as rc
 from tritonclient.grpc import service_pb2
 
 from sluice.replica.protocol import MODEL_NAME
-from tests.test_replica_conn import SETUP, Peer
+from tests.test_replica_conn import SETUP, Peer, scripted_peers
 
 READY_PATH = "/inference.GRPCInferenceService/ModelReady"
 
@@ -21,17 +21,11 @@ READY_PATH = "/inference.GRPCInferenceService/ModelReady"
 @pytest.fixture
 async def replica() -> AsyncIterator[tuple[str, asyncio.Queue[Peer]]]:
     """A listener whose every connection is a Peer a test scripts; its address."""
-    peers: asyncio.Queue[Peer] = asyncio.Queue()
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await peers.put(Peer(reader, writer))
-
-    server = await asyncio.start_server(accept, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", peers
-    finally:
-        await rc.close_channels()
-        server.close()
+    async with scripted_peers() as listening:
+        try:
+            yield listening
+        finally:
+            await rc.close_channels()
 
 
 async def the_call(peer: Peer) -> int:
