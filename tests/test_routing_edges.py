@@ -104,8 +104,11 @@ async def test_a_claim_whose_transaction_fails_leaves_its_runs_accepted_and_no_r
 
     monkeypatch.setattr(routing_worker, "queue_runs", fails_once_queued)
 
-    with pytest.raises(RuntimeError):
-        await worker.claim_once()
+    try:
+        with pytest.raises(RuntimeError):
+            await worker.claim_once()
+    finally:
+        await worker.pool.close()       # serve() is not running to close it: no pool left behind
 
     assert len(queued[0]) == 2                                # queued, then rolled back
     assert [(await stack.run_row(run.run_id)).status for run in runs] == [RunStatus.ACCEPTED] * 2
