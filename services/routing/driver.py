@@ -66,6 +66,7 @@ from sluice.services.routing.outcome import (
 )
 from sluice.services.routing.run_ledger import LeaseLost, RunLedger
 from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
+from sluice.services.routing.windows import WindowClock
 from sluice.services.telemetry import tracer
 
 from sluice.eventlog.events import DeltaCoalescer, RunEventSequencer
@@ -196,6 +197,10 @@ class _Pump:
     wake: Wake
     sent_at: float                          # monotonic: the request left for the replica
     cap: int                                # the run's max output tokens (the budget reserved for them)
+    clock: WindowClock | None = None        # closes its windows (the worker's, shared by every run)
+    # Called by the clock when the open window ends: the driver's (RunDriver._window_closed); None:
+    # wake the driver.
+    publisher: Callable[[_Pump], Awaitable[None] | None] | None = None
     done: bool = False
     error: BaseException | None = None
     received_tokens: int = 0
@@ -203,24 +208,28 @@ class _Pump:
     first_token_at: float | None = None     # monotonic
     first_token_wall: float | None = None   # time.time(), for TTFT from the submit
     last_token_at: float | None = None      # monotonic
-    window_timer: asyncio.TimerHandle | None = None   # wakes the driver when the open window closes
+    window_at: float | None = None          # the instant (ms) the clock closes the open window at
     loop: asyncio.AbstractEventLoop | None = None     # the driver's, asked once (see Wake), not per window
 
-    def arm_window(self, seconds: float) -> None:
-        """Wake the driver in `seconds`, when the window just opened closes (one timer per window)."""
-        self.disarm_window()
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        self.window_timer = self.loop.call_later(seconds, self._window_closed)
+    def wait_window(self) -> None:
+        """Have the clock close the open window at its end (windows.py: one timer per instant)."""
+        closes_ms = self.coalescer.closes_ms()
+        if closes_ms is None:
+            return
+        if self.clock is None:
+            self.clock = WindowClock(self.loop or asyncio.get_running_loop())
+        self.clock.join(self, closes_ms)
 
     def disarm_window(self) -> None:
-        if self.window_timer is not None:
-            self.window_timer.cancel()
-            self.window_timer = None
+        """The open window is published (or the attempt ended): the clock passes it by."""
+        self.window_at = None
 
-    def _window_closed(self) -> None:
-        self.window_timer = None
+    def window_closed(self) -> Awaitable[None] | None:
+        """The clock closed the open window (windows.Closing)."""
+        if self.publisher is not None:
+            return self.publisher(self)
         self.wake.set()
+        return None
 
     def take(self, chunk: TokenChunk) -> None:
         """A chunk from the replica, handed over as its response is parsed (ReplicaClient.generate)."""
@@ -235,17 +244,18 @@ class _Pump:
             self.first_token_at, self.first_token_wall = arrived, time.time()
         self.last_token_at = arrived
         self.received_tokens += len(tokens)
-        # The driver sleeps until a window closes: it is woken by the run's first token (published
-        # at once), by a window that is due as soon as it holds these tokens (full, or no window),
-        # and otherwise by the timer the token that opens a window arms for the window's end.
-        # Tokens that join an open window wake nobody: one driver wake-up per event.
+        # The driver sleeps while tokens stream: it is woken by the run's first token (published at
+        # once) and by a window that is due as soon as it holds these tokens (full, or no window).
+        # A window that closes by time is the clock's, which the token that opens it joins, and which
+        # publishes the window's DELTA while the driver sleeps on (RunDriver._window_closed).
+        # Tokens that join an open window wake nobody.
         coalescer = self.coalescer
         opens = not coalescer.pending()
         coalescer.add(tokens, arrived * 1000)
         if first or coalescer.due(arrived * 1000):
             self.wake.set()
         elif opens:
-            self.arm_window((coalescer.remaining_ms(arrived * 1000) or 0.0) / 1000)
+            self.wait_window()
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
@@ -265,6 +275,7 @@ class RunDriver:
     replicas: ReplicaClient = TRITON
     on_replica_lost: Callable[[str], None] = lambda name: None
     reroute: Reroute = _nowhere
+    clock: WindowClock | None = None   # closes the DELTA windows (the worker's, shared; None: its own)
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     last_sequence: int = 0       # last event durable in the log
     output_tokens: int = 0       # tokens in durable DELTA events
@@ -284,6 +295,11 @@ class RunDriver:
     _deadline: float = float("inf")   # the run's deadline on the monotonic clock (set when the run starts)
     _horizon: asyncio.TimerHandle | None = None   # wakes the driver at the deadline, lease end or first-token
     _horizon_at: float = 0.0                      # limit, whichever comes first (monotonic)
+    _sequencer: RunEventSequencer | None = None   # the run's events (set when it starts)
+    _decoder: IncrementalDecoder | None = None
+    _parked: bool = False        # the driver's loop sleeps until woken, nothing left to do meanwhile
+    _publishing: bool = False    # the clock publishes a window of the run's (_window_closed)
+    _published: asyncio.Future[None] | None = None   # resolved when that publication is done
 
     @property
     def run_id(self) -> str:
@@ -364,8 +380,8 @@ class RunDriver:
     async def _drive(self) -> Ending:
         # Read once: a datetime's timestamp() on every wake-up was a measurable share of the loop.
         self._deadline = time.monotonic() + (self.claim.deadline_at.timestamp() - time.time())
-        sequencer = RunEventSequencer(self.run_id, epoch=self.lease.epoch)
-        decoder = IncrementalDecoder(load_tokenizer(self.claim.tokenizer))
+        sequencer = self._sequencer = RunEventSequencer(self.run_id, epoch=self.lease.epoch)
+        decoder = self._decoder = IncrementalDecoder(load_tokenizer(self.claim.tokenizer))
         self.tried.append(self.replica)
         while True:
             attempt = await self._attempt(sequencer, decoder)
@@ -385,14 +401,20 @@ class RunDriver:
 
     async def _attempt(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder) -> Attempt:
         """Stream from the current replica, publishing as tokens arrive, until it ends or is stopped."""
+        loop = asyncio.get_running_loop()
+        if self.clock is None:
+            self.clock = WindowClock(loop)
         pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens,
                                     aligned=self.settings.coalesce_aligned), self._wake,
-                     time.monotonic(), self.claim.max_output_tokens, loop=asyncio.get_running_loop())
+                     time.monotonic(), self.claim.max_output_tokens, self.clock, self._window_closed,
+                     loop=loop)
         self._pump, self._hung = pump, None
         task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
         try:
             while True:
+                if self._publishing:
+                    await self._window_published(loop)
                 self._wake.clear()
                 self._check_lease()
                 if self._publish_error is not None:
@@ -412,17 +434,59 @@ class RunDriver:
                     continue
                 if pump.done or stop is not None:
                     break
-                if coalescer.pending() and pump.window_timer is None:
-                    # Woken before the window's end (its timer fires on the loop's coarser clock).
-                    pump.arm_window((coalescer.remaining_ms(now * 1000) or 0.0) / 1000)
+                if coalescer.pending() and pump.window_at is None:
+                    pump.wait_window()       # the clock handed its window back before its end
                 self._arm_horizon(pump, now)
-                await self._wake.wait()
+                self._parked = True
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._parked = False
         finally:
             pump.disarm_window()
             await _cancelled(task)
             self._pump = None
         self._note_timing(pump)
         return Attempt(self.replica, pump.received_tokens, pump.error, stop)
+
+    def _window_closed(self, pump: _Pump) -> Awaitable[None] | None:
+        """The clock closed `pump`'s window. While the driver's loop sleeps with nothing else to look
+        at, the window's DELTA is published for it (the clock runs one task for all the runs of an
+        instant) and the loop sleeps on: no task wake-up per run per window. Anything that needs the
+        loop's judgment (the run's first event, an ack to wait for, a publication that failed, a stop
+        or a lease to act on, the stream's end) wakes it instead, and it publishes the window itself."""
+        now = time.monotonic()
+        sequencer = self._sequencer
+        if not self._parked or self._wake.is_set() or self._publishing or pump is not self._pump \
+                or pump.done or sequencer is None or sequencer.last_sequence == 0 \
+                or len(self._in_flight) >= MAX_IN_FLIGHT or self._publish_error is not None \
+                or not self.lease.valid(now) or self._stop_reason(pump, now) is not None \
+                or not pump.coalescer.due(now * 1000):
+            self._wake.set()
+            return None
+        self._publishing = True
+        return self._publish_window(pump, pump.coalescer.take())
+
+    async def _publish_window(self, pump: _Pump, tokens: Sequence[int]) -> None:
+        """The clock's publication of one window of the run (_window_closed). The loop waits for it
+        before it looks at anything (_window_published): a run's events have one publisher at a time,
+        so their order in the log is their sequence order."""
+        try:
+            if self._pump is pump and self._sequencer is not None and self._decoder is not None:
+                await self._publish_delta(self._sequencer, self._decoder, tokens)
+        except Exception as error:   # the loop raises it when it next looks, as it does a failed ack
+            self._publish_error = self._publish_error or error
+            self._wake.set()
+        finally:
+            self._publishing = False
+            published, self._published = self._published, None
+            if published is not None and not published.done():
+                published.set_result(None)
+
+    async def _window_published(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until the clock's publication of a window of this run is done."""
+        published = self._published = loop.create_future()
+        await published
 
     def _stop_reason(self, pump: _Pump, now: float) -> Stop | None:
         if self.cancel_requested.is_set():

@@ -82,6 +82,7 @@ from sluice.services.routing.observability import (
 )
 from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.routing.scrape import fetch_metrics
+from sluice.services.routing.windows import WindowClock
 from sluice.services.telemetry import context_of, tracer
 from sluice.services.traffic import LadderMetrics, TrafficSettings
 from sluice.services.trust_scope import cache_salt, scope_of
@@ -213,6 +214,7 @@ class RoutingWorker:
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
         self._published_health: dict[str, bool] = {}   # the health gauges as last set
         self.drivers: dict[str, RunDriver] = {}
+        self._windows: WindowClock | None = None   # closes every driver's DELTA windows (made on the loop)
         self._tasks: dict[str, asyncio.Task[TerminalRecord | None]] = {}
         self._requests: dict[str, _Routed] = {}
         self.health = HealthBook(HEALTH)
@@ -590,9 +592,11 @@ class RoutingWorker:
                                        cache_salt_id=target.cache_salt_id)
         run_id = item.claim.run_id
         lease = Lease(run_id, item.claim.epoch, expires_at=item.granted_from + self.settings.lease_seconds)
+        if self._windows is None:
+            self._windows = WindowClock(asyncio.get_running_loop())
         driver = RunDriver(claim=item.claim, address=target.address, settings=settings, events=self.events,
                            ledger=self.ledger, lease=lease, replicas=self.replicas,
-                           on_replica_lost=self._replica_failed, reroute=self._reroute)
+                           on_replica_lost=self._replica_failed, reroute=self._reroute, clock=self._windows)
         self.keeper.hold(lease, driver.revoke_lease, driver.request_cancel)
         self.drivers[run_id] = driver
         self._requests[run_id] = item

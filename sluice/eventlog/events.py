@@ -156,6 +156,11 @@ class DeltaCoalescer:
         """True when the buffered tokens should be emitted now."""
         return self._closes_ms is not None and (now_ms >= self._closes_ms or self.full())
 
+    def closes_ms(self) -> float | None:
+        """When the open window closes by time (on the callers' clock); None when nothing is buffered.
+        Aligned windows of every run share these instants exactly (one timer may serve them all)."""
+        return self._closes_ms
+
     def remaining_ms(self, now_ms: float) -> float | None:
         """How long until the window closes; None when nothing is buffered."""
         if self._closes_ms is None:
