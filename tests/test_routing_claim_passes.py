@@ -51,3 +51,17 @@ async def test_a_run_notified_while_a_pass_holds_its_lock_is_claimed_by_a_second
         assert claimed.replica is not None
         await stack.wait_for_status(early.run_id, CLAIMED, timeout_s=10)
     assert queued == [{early.run_id}, {late.run_id}]
+
+
+async def test_a_full_pass_is_followed_by_the_next_at_once_not_at_the_poll_timer(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three runs wait before the worker starts (their NOTIFYs went to nobody) and a pass claims one:
+    # each full pass must wake the claim loop for the next at once. On the poll timer alone, the
+    # third run would wait two polls (20 s).
+    stack.config = stack.config.updated(routing={"poll_interval_ms": SLOW_POLL_MS})
+    monkeypatch.setattr(routing_worker, "CLAIM_BATCH", 1)
+    async with SluiceClient(stack.address, stack.tenant.api_key) as sdk:
+        runs = [await sdk.submit(PROMPT, max_output_tokens=4) for _ in range(3)]
+        await stack.start_worker()
+        for run in runs:
+            await stack.wait_for_status(run.run_id, CLAIMED, timeout_s=5)

@@ -71,7 +71,7 @@ from sluice.services.routing.claims import (
     take_unpublished_terminals,
     within_kv_budgets,
 )
-from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target
+from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target, Wake
 from sluice.services.routing.leases import Lease, LeaseKeeper
 from sluice.services.routing.monitor import JUDGED_FROM_S, MONITOR_TICK_S, StallGuard, hung
 from sluice.services.routing.observability import (
@@ -227,7 +227,11 @@ class RoutingWorker:
         self._stopping = asyncio.Event()   # set by stop(): claim nothing more
         # Set by admission's NOTIFY of a new run: one flag, so a burst of notifications while a claim
         # is in flight coalesces into ONE more claim pass, never one pass per notification.
-        self._accepted = asyncio.Event()
+        self._accepted = False
+        # The claim loop's one wake-up call: a NOTIFY, a pass that ended, its timer, stop(). (Waiting on
+        # each of those with asyncio.wait took two tasks and a future per source at every turn.)
+        self._claim_wake = Wake()
+        self._claim_timer_fired = False
         # Set with _accepted, and by a full claim pass: the next pass locks at once instead of first
         # asking whether anything waits (a timer's poll asks: most find nothing).
         self._claim_hinted = True
@@ -264,7 +268,7 @@ class RoutingWorker:
         # interval), should a notification be lost while a listener reconnects.
         if self._dsn is not None:
             self._accepted_listener = ChannelListener(self._dsn, RUNS_ACCEPTED_CHANNEL, self._run_accepted,
-                                                      on_connect=self._accepted.set)
+                                                      on_connect=self._listener_connected)
         listeners = [] if self._dsn is None or self._accepted_listener is None else [
             ChannelListener(self._dsn, CANCEL_CHANNEL, self._cancel_notified), self._accepted_listener]
         for listener in listeners:
@@ -287,6 +291,7 @@ class RoutingWorker:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._claim_wake.set()
 
     async def _every(self, step: Any, interval_s: float | Callable[[], float], busy_again: bool = False,
                      until: asyncio.Event | None = None, wake: asyncio.Event | None = None) -> None:
@@ -327,8 +332,11 @@ class RoutingWorker:
         passes: set[asyncio.Task[bool]] = set()
         due = True
         unseen_since: float | None = None    # when a NOTIFY no pass in flight will see began to wait
+        wake = self._claim_wake
+        loop = asyncio.get_running_loop()
         try:
             while not self._stopping.is_set():
+                wake.clear()
                 now = time.monotonic()
                 unseen = due and bool(passes) and len(passes) < MAX_CLAIM_PASSES and self._unlocked == 0 \
                     and self._heard > self._heard_at_lock
@@ -336,22 +344,33 @@ class RoutingWorker:
                 if due and (not passes or (unseen_since is not None
                                            and now - unseen_since >= SECOND_PASS_AFTER_S)):
                     due, unseen_since = False, None
-                    self._accepted.clear()
-                    passes.add(asyncio.create_task(self._claim_pass()))
+                    self._accepted = False
+                    claim_pass = asyncio.create_task(self._claim_pass())
+                    claim_pass.add_done_callback(lambda _: wake.set())
+                    passes.add(claim_pass)
                 timeout = self._claim_interval() if not passes else \
                     None if unseen_since is None else unseen_since + SECOND_PASS_AFTER_S - now
-                waits = {asyncio.ensure_future(event.wait()) for event in (self._accepted, self._stopping)}
+                self._claim_timer_fired = False
+                timer = None if timeout is None else loop.call_later(max(0.0, timeout), self._claim_timer)
                 try:
-                    done, _ = await asyncio.wait({*passes, *waits}, return_when=asyncio.FIRST_COMPLETED,
-                                                 timeout=timeout)
+                    await wake.wait()
                 finally:
-                    for wait in waits:
-                        wait.cancel()
-                ended = {task for task in passes if task in done}
+                    if timer is not None:
+                        timer.cancel()
+                ended = {task for task in passes if task.done()}
                 passes -= ended
-                due = due or self._accepted.is_set() or not done or any(task.result() for task in ended)
+                due = due or self._accepted or self._claim_timer_fired or any(task.result() for task in ended)
         finally:
             await _cancelled(*passes)
+
+    def _claim_timer(self) -> None:
+        self._claim_timer_fired = True
+        self._claim_wake.set()
+
+    def _listener_connected(self) -> None:
+        """Admission's listener (re)connected: notifications may have been lost meanwhile."""
+        self._accepted = True
+        self._claim_wake.set()
 
     async def _claim_pass(self) -> bool:
         """One claim pass; an error is logged and counts as a pass that found nothing."""
@@ -777,7 +796,8 @@ class RoutingWorker:
         if self.registry.members(pool):
             self._heard += 1
             self._claim_hinted = True
-            self._accepted.set()
+            self._accepted = True
+            self._claim_wake.set()
 
     def _cancel_notified(self, run_id: str) -> None:
         driver = self.drivers.get(run_id)
