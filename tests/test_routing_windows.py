@@ -46,6 +46,20 @@ def soon_ms(after_s: float) -> float:
     return time.monotonic() * 1000 + after_s * 1000
 
 
+def streaming(tokens: int, gap_s: float = 0.02) -> ScriptedReplicas:
+    """A replica streaming tokens 1..`tokens`, one per chunk, `gap_s` apart."""
+    return ScriptedReplicas({"r0": Script([(t,) for t in range(1, tokens + 1)], gap_s=gap_s)})
+
+
+def delta_tokens(events: list[runs_pb2.RunEvent]) -> list[list[int]]:
+    """Each DELTA's tokens, in publication order."""
+    return [list(event.token_ids) for event in events if event.type == DELTA]
+
+
+def in_order(events: list[runs_pb2.RunEvent]) -> bool:
+    return [event.sequence for event in events] == list(range(1, len(events) + 1))
+
+
 async def test_windows_closing_at_one_instant_share_one_timer_and_close_once_each_in_order():
     clock = WindowClock(asyncio.get_running_loop())
     closed: list[str] = []
@@ -113,14 +127,13 @@ async def test_windows_closed_by_the_clock_are_published_without_waking_the_driv
     # Twelve tokens 20 ms apart, 50 ms windows: after the first token (published at once, its wake-up),
     # the windows close by time while the replica streams, and the stream's end wakes it once more.
     # Every token is published, each window's tokens in one DELTA, in order.
-    replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 13)], gap_s=0.02)})
-    driver, ledger, _ = driver_for(replicas, window_ms=50)
+    log = MemoryLog()
+    driver, ledger, _ = driver_for(streaming(12), log, window_ms=50)
     driver._wake = wake = CountingWake()
     await driver.run()
-    deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
-    assert [token for delta in deltas for token in delta] == list(range(1, 13))
+    deltas = delta_tokens(log.events)
+    assert sum(deltas, []) == list(range(1, 13)) and in_order(log.events)
     assert deltas[0] == [1] and len(deltas) >= 4, deltas         # several windows closed by time
-    assert [e.sequence for e in driver.events.events] == list(range(1, len(driver.events.events) + 1))  # type: ignore[attr-defined]
     assert wake.sets == 2
     assert ledger.finished().output_tokens == 12
 
@@ -129,8 +142,7 @@ async def test_runs_with_aligned_windows_share_one_timer_per_instant():
     clock = WindowClock(asyncio.get_running_loop())
     runs = []
     for _ in range(4):
-        replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 13)], gap_s=0.02)})
-        driver, ledger, _ = driver_for(replicas, window_ms=50)
+        driver, ledger, _ = driver_for(streaming(12), window_ms=50)
         driver.settings = dataclasses.replace(driver.settings, coalesce_aligned=True)
         driver.clock = clock
         runs.append((driver, ledger))
@@ -139,8 +151,7 @@ async def test_runs_with_aligned_windows_share_one_timer_per_instant():
     instants = (time.monotonic() - started) * 1000 / 50 + 1
     assert clock.timers_armed <= instants + 2, (clock.timers_armed, instants)   # not four per instant
     for driver, ledger in runs:
-        deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
-        assert [token for delta in deltas for token in delta] == list(range(1, 13))
+        assert sum(delta_tokens(driver.events.events), []) == list(range(1, 13))  # type: ignore[attr-defined]
         assert ledger.finished().output_tokens == 12
 
 
@@ -149,14 +160,11 @@ async def test_a_window_closing_while_the_run_waits_for_acks_wakes_the_driver_an
     # Acks 150 ms late and at most two events in flight: most windows close while the driver must wait
     # for the oldest ack first, which only its loop does; the clock wakes it instead of publishing.
     monkeypatch.setattr(driver_module, "MAX_IN_FLIGHT", 2)
-    replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 13)], gap_s=0.02)})
     log = MemoryLog(ack_delay_s=0.15)
-    driver, ledger, _ = driver_for(replicas, log, window_ms=30)
+    driver, ledger, _ = driver_for(streaming(12), log, window_ms=30)
     driver._wake = wake = CountingWake()
     await driver.run()
-    deltas = [list(e.token_ids) for e in log.events if e.type == DELTA]
-    assert [token for delta in deltas for token in delta] == list(range(1, 13))
-    assert [e.sequence for e in log.events] == list(range(1, len(log.events) + 1))
+    assert sum(delta_tokens(log.events), []) == list(range(1, 13)) and in_order(log.events)
     assert wake.sets > 2                     # woken for windows it had to publish itself
     assert ledger.finished().output_tokens == 12
 
@@ -176,13 +184,10 @@ async def test_the_driver_waits_for_the_clocks_publication_of_its_window_before_
     # The stream ends 5 ms after a window closed by time, while the clock's publication of that
     # window (several tokens: slow) is still on its way; the driver's last DELTA (one token) and the
     # terminal event must still land after it.
-    replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 9)], gap_s=0.02)})
     log = SlowLog()
-    driver, ledger, _ = driver_for(replicas, log, window_ms=50)
+    driver, ledger, _ = driver_for(streaming(8), log, window_ms=50)
     await driver.run()
-    assert [e.sequence for e in log.events] == list(range(1, len(log.events) + 1))
-    deltas = [list(e.token_ids) for e in log.events if e.type == DELTA]
-    assert [token for delta in deltas for token in delta] == list(range(1, 9))
+    assert sum(delta_tokens(log.events), []) == list(range(1, 9)) and in_order(log.events)
     assert ledger.finished().output_tokens == 8
 
 
@@ -207,8 +212,7 @@ async def test_a_run_whose_acks_stall_does_not_hold_up_the_windows_of_the_others
     clock = WindowClock(asyncio.get_running_loop())
     drivers = []
     for log in (StallingLog(), MemoryLog()):
-        replicas = ScriptedReplicas({"r0": Script([(t,) for t in range(1, 13)], gap_s=0.02)})
-        driver, _, _ = driver_for(replicas, log, window_ms=30)
+        driver, _, _ = driver_for(streaming(12), log, window_ms=30)
         driver.settings = dataclasses.replace(driver.settings, coalesce_aligned=True)
         driver.clock = clock
         drivers.append(driver)
