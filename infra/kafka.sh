@@ -70,6 +70,9 @@ num.io.threads=2
 # metadata publications a second. One node is its own controller: 5 s is plenty.
 metadata.max.idle.interval.ms=5000
 PROPS
+  # KAFKA_EXTRA_PROPERTIES (at start): more lines for server.properties, e.g. a setting to compare on a
+  # private broker; a key given again here overrides the one above (the last occurrence wins).
+  [[ -z "${KAFKA_EXTRA_PROPERTIES:-}" ]] || printf '%s\n' "$KAFKA_EXTRA_PROPERTIES" >>"$PROPS"
   write_kafka_log4j "$LOG4J_CONF" "$KAFKA_LOG" "${KAFKA_REQUEST_LOG:-warn}"
 }
 

@@ -235,7 +235,8 @@ async def test_an_event_published_at_once_does_not_wait_out_the_linger_and_keeps
 
 async def test_append_sends_at_once_what_it_waits_for_a_terminal_event_or_a_fence():
     # append() is how terminal events and fences are written, and its caller waits for the position:
-    # it must not wait out the producer's linger (60 s here, so the bound below tells the two apart).
+    # it must not wait out the producer's linger (60 s here, so the bound below tells the two apart;
+    # it leaves within kafka.APPEND_WITHIN_MS, with what else the window holds).
     config = load_settings()
     lingering = KafkaEventLog(config.kafka.bootstrap, config.kafka.events_topic, linger_ms=60_000)
     await lingering.start()

@@ -27,7 +27,7 @@ from bench.bench_platform import RequestCounter
 from sluice.config import load_settings
 from sluice.eventlog.events import RunEventSequencer
 from sluice.eventlog.interface import LogPosition
-from sluice.eventlog.kafka import KafkaEventLog
+from sluice.eventlog.kafka import APPEND_WITHIN_MS, KafkaEventLog
 from sluice.v1 import common_pb2, runs_pb2
 from tests.test_chaos_infra import single_broker
 
@@ -44,9 +44,11 @@ def broker() -> Iterator[dict[str, str]]:
 
 
 @contextlib.asynccontextmanager
-async def lingering_log(broker: dict[str, str], linger_ms: int) -> AsyncIterator[KafkaEventLog]:
+async def lingering_log(broker: dict[str, str], linger_ms: int,
+                        append_within_ms: int = APPEND_WITHIN_MS) -> AsyncIterator[KafkaEventLog]:
     linger = {"SLUICE_KAFKA__PRODUCER_LINGER_MS": str(linger_ms)}
     log = KafkaEventLog.from_config(load_settings(environ={**os.environ, **broker, **linger}))
+    log.append_within_ms = append_within_ms
     await log.start()
     try:
         yield log
@@ -197,6 +199,53 @@ async def test_the_events_of_every_run_published_within_one_linger_leave_in_one_
             acks.append(await events.publish(seq.status(common_pb2.RUN_STATUS_RUNNING, 0)))
             await asyncio.sleep(0.02)
         await asyncio.wait_for(asyncio.gather(*acks), 10)
+        assert await produce_requests(counter, 1) == 1
+
+
+async def test_terminal_events_appended_close_together_leave_in_one_produce_request(broker):
+    """append() (a terminal event, a fence) joins the open window, not at once, and the window leaves
+    no later than the append's bound (400 ms here), however long the linger (3 s): the runs that end
+    within it share one produce request (at once, each end took a request of its own), and each append
+    still resolves with its own record's position, right after its run's last."""
+    async with lingering_log(broker, 3000, append_within_ms=400) as events:
+        partitions = sorted(await (await events._ready_producer()).partitions_for(events.topic))
+        counter = RequestCounter(Path(broker["SLUICE_PATHS__DATA_DIR"]) / "logs" / "kafka.log")
+        sequencers = [RunEventSequencer(run_id) for run_id in runs_over_partitions(partitions, 2)]
+        # Each run's first event, every partition's leader known, nothing of theirs left in a window.
+        firsts = await asyncio.wait_for(asyncio.gather(*[
+            await events.publish(seq.status(common_pb2.RUN_STATUS_RUNNING, 0), at_once=True)
+            for seq in sequencers]), 10)
+        await asyncio.sleep(0.3)      # the broker logs a request after its answer: theirs are all in
+        counter.mark()
+        ends = []
+        for seq in sequencers:        # one run ends every 20 ms: ~160 ms in all, within the bound
+            terminal = seq.terminal(common_pb2.RUN_STATUS_COMPLETED, common_pb2.TokenUsage(), "", 0)
+            ends.append(asyncio.ensure_future(events.append(terminal)))
+            await asyncio.sleep(0.02)
+        positions = await asyncio.wait_for(asyncio.gather(*ends), 1.5)    # half the linger
+        # Each partition's terminals follow its runs' first events, in the order they were appended.
+        following = {first.partition: first.offset + 1 for first in sorted(firsts, key=lambda p: p.offset)}
+        expected = []
+        for first in firsts:
+            expected.append(LogPosition(first.partition, following[first.partition]))
+            following[first.partition] += 1
+        assert positions == expected
+        assert await produce_requests(counter, 1) == 1
+
+
+async def test_an_append_ends_a_window_that_a_plain_publish_opened_by_its_own_bound(broker):
+    """A DELTA opened the window with the linger (3 s); a terminal event appended after it ends that
+    window within the append's bound (200 ms), and both leave in one request, in order."""
+    async with lingering_log(broker, 3000, append_within_ms=200) as events:
+        seq = RunEventSequencer(str(uuid.uuid4()))
+        await events.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))    # its partition's leader known
+        await asyncio.sleep(0.3)
+        counter = RequestCounter(Path(broker["SLUICE_PATHS__DATA_DIR"]) / "logs" / "kafka.log")
+        counter.mark()
+        delta = await events.publish(seq.delta([1], "a", 0))
+        terminal = await asyncio.wait_for(
+            events.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, common_pb2.TokenUsage(), "", 0)), 1.5)
+        assert delta.done() and terminal == LogPosition(delta.result().partition, delta.result().offset + 1)
         assert await produce_requests(counter, 1) == 1
 
 

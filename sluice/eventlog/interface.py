@@ -77,7 +77,9 @@ class EventLog(Protocol):
         ...
 
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
-        """Publish one event (key = its run id); returns once it is durable."""
+        """Publish one event (key = its run id) and wait until it is durable: within the process's
+        window like publish(), not at once, but leaving soon (a terminal event, a fence: the
+        caller waits for it)."""
         ...
 
     async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:

@@ -11,10 +11,12 @@ in-sync replicas; a run keeps several events in flight and their order holds
 (one partition per run, idempotent producer, a partition's batches in order).
 A run's first token is published `at_once`: the window ends now and its batches
 leave without waiting out the linger (TTFT pays no batching). `append` =
-publish at once and wait, for the rare caller that needs the position (a
-terminal event, a fence): it does not wait out the linger either. A
-position is durable when its future resolves, and only then may it be recorded
-in the ledger.
+publish and wait, for the caller that needs the position (a terminal event, a
+fence): within the window like any publish, but leaving no later than
+APPEND_WITHIN_MS after it, so that the terminal events of runs that end close
+together, and the DELTAs around them, share one produce request (and each
+gateway one fetch of them) where at once each took a request of its own. A position is durable when its future
+resolves, and only then may it be recorded in the ledger.
 
 Reads: two lean fetchers per process (eventlog/fetcher.py: aiokafka's client and
 connections, requests and records decoded by hand, no consumer) for every stream:
@@ -53,6 +55,10 @@ from sluice.eventlog.tail import (
 from sluice.v1 import runs_pb2
 
 LINGER_MS = 20           # the writer's window across runs ([kafka].producer_linger_ms)
+# An appended event (a terminal event, a fence) leaves with its window, but no later than this after it
+# was appended, whatever the linger: its caller waits for it (a run's end, a takeover). With the default
+# linger it is the linger itself.
+APPEND_WITHIN_MS = 20
 PARTITION_CACHE = 8192   # runs whose partition is remembered
 MAX_REQUEST_BYTES = 1_048_576   # the largest record a publish accepts (aiokafka's default max_request_size)
 
@@ -81,12 +87,13 @@ class KafkaEventLog:
 
     def __init__(self, bootstrap: str, topic: str, *, stream_capacity: int = SUBSCRIPTION_CAPACITY,
                  recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
-                 linger_ms: int = LINGER_MS) -> None:
+                 linger_ms: int = LINGER_MS, append_within_ms: int = APPEND_WITHIN_MS) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.stream_capacity = stream_capacity              # events a follower may leave unread
         self.recent_per_partition = recent_per_partition    # records the tail keeps for late joiners
         self.linger_ms = linger_ms
+        self.append_within_ms = append_within_ms
         self._producer: AIOKafkaProducer | None = None
         self._writer: WindowedWriter | None = None   # the open window of records, on the producer
         self._producer_lock = asyncio.Lock()
@@ -132,6 +139,10 @@ class KafkaEventLog:
 
     async def publish(self, event: runs_pb2.RunEvent, *,
                       at_once: bool = False) -> asyncio.Future[LogPosition]:
+        return await self._publish(event, at_once, None)
+
+    async def _publish(self, event: runs_pb2.RunEvent, at_once: bool,
+                       within_s: float | None) -> asyncio.Future[LogPosition]:
         writer = self._writer
         if writer is None:
             await self._ready_producer()
@@ -143,12 +154,13 @@ class KafkaEventLog:
             if len(self._partitions) >= PARTITION_CACHE:
                 self._partitions.clear()
             partition = self._partitions[key] = await self.partition_of(event.run_id)
-        return writer.publish(partition, key, event.SerializeToString(), at_once=at_once)
+        return writer.publish(partition, key, event.SerializeToString(), at_once=at_once, within_s=within_s)
 
     async def append(self, event: runs_pb2.RunEvent) -> LogPosition:
-        # At once: its caller waits for the position (a terminal event, a fence), the linger would
-        # only delay it; what the process published before it leaves with it.
-        return await (await self.publish(event, at_once=True))
+        # Within the window, not at once: the runs that end close together share a request (at once,
+        # each end was a produce request and a fetch per gateway of its own: a third of a 2-token
+        # run's broker requests), and none waits longer than APPEND_WITHIN_MS for it.
+        return await (await self._publish(event, False, self.append_within_ms / 1000))
 
     async def partition_of(self, run_id: str) -> int:
         """The partition the producer's default partitioner sends this run's key to."""

@@ -2,7 +2,8 @@
 
     publish ──▶ partition p's queue [batch, batch, …]   (filled by every run of the process;
                 │                                        the last batch takes new records)
-                │ due when the window ends: one timer per window, or at once for a first token
+                │ due when the window ends: one timer per window (brought forward by an append's
+                │ bound), or at once for a first token
                 ▼
     ship: producer.send_batch(p's first due batch) unless p's leader owes an answer (a batch of
                 │ any of its partitions unanswered): then p's batch waits for it, with the others
@@ -84,10 +85,11 @@ class WindowedWriter:
         self._shipper: asyncio.Task[None] | None = None  # hands due batches to the producer
         self.batches_shipped = 0
 
-    def publish(self, partition: int, key: bytes, value: bytes, *,
-                at_once: bool = False) -> asyncio.Future[LogPosition]:
+    def publish(self, partition: int, key: bytes, value: bytes, *, at_once: bool = False,
+                within_s: float | None = None) -> asyncio.Future[LogPosition]:
         """Add one record; the future resolves with its position once it is durable. `at_once`: end
-        the window now (everything added before it leaves with it). A record larger than a request
+        the window now (everything added before it leaves with it); `within_s`: end it no later than
+        this from now (sooner than the linger would). A record larger than a request
         may be is refused here, as send() refuses it: the broker would refuse its batch, and that
         batch's sequence numbers, already taken, would leave the idempotent producer out of order
         (OutOfOrderSequenceNumber on the partition's next batch: the producer stops)."""
@@ -108,7 +110,11 @@ class WindowedWriter:
         if at_once:
             self._end_window()
         elif self._timer is None:
-            self._timer = self._loop.call_later(self.linger_s, self._end_window)
+            linger = self.linger_s if within_s is None else min(within_s, self.linger_s)
+            self._timer = self._loop.call_later(linger, self._end_window)
+        elif within_s is not None and self._timer.when() > self._loop.time() + within_s:
+            self._timer.cancel()
+            self._timer = self._loop.call_later(within_s, self._end_window)
         return durable
 
     def _end_window(self) -> None:
