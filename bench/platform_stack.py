@@ -194,11 +194,16 @@ class PlatformStack:
             self.replicas.append(replica)
             self.replica_tables.append({"name": f"r{index}", "pool": POOL, "grpc_address": replica[1],
                                         "metrics_port": ports[2]})
+        partitions = load_settings().kafka.partitions   # the bench topic's (bench_platform.create_topic)
         for index, port in enumerate(free_ports(self.settings.gateways)):
             address = f"127.0.0.1:{port}"
             argv = ["-m", "sluice.services.main", "--role", "gateway", "--listen", address]
             log_path = self.log_dir / f"gateway-{index}.log"
-            self.gateways.append(launch(f"gateway {index}", argv, self.env(), log_path))
+            # Each gateway its own partitions ([gateway].event_partitions), as a box's gateways should be
+            # given: gateway i places its runs on partitions i, i + gateways, ... and reads only those.
+            env = dict(self.env(), SLUICE_GATEWAY__EVENT_PARTITIONS=json.dumps(
+                list(range(index % partitions, partitions, self.settings.gateways))))
+            self.gateways.append(launch(f"gateway {index}", argv, env, log_path))
             self.gateway_addresses.append(address)
         for index in range(self.settings.routing_workers):
             self.workers.append(launch(f"routing worker {index}",

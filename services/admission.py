@@ -222,8 +222,11 @@ class _Prepared:
 class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
                  metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None,
-                 hot: HotPool | None = None) -> None:
+                 hot: HotPool | None = None, run_ids: Callable[[], uuid.UUID] = uuid.uuid4) -> None:
         self._sessionmaker = sessionmaker
+        # A new run's id: random; in a gateway, drawn to land its events on a partition this process's
+        # live tail follows (KafkaEventLog.home_run_ids, eventlog/partitioning.py).
+        self._run_ids = run_ids
         self._settings = settings
         self._autocommit = autocommit_engine(sessionmaker)
         # The hot path's two statements run on raw asyncpg connections of the same database
@@ -498,22 +501,20 @@ class AdmissionService:
             priority=intent.priority,
         )
 
-    @staticmethod
-    def _run_values(prepared: _Prepared) -> dict[str, Any]:
+    def _run_values(self, prepared: _Prepared) -> dict[str, Any]:
         return {
-            **AdmissionService._written_values(prepared),
+            **self._written_values(prepared),
             "status": RunStatus.ACCEPTED.value,
             # On the database clock, like created_at, so routing compares like with like.
             "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
         }
 
-    @staticmethod
-    def _written_values(prepared: _Prepared) -> dict[str, Any]:
+    def _written_values(self, prepared: _Prepared) -> dict[str, Any]:
         """The runs columns the one-statement write binds (the status, created_at and deadline_at
         are the statement's own, on the database clock)."""
         intent = prepared.intent
         return {
-            "id": uuid.uuid4(),
+            "id": self._run_ids(),
             "tenant_id": prepared.tenant.id,
             "request_key": intent.request_key,
             "payload_hash": prepared.payload_hash,
@@ -697,10 +698,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
                            config: Settings, metrics: GatewayMetrics | None = None,
-                           hot: HotPool | None = None) -> AdmissionService:
+                           hot: HotPool | None = None,
+                           run_ids: Callable[[], uuid.UUID] = uuid.uuid4) -> AdmissionService:
     """Register Admission on `server`; returns the service (handy for in-process callers). `hot`: the
-    process's pool of raw connections (ledger/pg.py), shared with Runs; None: the service opens its own."""
-    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics, hot=hot)
+    process's pool of raw connections (ledger/pg.py), shared with Runs; None: the service opens its own.
+    `run_ids`: how new run ids are drawn (the gateway's: KafkaEventLog.home_run_ids)."""
+    service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics, hot=hot,
+                               run_ids=run_ids)
     add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],
                         AdmissionServicer(service), FieldLimits.from_config(config))
     return service

@@ -175,7 +175,10 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
                                                           worker.replicas_changed)
         if "gateway" in roles:
             gateway = gateway_server(config.gateway, config.tls)
-            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot)
+            # The runs this process admits land on partitions its live tail follows (and only those
+            # and the ones its streams read are fetched): each gateway reads its own runs' events.
+            run_ids = await events.home_run_ids(config.gateway.event_partitions)
+            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot, run_ids)
             runs_service = add_runs_servicer(gateway, sessions, config, events, hot)
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)

@@ -69,7 +69,7 @@ async def test_a_process_with_no_stream_fetches_nothing_and_a_later_stream_gets_
         log):
     early_run, late_run = await run_in(log, 0), await run_in(log, 1)
     early, late = RunEventSequencer(early_run), RunEventSequencer(late_run)
-    tail = await log._ready_tail(early_run)             # started, as after a stream long gone
+    tail, _ = await log._ready_tail(early_run)          # started, as after a stream long gone
     assert tail.followed == frozenset()
     late_first = await log.append(late.status(common_pb2.RUN_STATUS_RUNNING, 0))
     for token in range(3):

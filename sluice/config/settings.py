@@ -128,6 +128,9 @@ class GatewaySection(Section):
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     metrics_port: Port = 50065                       # Prometheus /metrics of the gateway; 0 = not served
     grpc_server: Literal["h2", "aio"] = "h2"         # h2: services/h2server.py (plaintext; TLS stays aio)
+    # The event-log partitions this process places the runs it admits on, and so follows (eventlog/
+    # partitioning.py); empty: one chosen by process id. Give a box's gateways disjoint sets.
+    event_partitions: tuple[Annotated[int, Field(ge=0)], ...] = ()
 
 
 class RunsSection(ListenSection):

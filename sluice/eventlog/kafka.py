@@ -32,16 +32,18 @@ promise that no client sees an event the log could still lose.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import DefaultPartitioner
 
 from sluice.config import Settings
 from sluice.config.settings import KafkaSection
 from sluice.eventlog.events import EventDeduper
 from sluice.eventlog.interface import CursorPastRetention, LogPosition, LogUnavailable, ReaderTooSlow
+from sluice.eventlog.partitioning import home_partitions, partition_of, run_id_on
 from sluice.eventlog.produce import WindowedWriter
 from sluice.eventlog.replay import RangeDeleted, SharedReplay
 from sluice.eventlog.tail import (
@@ -99,8 +101,10 @@ class KafkaEventLog:
         self._producer_lock = asyncio.Lock()
         self._tail: LiveTail | None = None   # started by the first follow()
         self.replay = SharedReplay(bootstrap, topic)
-        # run id -> partition, so the producer's pure-Python murmur2 runs once per run, not per event
+        # run id -> partition, so the partitioner's murmur2 runs once per run, not per event
         self._partitions: dict[bytes, int] = {}
+        # The partitions this process places the runs it admits on (home_run_ids); None: it does not.
+        self.home: frozenset[int] | None = None
 
     @classmethod
     def from_config(cls, config: Settings) -> KafkaEventLog:
@@ -166,7 +170,19 @@ class KafkaEventLog:
         """The partition the producer's default partitioner sends this run's key to."""
         producer = await self._ready_producer()
         partitions = sorted(await producer.partitions_for(self.topic))
-        return int(DefaultPartitioner()(run_id.encode(), partitions, partitions))
+        return partitions[partition_of(run_id.encode(), len(partitions))]
+
+    async def home_run_ids(self, configured: Collection[int] = ()) -> Callable[[], uuid.UUID]:
+        """From now on this process places the runs it admits on its home partitions (`configured`,
+        else one by process id: partitioning.home_partitions), and its live tail follows those (and
+        any other only while a stream reads it) instead of every partition. Returns the run-id
+        chooser its admission draws ids with (eventlog/partitioning.py)."""
+        producer = await self._ready_producer()
+        count = len(await producer.partitions_for(self.topic))
+        home = self.home = home_partitions(count, configured, os.getpid())
+        if self._tail is not None:
+            self._tail.home = home
+        return lambda: run_id_on(home, count)
 
     async def locate(self, run_id: str, since_ms: int) -> LogPosition | None:
         partition = await self.partition_of(run_id)
@@ -187,7 +203,7 @@ class KafkaEventLog:
 
     async def follow(self, run_id: str, start: LogPosition,
                      after: int) -> AsyncIterator[runs_pb2.RunEvent]:
-        tail = await self._ready_tail(run_id)
+        tail, _ = await self._ready_tail(run_id)
         subscription, recent = await self._subscribe(tail, run_id, start.partition, start.offset)
         try:
             async for event in self._deliver(run_id, start, after, subscription, recent, []):
@@ -198,8 +214,10 @@ class KafkaEventLog:
     async def follow_from_first(self, run_id: str, after: int,
                                 recorded_start: Callable[[], Awaitable[LogPosition | None]],
                                 ) -> AsyncIterator[runs_pb2.RunEvent]:
-        tail = await self._ready_tail(run_id)
-        subscription, _ = await self._subscribe(tail, run_id, await self.partition_of(run_id), -1)
+        tail, partitions = await self._ready_tail(run_id)
+        # Where this process's partitioner puts the run (the metadata _ready_tail just read: no second look).
+        partition = partitions[partition_of(run_id.encode(), len(partitions))]
+        subscription, _ = await self._subscribe(tail, run_id, partition, -1)
         first_live = asyncio.ensure_future(subscription.take())
         ledger = asyncio.ensure_future(recorded_start())
         try:
@@ -285,10 +303,6 @@ class KafkaEventLog:
         """The process's tail, once a follow() started it."""
         return self._tail
 
-    async def _log_ends(self) -> dict[int, int]:
-        partitions = sorted(await (await self._ready_producer()).partitions_for(self.topic))
-        return await self.replay.log_ends(partitions)
-
     @staticmethod
     async def _subscribe(tail: LiveTail, run_id: str, partition: int,
                          from_offset: int) -> tuple[Subscription, list[bytes] | None]:
@@ -297,10 +311,12 @@ class KafkaEventLog:
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
 
-    async def _ready_tail(self, run_id: str) -> LiveTail:
+    async def _ready_tail(self, run_id: str) -> tuple[LiveTail, list[int]]:
+        """The started tail, and the topic's partitions (the producer's metadata)."""
         if self._tail is None:
             self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
-                                  recent_per_partition=self.recent_per_partition, end_offsets=self._log_ends)
+                                  recent_per_partition=self.recent_per_partition, end_offsets=self.replay.log_ends,
+                                  home=self.home)
         try:
             producer = await self._ready_producer()
             partitions = sorted(await producer.partitions_for(self.topic))
@@ -308,4 +324,4 @@ class KafkaEventLog:
             await self.replay.start()                  # where the partitions end is asked of it
         except LOG_FAILURES as exc:
             raise LogUnavailable(run_id, exc) from exc
-        return self._tail
+        return self._tail, partitions

@@ -21,11 +21,17 @@ EventDeduper absorbs any overlap.
 
 A fetch costs a gateway far more than the records it carries, so the tail fetches only while
 some stream needs it: no partition is followed (fetched) at first; the first subscription after
-a quiet spell follows every partition from its end (that end is the position p
-above: everything before it is replayed), and FOLLOW_LINGER_S after the last subscription ended
-they are paused again, their recent records dropped. All of them, not only the subscriptions'
-partitions: a partition resumed while the long poll on the others is at the broker would get its
-first records only when that poll returns. While records flow, batches are taken at most every
+a quiet spell follows partitions from their end (that end is the position p above: everything
+before it is replayed), and FOLLOW_LINGER_S after the last subscription ended they are paused
+again, their recent records dropped. Which partitions: in a process that places the runs it admits
+on home partitions (eventlog/partitioning.py: a gateway), the subscription's partition and the home
+ones, together (a stream on this gateway is almost always on a home partition, and they are all in
+its one long poll); any other partition is followed only while a stream reads it, and paused
+FOLLOW_LINGER_S after its last one, so each gateway reads its own runs' events, not every
+gateway's. Elsewhere (home None): every partition. A partition followed while the long poll on the
+others is at the broker gets its first records only when that poll returns (at most
+TAIL_FETCH_WAIT_MS, and sooner while records flow on the others): a stream on a gateway that did
+not admit its run may wait that long once. While records flow, batches are taken at most every
 TAIL_BATCH_INTERVAL_MS, so that each fetch carries several. The fetcher is the lean read path
 below aiokafka's consumer (its requests encoded by hand, records handed over as (offset, key,
 value)): a fetch cost the gateway ~1 ms of CPU through the consumer.
@@ -45,7 +51,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from sluice.eventlog import wire
 from sluice.eventlog.fetcher import PartitionFetcher, Record
@@ -168,7 +174,8 @@ class LiveTail:
     def __init__(self, bootstrap: str, topic: str, *, capacity: int = SUBSCRIPTION_CAPACITY,
                  recent_per_partition: int = RECENT_RECORDS_PER_PARTITION,
                  batch_interval_ms: float | None = None,
-                 end_offsets: Callable[[], Awaitable[dict[int, int]]] | None = None) -> None:
+                 end_offsets: Callable[[list[int]], Awaitable[dict[int, int]]] | None = None,
+                 home: Collection[int] | None = None) -> None:
         self.bootstrap = bootstrap
         # Where each partition ends now: the caller's (a connection it already holds), else asked by
         # the tail's fetcher on a connection apart from its long poll.
@@ -178,11 +185,14 @@ class LiveTail:
         self.recent_per_partition = recent_per_partition
         self.batch_interval_ms = TAIL_BATCH_INTERVAL_MS if batch_interval_ms is None else batch_interval_ms
         self._fetcher: PartitionFetcher | None = None
+        # The partitions the process places its runs on, followed with any subscription; None: every one.
+        self.home = None if home is None else frozenset(home)
         # The partitions followed now (fetched, unpaused): each one's next offset to dispatch and its
-        # recent records; since when the tail has had no subscription (None: it has some).
+        # recent records; since when each followed partition has been needed by no subscription.
         self._next: dict[int, int] = {}
         self._recent: dict[int, RecentRecords] = {}
-        self._idle_since: float | None = None
+        self._on_partition: dict[int, int] = {}        # partition -> subscriptions reading it
+        self._idle_since: dict[int, float] = {}
         self._idle_check: asyncio.TimerHandle | None = None
         self._following: asyncio.Future[None] | None = None    # the partitions being sought to their end
         self._subscribers: dict[bytes, list[Subscription]] = {}
@@ -212,22 +222,23 @@ class LiveTail:
 
     @property
     def followed(self) -> frozenset[int]:
-        """The partitions the tail fetches now: all of them while it has subscriptions, none after
-        FOLLOW_LINGER_S without."""
+        """The partitions the tail fetches now: those its subscriptions read and the home ones (every
+        one without home) while it has some, each paused FOLLOW_LINGER_S after no subscription needs it."""
         return frozenset(self._next)
 
     async def subscribe(self, run_id: str, partition: int,
                         from_offset: int) -> tuple[Subscription, list[bytes] | None]:
         """Register for the run's live records (call after ensure_started), with the run's recent
         records at offsets in [from_offset, subscription.start_offset) when the tail still holds
-        all of them (None: the caller replays that range from the log). A subscription to a tail that
-        follows nothing (none for FOLLOW_LINGER_S) starts following every partition at its end."""
+        all of them (None: the caller replays that range from the log). A subscription to a partition
+        the tail does not follow starts following it at its end (with the home ones, or every one)."""
         while partition not in self._next:
-            await self._follow()
+            await self._follow(partition)
         # From here to the return nothing awaits: no record falls between the recent ones and the buffer.
         subscription = Subscription(run_id.encode(), partition, self._next[partition], self.capacity)
         self._subscribers.setdefault(subscription.run_key, []).append(subscription)
-        self._idle_since = None
+        self._on_partition[partition] = self._on_partition.get(partition, 0) + 1
+        self._note_idle()
         return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
     def recent(self, subscription: Subscription, from_offset: int) -> list[bytes] | None:
@@ -242,16 +253,20 @@ class LiveTail:
         waiting.remove(subscription)
         if not waiting:
             self._subscribers.pop(subscription.run_key, None)
-        if not self._subscribers:
-            self._mark_idle()
+        left = self._on_partition.pop(subscription.partition, 0) - 1
+        if left > 0:
+            self._on_partition[subscription.partition] = left
+        self._note_idle()
 
-    async def _follow(self) -> None:
-        """Start fetching every partition from its end (one offsets request). Concurrent callers wait
-        for the first one's request, then check again (the caller loops until it is followed).
+    async def _follow(self, partition: int) -> None:
+        """Start fetching `partition` from its end, with the home partitions (every partition without
+        home) not followed yet: one offsets request. Concurrent callers wait for the first one's
+        request, then check again (the caller loops until its partition is followed).
 
-        Every partition, not only the subscription's: a partition followed while the tail's long poll
-        on the others is at the broker would get its first records only when that poll returns (up to
-        TAIL_FETCH_WAIT_MS: a run's first token, one at a time, waited for it)."""
+        The home ones with it: a partition followed while the tail's long poll on the others is at
+        the broker gets its first records only when that poll returns (up to TAIL_FETCH_WAIT_MS: a
+        run's first token, one at a time, waited for it); every stream on a home partition starts in
+        the same poll."""
         if self._following is not None:
             await asyncio.wait({self._following})     # its outcome is the first caller's to raise
             return
@@ -260,47 +275,61 @@ class LiveTail:
             fetcher = self._fetcher
             if fetcher is None:
                 raise TailFailed(TAIL_FAILED.format(error="its fetcher is not running"))
-            ends = await self._end_offsets()
+            wanted = set(self._partitions) if self.home is None else {partition} | (self.home & set(self._partitions))
+            ends = await self._end_offsets(sorted(wanted - set(self._next)))
             if self._fetcher is not fetcher:
                 raise TailFailed(TAIL_FAILED.format(error="its fetcher stopped"))
-            for partition, end in ends.items():
-                fetcher.follow(partition, end)
-                self._start_following(partition, end)
-            self._mark_idle()
+            for followed, end in ends.items():
+                if followed not in self._next:
+                    fetcher.follow(followed, end)
+                    self._start_following(followed, end)
+            self._note_idle()
         finally:
             self._following = None
             started.set_result(None)
 
-    async def _own_end_offsets(self) -> dict[int, int]:
+    async def _own_end_offsets(self, partitions: list[int]) -> dict[int, int]:
         assert self._fetcher is not None, "the tail's fetcher is not running"
-        return await self._fetcher.list_offsets(sorted(self._partitions), wire.LATEST)
+        return await self._fetcher.list_offsets(partitions, wire.LATEST)
 
     def _start_following(self, partition: int, position: int) -> None:
         self._next[partition] = position
         self._recent[partition] = RecentRecords(position, self.recent_per_partition)
 
-    def _mark_idle(self) -> None:
-        """No subscription from now on: stop fetching FOLLOW_LINGER_S later unless one comes."""
-        self._idle_since = time.monotonic()
-        if self._idle_check is not None:
-            self._idle_check.cancel()
-        self._idle_check = asyncio.get_running_loop().call_later(FOLLOW_LINGER_S, self._stop_idle)
+    def _needed(self, partition: int) -> bool:
+        """Whether a subscription needs `partition` followed: one reads it, or it is a home partition
+        (any partition, without home) of a tail with some subscription."""
+        return partition in self._on_partition or bool(self._subscribers) and (
+            self.home is None or partition in self.home)
+
+    def _note_idle(self) -> None:
+        """Note since when each followed partition has been needed by no subscription (a few
+        partitions: cheap per subscription); the check stops fetching one FOLLOW_LINGER_S after."""
+        for partition in self._next:
+            if self._needed(partition):
+                self._idle_since.pop(partition, None)
+            elif partition not in self._idle_since:
+                self._idle_since[partition] = time.monotonic()
+        if self._idle_since and self._idle_check is None:
+            self._idle_check = asyncio.get_running_loop().call_later(FOLLOW_LINGER_S, self._stop_idle)
 
     def _stop_idle(self) -> None:
-        """Stop fetching after FOLLOW_LINGER_S without a subscription (the recent records go too: a
-        later subscription follows the partitions afresh from their end)."""
+        """Stop fetching each partition no subscription needed for FOLLOW_LINGER_S (its recent records
+        go too: a later subscription follows it afresh from its end); check again when the next is due."""
         self._idle_check = None
-        if self._idle_since is None:
-            return
-        left = self._idle_since + FOLLOW_LINGER_S - time.monotonic()
-        if left > 0:             # the loop's clock fired it a hair early
-            self._idle_check = asyncio.get_running_loop().call_later(left, self._stop_idle)
-            return
-        if self._fetcher is not None:
-            for partition in self._next:
+        now, soonest = time.monotonic(), None
+        for partition, since in list(self._idle_since.items()):
+            left = since + FOLLOW_LINGER_S - now
+            if left > 0:             # idle for less than the linger (or the loop's clock fired early)
+                soonest = left if soonest is None else min(soonest, left)
+                continue
+            if self._fetcher is not None:
                 self._fetcher.pause(partition)
-        self._next.clear()
-        self._recent.clear()
+            del self._idle_since[partition]
+            self._next.pop(partition, None)
+            self._recent.pop(partition, None)
+        if soonest is not None:
+            self._idle_check = asyncio.get_running_loop().call_later(soonest, self._stop_idle)
 
     async def _run(self, partition_ids: list[int]) -> None:
         assert self._ready is not None
@@ -324,6 +353,8 @@ class LiveTail:
                 for subscription in waiting:
                     subscription.fail(failure)
             self._subscribers.clear()
+            self._on_partition.clear()
+            self._idle_since.clear()
             self._next.clear()
             self._recent.clear()
             self._ready = None   # the next stream starts a fresh tail
