@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from sluice.eventlog import tail as tail_module
 from sluice.eventlog.tail import LiveTail, RecentRecords, Subscription, SubscriptionOverflow
 
 
@@ -98,3 +99,57 @@ async def test_a_subscription_from_before_what_the_tail_holds_gets_no_recent_rec
     assert recent is None                              # 10 was evicted: the caller replays from the log
     _, recent = await tail.subscribe("run-a", 0, 11)
     assert recent == [b"y", b"z"]
+
+
+class Fetcher:
+    """What the tail asks of its fetcher: follow and pause partitions (no broker)."""
+
+    def __init__(self) -> None:
+        self.positions: dict[int, int] = {}
+
+    def follow(self, partition: int, offset: int) -> None:
+        self.positions[partition] = offset
+
+    def pause(self, partition: int) -> None:
+        del self.positions[partition]
+
+
+def tail_over(partitions: int, home: set[int] | None) -> tuple[LiveTail, Fetcher, list[list[int]]]:
+    """A started tail of a topic of `partitions` whose partition p ends at 100 * p; the offsets
+    requests it makes are listed."""
+    asked: list[list[int]] = []
+
+    async def ends(wanted: list[int]) -> dict[int, int]:
+        asked.append(wanted)
+        return {partition: 100 * partition for partition in wanted}
+
+    tail = LiveTail("unused:0", "topic", end_offsets=ends, home=home)
+    fetcher = Fetcher()
+    tail._fetcher = fetcher   # type: ignore[assignment]
+    tail._partitions = list(range(partitions))
+    return tail, fetcher, asked
+
+
+async def test_a_tail_with_home_partitions_follows_those_and_the_ones_its_streams_read_and_no_other(
+        monkeypatch):
+    monkeypatch.setattr(tail_module, "FOLLOW_LINGER_S", 0.05)
+    tail, fetcher, asked = tail_over(4, home={1, 3})
+    home_stream, _ = await tail.subscribe("run-h", 3, -1)
+    assert asked == [[1, 3]] and fetcher.positions == {1: 100, 3: 300}
+    assert home_stream.start_offset == 300
+    visiting, _ = await tail.subscribe("run-v", 2, -1)             # another gateway's run
+    assert asked == [[1, 3], [2]] and tail.followed == {1, 2, 3}
+    feed(tail, 2, [(b"run-v", b"v1")])
+    assert list(visiting._items) == [b"v1"]
+    tail.unsubscribe(visiting)
+    await asyncio.sleep(0.15)                                      # past the linger: 2 is paused,
+    assert tail.followed == {1, 3} and set(fetcher.positions) == {1, 3}   # home stays (a stream is on 3)
+    tail.unsubscribe(home_stream)
+    await asyncio.sleep(0.15)
+    assert tail.followed == frozenset() and fetcher.positions == {}
+
+
+async def test_a_tail_without_home_partitions_follows_every_partition_with_its_first_stream():
+    tail, fetcher, asked = tail_over(4, home=None)
+    await tail.subscribe("run", 2, -1)
+    assert asked == [[0, 1, 2, 3]] and set(fetcher.positions) == {0, 1, 2, 3}

@@ -3,20 +3,26 @@ second one on a taken port fails at start when not. Real processes, real Postgre
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import grpc.aio
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.partitioner import DefaultPartitioner
 from sluice.ledger.models import Run
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.config import load_settings
 from sluice.v1 import admission_pb2, admission_pb2_grpc
 from tests.support import REPO_ROOT
 from tests.support.ledger_factories import add_model, add_tenant
@@ -75,13 +81,14 @@ def gateways(tmp_path: Path) -> Iterator[list[Gateway]]:
         gateway.stop()
 
 
-async def submit_many(address: str, api_key: str, count: int, max_output_tokens: int = 4) -> None:
+async def submit_many(address: str, api_key: str, count: int, max_output_tokens: int = 4,
+                      key_prefix: str = "") -> None:
     # A new channel is a new connection; the kernel hashes each to one of the listeners.
     for index in range(count):
         async with grpc.aio.insecure_channel(address) as channel:
             request = admission_pb2.SubmitRequest(model=MODEL.alias, input=b"hello there",
                                                   max_output_tokens=max_output_tokens,
-                                                  request_key=f"k{index}")
+                                                  request_key=f"{key_prefix}k{index}")
             await admission_pb2_grpc.AdmissionStub(channel).Submit(
                 request, metadata=(("x-api-key", api_key),))
 
@@ -169,3 +176,36 @@ async def test_without_reuse_port_a_second_gateway_on_a_taken_port_fails_to_star
     gateways.append(Gateway(database_dsn, address, False, tmp_path / "second.log"))
     assert not gateways[1].wait()
     assert f"cannot listen on {address}" in gateways[1].log()
+
+
+async def test_each_gateway_process_admits_runs_whose_events_land_on_its_own_partitions(
+        database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], gateways: list[Gateway],
+        tmp_path: Path):
+    """[gateway].event_partitions: the run ids a gateway draws key its runs' events onto its own
+    partitions (by the producer's default partitioner), so that its live tail reads only those."""
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, TOKENIZER, MODEL)
+        tenant = await add_tenant(session, "acme")
+    bootstrap, partitions = load_settings().kafka.bootstrap, 4
+    topic = f"sluice.test-gateway-home-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+        homes = ([2], [0, 3])
+        addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+        for index, (address, home) in enumerate(zip(addresses, homes, strict=True)):
+            gateways.append(Gateway(database_dsn, address, False, tmp_path / f"gateway-{index}.log",
+                                    {"SLUICE_KAFKA__EVENTS_TOPIC": topic,
+                                     "SLUICE_GATEWAY__EVENT_PARTITIONS": json.dumps(home)}))
+        assert all(gateway.wait() for gateway in gateways)
+        every = list(range(partitions))
+        for address, home, gateway in zip(addresses, homes, gateways, strict=True):
+            await submit_many(address, tenant.api_key, 12, key_prefix=address)
+            run_ids = re.findall(r"admitted run ([0-9a-f-]{36})", gateway.log())
+            assert len(run_ids) == 12
+            landed = {DefaultPartitioner()(run_id.encode(), every, every) for run_id in run_ids}
+            assert landed <= set(home) and (len(home) == 1 or len(landed) > 1), (landed, home)
+    finally:
+        await admin.delete_topics([topic])
+        await admin.close()
