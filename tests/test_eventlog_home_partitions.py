@@ -62,7 +62,8 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def stream_from_first(log: KafkaEventLog, run_id: str, start: asyncio.Future[LogPosition]) -> asyncio.Task[list[int]]:
+def stream_from_first(log: KafkaEventLog, run_id: str,
+                      start: asyncio.Future[LogPosition]) -> asyncio.Task[list[int]]:
     """A Stream opened right after Submit (its run's start not recorded yet): the sequences it gets."""
     async def sequences() -> list[int]:
         events = log.follow_from_first(run_id, 0, lambda: asyncio.shield(start))
@@ -79,7 +80,8 @@ async def write_run(publisher: KafkaEventLog, run_id: str, deltas: int) -> LogPo
     return first
 
 
-async def test_each_gateway_reads_its_own_runs_partitions_and_still_streams_the_others_runs(logs, monkeypatch):
+async def test_each_gateway_reads_its_own_runs_partitions_and_still_streams_the_others_runs(
+        logs, monkeypatch):
     monkeypatch.setattr(tail_module, "FOLLOW_LINGER_S", 0.5)
     gateway_a, gateway_b, publisher = logs
     new_run_a, new_run_b = await gateway_a.home_run_ids(HOME_A), await gateway_b.home_run_ids(HOME_B)

@@ -8,7 +8,8 @@ import itertools
 import random
 import uuid
 
-from aiokafka.partitioner import DefaultPartitioner, murmur2 as aiokafka_murmur2
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.partitioner import murmur2 as aiokafka_murmur2
 
 from sluice.eventlog.partitioning import MAX_DRAWS, home_partitions, murmur2, partition_of, run_id_on
 

@@ -315,8 +315,8 @@ class KafkaEventLog:
         """The started tail, and the topic's partitions (the producer's metadata)."""
         if self._tail is None:
             self._tail = LiveTail(self.bootstrap, self.topic, capacity=self.stream_capacity,
-                                  recent_per_partition=self.recent_per_partition, end_offsets=self.replay.log_ends,
-                                  home=self.home)
+                                  recent_per_partition=self.recent_per_partition,
+                                  end_offsets=self.replay.log_ends, home=self.home)
         try:
             producer = await self._ready_producer()
             partitions = sorted(await producer.partitions_for(self.topic))

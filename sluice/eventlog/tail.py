@@ -275,7 +275,8 @@ class LiveTail:
             fetcher = self._fetcher
             if fetcher is None:
                 raise TailFailed(TAIL_FAILED.format(error="its fetcher is not running"))
-            wanted = set(self._partitions) if self.home is None else {partition} | (self.home & set(self._partitions))
+            wanted = set(self._partitions) if self.home is None else \
+                {partition} | (self.home & set(self._partitions))
             ends = await self._end_offsets(sorted(wanted - set(self._next)))
             if self._fetcher is not fetcher:
                 raise TailFailed(TAIL_FAILED.format(error="its fetcher stopped"))
