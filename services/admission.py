@@ -102,6 +102,7 @@ from sluice.services.admission_rules import (
     payload_hash,
     rate_window_retry_after,
 )
+from sluice.services.admitted_here import RecentAdmissions
 from sluice.services.auth import Metadata, api_key_from_metadata, check_submitter
 from sluice.services.errors import (
     BUDGET_TOO_SMALL_FOR_CAP,
@@ -222,8 +223,11 @@ class _Prepared:
 class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
                  metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None,
-                 hot: HotPool | None = None, run_ids: Callable[[], uuid.UUID] = uuid.uuid4) -> None:
+                 hot: HotPool | None = None, run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
+                 recent: RecentAdmissions | None = None) -> None:
         self._sessionmaker = sessionmaker
+        # New runs admitted here, for the Stream that follows their Submit (services/admitted_here.py).
+        self._recent = recent
         # A new run's id: random; in a gateway, drawn to land its events on a partition this process's
         # live tail follows (KafkaEventLog.home_run_ids, eventlog/partitioning.py).
         self._run_ids = run_ids
@@ -347,6 +351,8 @@ class AdmissionService:
         if admitted is None:
             async with self._sessionmaker() as session, session.begin():
                 admitted = await self._insert_or_match(session, prepared)
+        if self._recent is not None and not admitted.deduplicated:
+            self._recent.admitted(admitted.run_id, key, traceparent())
         log.info(
             "admitted run %s tenant=%s model=%s route=%s input_tokens=%d cap=%d deduplicated=%s",
             admitted.run_id, tenant.name, admitted.model_version,
@@ -698,13 +704,14 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServicer):
 
 def add_admission_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
                            config: Settings, metrics: GatewayMetrics | None = None,
-                           hot: HotPool | None = None,
-                           run_ids: Callable[[], uuid.UUID] = uuid.uuid4) -> AdmissionService:
+                           hot: HotPool | None = None, run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
+                           recent: RecentAdmissions | None = None) -> AdmissionService:
     """Register Admission on `server`; returns the service (handy for in-process callers). `hot`: the
     process's pool of raw connections (ledger/pg.py), shared with Runs; None: the service opens its own.
-    `run_ids`: how new run ids are drawn (the gateway's: KafkaEventLog.home_run_ids)."""
+    `run_ids`: how new run ids are drawn (the gateway's: KafkaEventLog.home_run_ids); `recent`: where
+    new runs are remembered for the Stream that follows (shared with Runs: services/admitted_here.py)."""
     service = AdmissionService(sessionmaker, AdmissionSettings.from_config(config), metrics, hot=hot,
-                               run_ids=run_ids)
+                               run_ids=run_ids, recent=recent)
     add_checked_service(server, admission_pb2.DESCRIPTOR.services_by_name["Admission"],
                         AdmissionServicer(service), FieldLimits.from_config(config))
     return service

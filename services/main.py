@@ -45,6 +45,7 @@ from sluice.ledger.pg import HotPool
 from sluice.services import eventloop, replica_client
 from sluice.services.admin_servicer import add_admin_servicer
 from sluice.services.admission import add_admission_servicer
+from sluice.services.admitted_here import RecentAdmissions
 from sluice.services.canary_guard import CanaryGuard
 from sluice.services.edge.server import EdgeServer
 from sluice.services.edge.settings import HttpSettings
@@ -178,8 +179,11 @@ async def serve(config: Settings, roles: set[str], listen: Sequence[str],
             # The runs this process admits land on partitions its live tail follows (and only those
             # and the ones its streams read are fetched): each gateway reads its own runs' events.
             run_ids = await events.home_run_ids(config.gateway.event_partitions)
-            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot, run_ids)
-            runs_service = add_runs_servicer(gateway, sessions, config, events, hot)
+            # A run's first Stream, right after its Submit here, skips the ledger lookup.
+            admitted = RecentAdmissions()
+            admission = add_admission_servicer(gateway, sessions, config, gateway_metrics, hot, run_ids,
+                                               admitted)
+            runs_service = add_runs_servicer(gateway, sessions, config, events, hot, admitted)
             usage = add_usage_servicer(gateway, sessions, config)
             add_admin_servicer(gateway, sessions, config)
             monitor.servers.append(add_operability(gateway, GATEWAY_SERVICES))

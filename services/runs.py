@@ -33,6 +33,7 @@ from sluice.ledger.models import TERMINAL_STATUSES, KeyScope, RunStatus
 from sluice.ledger.pg import HotPool
 from sluice.ledger.run_calls_sql import CallerRun, get_run_view, request_cancel, run_status
 from sluice.ledger.runs_sql import EventStart, StreamLookup, event_start, stream_lookup
+from sluice.services.admitted_here import RecentAdmissions
 from sluice.services.auth import Metadata, api_key_from_metadata, require_scope_of
 from sluice.services.errors import (
     UNKNOWN_API_KEY,
@@ -78,6 +79,11 @@ WAIT_REPOLL_S = 5.0
 # NOTIFY often arrives first (the tail takes batches TAIL_BATCH_INTERVAL_MS apart). Only a stream
 # whose run's first event went by before it subscribed (rare) waits this much longer.
 START_NOTIFIED_GRACE_S = 0.1
+# A stream of a run this process admitted a moment before skips the ledger lookup
+# (services/admitted_here.py), so its waiter for the start's NOTIFY was registered only after Submit
+# returned: a client slow to open it may have let the NOTIFY go by. Unless the run's first event
+# reaches it live first, it reads the ledger after this long (instead of WAIT_REPOLL_S).
+ADMITTED_HERE_WAIT_S = 0.5
 
 
 def _run_uuid(run_id: str) -> uuid.UUID | None:
@@ -119,8 +125,10 @@ def _stream_start(recorded: EventStart, after: int) -> StreamStart | None:
 class RunsService:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], events: EventLog,
                  lease_seconds: float, dsn: str | None = None, owner: str | None = None,
-                 hot: HotPool | None = None) -> None:
+                 hot: HotPool | None = None, admitted: RecentAdmissions | None = None) -> None:
         self.sessions = sessions
+        # New runs this process's Admission admitted, whose first Stream needs no lookup.
+        self._admitted = admitted
         # The lookups on raw asyncpg connections (ledger/runs_sql.py): the gateway process's pool
         # when given (its owner closes it), else our own, opened on first use.
         self._owns_hot = hot is None
@@ -179,8 +187,15 @@ class RunsService:
             # can only come after this, so the stream waits for it instead of reading the ledger again.
             started = waiting.enter_context(self._started.waiter(str(parsed))) \
                 if self._started is not None and parsed is not None else None
-            async with self._hot.connection() as connection:
-                found = await stream_lookup(connection, key, parsed)
+            admitted = self._admitted.take(parsed, key) \
+                if self._admitted is not None and parsed is not None else None
+            if admitted is not None:
+                # Submitted through this process a moment ago with this very key: what the lookup would
+                # find (the key good and tenant-scoped, the run its tenant's, no events recorded yet).
+                found = StreamLookup(True, parsed, EventStart(None, None, None), admitted.traceparent)
+            else:
+                async with self._hot.connection() as connection:
+                    found = await stream_lookup(connection, key, parsed)
             _check_caller(found.authenticated, found.scope)
             if found.run_id is None:
                 raise NotFound(RUN_NOT_FOUND.format(run_id=run_id))
@@ -194,15 +209,16 @@ class RunsService:
                                        attributes={"sluice.run_id": run_id, "sluice.after": after})
             sent = last = 0
             try:
-                async for event in self._events_of(found, after, started):
+                async for event in self._events_of(found, after, started,
+                                                   ADMITTED_HERE_WAIT_S if admitted else WAIT_REPOLL_S):
                     sent, last = sent + 1, event.sequence
                     yield event
             finally:
                 span.set_attributes({"sluice.events": sent, "sluice.last_sequence": last})
                 span.end()
 
-    async def _events_of(self, found: StreamLookup, after: int,
-                         started: asyncio.Event | None) -> AsyncIterator[runs_pb2.RunEvent]:
+    async def _events_of(self, found: StreamLookup, after: int, started: asyncio.Event | None,
+                         notified_within_s: float) -> AsyncIterator[runs_pb2.RunEvent]:
         # The row just read usually has the start already (a resume, a finished run): no second read.
         known = found.run_id
         assert known is not None
@@ -210,8 +226,8 @@ class RunsService:
         if start is None:
             # No events recorded yet (a stream opened right after Submit): the run's first event
             # goes out as soon as the log has it, without waiting for the ledger to say where it is.
-            events = self.events.follow_from_first(str(known), after,
-                                                   lambda: self._recorded_position(known, after, started))
+            events = self.events.follow_from_first(
+                str(known), after, lambda: self._recorded_position(known, after, started, notified_within_s))
         elif start.position is None:
             return                       # the cursor is at or past the terminal event
         else:
@@ -229,20 +245,22 @@ class RunsService:
             raise Unavailable(str(exc), retry_after_ms=EVENT_LOG_RETRY_AFTER_MS,
                               reason=EVENT_LOG_UNAVAILABLE_REASON) from exc
 
-    async def _recorded_position(self, run_id: uuid.UUID, after: int,
-                                 started: asyncio.Event | None) -> LogPosition | None:
-        return (await self._wait_for_events(run_id, after, started)).position
+    async def _recorded_position(self, run_id: uuid.UUID, after: int, started: asyncio.Event | None,
+                                 notified_within_s: float) -> LogPosition | None:
+        return (await self._wait_for_events(run_id, after, started, notified_within_s)).position
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int,
-                               started_since_read: asyncio.Event | None = None) -> StreamStart:
+                               started_since_read: asyncio.Event | None = None,
+                               notified_within_s: float = WAIT_REPOLL_S) -> StreamStart:
         """Wait until the run's events have a recorded start in the log (or nothing is left).
         `started_since_read`: a waiter registered before the caller's own read of the ledger found no
-        start; the ledger is read again only once it is woken (or after WAIT_REPOLL_S): a stream opened
-        right after Submit is usually handed its run's first event live and never reads it at all."""
+        start (or, for a run admitted here, right after its Submit); the ledger is read again only once
+        it is woken (or after `notified_within_s`): a stream opened right after Submit is usually handed
+        its run's first event live and never reads it at all."""
         if started_since_read is not None:
             # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for makes one)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(WAIT_REPOLL_S):
+                async with asyncio.timeout(notified_within_s):
                     await started_since_read.wait()
             # The NOTIFY says the first event is durable; the live tail hands it over within a batch
             # interval or so, and then this wait is cancelled without reading the ledger at all.
@@ -328,12 +346,14 @@ class RunsServicer(runs_pb2_grpc.RunsServicer):
 
 
 def add_runs_servicer(server: grpc.aio.Server, sessionmaker: async_sessionmaker[AsyncSession],
-                      config: Settings, events: EventLog, hot: HotPool | None = None) -> RunsService:
+                      config: Settings, events: EventLog, hot: HotPool | None = None,
+                      admitted: RecentAdmissions | None = None) -> RunsService:
     """Register Runs on `server`. `events` is the process's event log (e.g. KafkaEventLog.from_config,
     started and closed by the caller on the server's event loop); `hot` its pool of raw connections
-    (ledger/pg.py), shared with Admission (None: the service opens its own)."""
+    (ledger/pg.py), shared with Admission (None: the service opens its own); `admitted`: the runs
+    Admission admitted here (services/admitted_here.py), whose first Stream skips the lookup."""
     service = RunsService(sessionmaker, events, config.routing.lease_seconds, dsn=config.database.url,
-                          hot=hot)
+                          hot=hot, admitted=admitted)
     add_checked_service(server, runs_pb2.DESCRIPTOR.services_by_name["Runs"], RunsServicer(service),
                         FieldLimits.from_config(config))
     return service

@@ -11,8 +11,11 @@ import uuid
 import grpc.aio
 import pytest
 from sluice.services import runs as runs_module
-from sluice.services.runs import StreamStart
+from sluice.services.admission import add_admission_servicer
+from sluice.services.admitted_here import RecentAdmissions
+from sluice.services.runs import StreamStart, add_runs_servicer
 
+from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
 from tests.support.routing_stack import Stack, collect, deltas_tokens
 
@@ -63,3 +66,59 @@ async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_withou
     assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
     assert deltas_tokens(events) == TOKENS == events[-1].usage.output_tokens
     assert reads == []
+
+
+async def test_the_first_stream_of_a_run_admitted_by_the_same_process_and_key_skips_the_ledger_lookup(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """services/admitted_here.py: Submit and Stream through one gateway, sharing what Submit knew.
+    Its first Stream with the submitting key reads no ledger at all; a second Stream of it, or a Stream
+    with another key, looks the run up as any Stream does (another tenant's: NOT_FOUND)."""
+    lookups: list[uuid.UUID | None] = []
+    looked_up = runs_module.stream_lookup
+
+    async def counted(connection: object, key: str, run_id: uuid.UUID | None) -> object:
+        lookups.append(run_id)
+        return await looked_up(connection, key, run_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runs_module, "stream_lookup", counted)
+    events = KafkaEventLog(stack.config.kafka.bootstrap, stack.events.topic)
+    await events.start()
+    admitted = RecentAdmissions()
+    server = grpc.aio.server()
+    admission = add_admission_servicer(server, stack.sessionmaker, stack.config, recent=admitted)
+    runs = add_runs_servicer(server, stack.sessionmaker, stack.config, events, admitted=admitted)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await stack.start_worker()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            metadata = (("x-api-key", stack.tenant.api_key),)
+            run = await admission_pb2_grpc.AdmissionStub(channel).Submit(
+                admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
+                                            request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+                metadata=metadata)
+            stub = runs_pb2_grpc.RunsStub(channel)
+            first = await collect(stub.Stream(runs_pb2.StreamRequest(run_id=run.run_id), metadata=metadata))
+            assert lookups == []
+            assert [event.sequence for event in first] == list(range(1, len(first) + 1))
+            assert first[-1].status == common_pb2.RUN_STATUS_COMPLETED
+            assert deltas_tokens(first) == TOKENS
+            again = await collect(stub.Stream(runs_pb2.StreamRequest(run_id=run.run_id, after=1),
+                                              metadata=metadata))
+            assert lookups == [uuid.UUID(run.run_id)]
+            assert [event.sequence for event in again] == [event.sequence for event in first[1:]]
+
+            run = await admission_pb2_grpc.AdmissionStub(channel).Submit(
+                admission_pb2.SubmitRequest(model="chat", input=b"And how does it empty?",
+                                            request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+                metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(stub.Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                          metadata=(("x-api-key", stack.other.api_key),)))
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert lookups[-1] == uuid.UUID(run.run_id)
+    finally:
+        await server.stop(None)
+        await runs.close()
+        await admission.close()
+        await events.close()
