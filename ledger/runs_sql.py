@@ -5,7 +5,8 @@
     mark_running      QUEUED → RUNNING under the driver's lease epoch, with where its events start
     mark_published    the TERMINAL event is durable: the run's publisher lease ends
 
-The two writes NOTIFY the run's Streams in their RETURNING clause (delivered at the statement's
+Both writes take many runs in one statement (mark_*_many; the routing worker batches them,
+ledger/batching.py). They NOTIFY the run's Streams in their RETURNING clause (delivered at the statement's
 commit), so a write and its notification are one round trip. mark_published notifies only for a
 run that never went RUNNING (cancelled or ended before its first event): a Stream waits for a
 NOTIFY only while the run's start is unrecorded, and RUNNING's own NOTIFY already ended that wait
@@ -24,6 +25,7 @@ routing worker's: each statement prepared once per connection (ledger/pg.py).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
@@ -42,24 +44,34 @@ WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
   AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
 """)
 
-_MARK_RUNNING = Statement.of("""
-UPDATE runs
-   SET status = 'RUNNING', started_at = COALESCE(started_at, now()),
-       event_partition = COALESCE(event_partition, :partition),
-       event_first_offset = COALESCE(event_first_offset, :first_offset),
-       last_sequence = GREATEST(last_sequence, :last_sequence)
- WHERE id = :run_id AND lease_epoch = :epoch AND status IN ('QUEUED', 'RUNNING')
-RETURNING pg_notify(:channel, :payload)
+# Each write takes many runs at once (ledger/batching.py: the routing worker's runs reach each step
+# together), one row of `unnest` per run, one round trip and one commit for all of them. Each row
+# carries its own lease epoch (RUNNING) and its own NOTIFY (a transaction's notifications reach the
+# listeners together, at its commit).
+_MARK_RUNNING_MANY = Statement.of("""
+UPDATE runs AS r
+   SET status = 'RUNNING', started_at = COALESCE(r.started_at, now()),
+       event_partition = COALESCE(r.event_partition, p.partition),
+       event_first_offset = COALESCE(r.event_first_offset, p.first_offset),
+       last_sequence = GREATEST(r.last_sequence, p.last_sequence)
+  FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
+              CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
+       AS p(run_id, epoch, partition, first_offset, last_sequence)
+ WHERE r.id = p.run_id AND r.lease_epoch = p.epoch AND r.status IN ('QUEUED', 'RUNNING')
+RETURNING r.id, pg_notify(:channel, CAST(r.id AS text))
 """)
 
-_MARK_PUBLISHED = Statement.of("""
-UPDATE runs
+_MARK_PUBLISHED_MANY = Statement.of("""
+UPDATE runs AS r
    SET terminal_published = true, lease_expires_at = NULL,
-       last_sequence = GREATEST(last_sequence, :sequence),
-       event_partition = COALESCE(event_partition, :partition),
-       event_first_offset = COALESCE(event_first_offset, :first_offset)
- WHERE id = :run_id
-RETURNING CASE WHEN started_at IS NULL THEN pg_notify(:channel, :payload) END
+       last_sequence = GREATEST(r.last_sequence, p.sequence),
+       event_partition = COALESCE(r.event_partition, p.partition),
+       event_first_offset = COALESCE(r.event_first_offset, p.first_offset)
+  FROM unnest(CAST(:run_ids AS uuid[]), CAST(:sequences AS bigint[]), CAST(:partitions AS integer[]),
+              CAST(:first_offsets AS bigint[]))
+       AS p(run_id, sequence, partition, first_offset)
+ WHERE r.id = p.run_id
+RETURNING CASE WHEN r.started_at IS NULL THEN pg_notify(:channel, CAST(r.id AS text)) END
 """)
 
 _START = Statement.of("""
@@ -74,6 +86,25 @@ class EventStart:
     partition: int | None            # None until the first event's position is recorded
     first_offset: int | None
     terminal_sequence: int | None    # fixed with settlement, before the terminal event is published
+
+
+@dataclass(frozen=True, slots=True)
+class RunningMark:
+    """One run's QUEUED → RUNNING, as its driver asks for it (mark_running)."""
+
+    run_id: str
+    epoch: int                       # the driver's lease epoch: another epoch's row is not changed
+    first: LogPosition               # where the run's events start (its STATUS RUNNING event)
+    last_sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedMark:
+    """One run's TERMINAL event is durable (mark_published)."""
+
+    run_id: str
+    sequence: int                    # the TERMINAL event's
+    position: LogPosition            # where it sits (the run's start, when it is its only event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +138,28 @@ async def mark_running(connection: Executor, run_id: str, epoch: int, first: Log
     """QUEUED → RUNNING with where the run's events start; False if the lease of `epoch` is gone.
     Idempotent (a retry after a lost acknowledgment finds it RUNNING under the same epoch). Streams
     waiting for the run's first event are notified on `channel` when it commits."""
-    row = await rows_of(connection).row(_MARK_RUNNING, {
-        "run_id": uuid.UUID(run_id), "epoch": epoch, "partition": first.partition,
-        "first_offset": first.offset, "last_sequence": last_sequence, "channel": channel,
-        "payload": run_id})
-    return row is not None
+    marks = [RunningMark(run_id, epoch, first, last_sequence)]
+    return (await mark_running_many(connection, marks, channel))[0]
+
+
+async def mark_running_many(connection: Executor, marks: Sequence[RunningMark], channel: str) -> list[bool]:
+    """mark_running for every mark in one statement: per mark, whether its run is now RUNNING under
+    its epoch (False: that lease is gone)."""
+    rows = await rows_of(connection).rows(_MARK_RUNNING_MANY, {
+        "run_ids": [uuid.UUID(mark.run_id) for mark in marks], "epochs": [mark.epoch for mark in marks],
+        "partitions": [mark.first.partition for mark in marks],
+        "first_offsets": [mark.first.offset for mark in marks],
+        "last_sequences": [mark.last_sequence for mark in marks], "channel": channel})
+    running = {str(row["id"]) for row in rows}
+    return [mark.run_id in running for mark in marks]
+
+
+async def mark_published_many(connection: Executor, marks: Sequence[PublishedMark], channel: str) -> None:
+    """mark_published for every mark in one statement."""
+    await rows_of(connection).rows(_MARK_PUBLISHED_MANY, {
+        "run_ids": [uuid.UUID(mark.run_id) for mark in marks], "sequences": [mark.sequence for mark in marks],
+        "partitions": [mark.position.partition for mark in marks],
+        "first_offsets": [mark.position.offset for mark in marks], "channel": channel})
 
 
 async def mark_published(connection: Executor, run_id: str, sequence: int,
@@ -119,6 +167,4 @@ async def mark_published(connection: Executor, run_id: str, sequence: int,
     """The TERMINAL event (`sequence`, at `position`) is durable: record it, end the publisher's lease.
     A run whose only event is its terminal one starts where that event sits; its Streams are notified
     on `channel` (a run that went RUNNING notified them then)."""
-    await rows_of(connection).row(_MARK_PUBLISHED, {
-        "run_id": uuid.UUID(run_id), "sequence": sequence, "partition": position.partition,
-        "first_offset": position.offset, "channel": channel, "payload": run_id})
+    await mark_published_many(connection, [PublishedMark(run_id, sequence, position)], channel)

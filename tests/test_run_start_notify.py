@@ -12,7 +12,14 @@ import pytest
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.db import dsn_of
 from sluice.ledger.pg import asyncpg_dsn
-from sluice.ledger.runs_sql import mark_published, mark_running
+from sluice.ledger.runs_sql import (
+    PublishedMark,
+    RunningMark,
+    mark_published,
+    mark_published_many,
+    mark_running,
+    mark_running_many,
+)
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -60,6 +67,37 @@ async def test_published_notifies_only_a_run_that_never_went_running(api, sessio
         row = await writer.fetchrow("SELECT event_partition, event_first_offset, terminal_published FROM runs"
                                     " WHERE id = $1", uuid.UUID(never_ran))
         assert tuple(row) == (0, 20, True)            # its start is its terminal event's position
+    finally:
+        await listener.close()
+        await writer.close()
+
+
+async def test_one_running_statement_marks_each_run_under_its_own_epoch_and_notifies_each(api, sessionmaker):  # type: ignore[no-untyped-def]
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, api.tokenizer, DEFAULT_MODEL)
+    runs = [await queued_run(api, sessionmaker, name) for name in ("acme", "globex", "initech")]
+    dsn = asyncpg_dsn(dsn_of(sessionmaker))
+    listener, writer = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener(EVENTS_CHANNEL, lambda _c, _p, _ch, payload: heard.put_nowait(payload))
+    marks = [RunningMark(runs[0], EPOCH, LogPosition(0, 10), 1),
+             RunningMark(runs[1], EPOCH + 1, LogPosition(1, 20), 1),    # a lease this run never had
+             RunningMark(runs[2], EPOCH, LogPosition(2, 30), 1)]
+    try:
+        assert await mark_running_many(writer, marks, EVENTS_CHANNEL) == [True, False, True]
+        assert sorted(await heard_within(heard, 0.3)) == sorted([runs[0], runs[2]])
+        rows = await writer.fetch("SELECT id::text, status, event_partition, event_first_offset FROM runs"
+                                  " WHERE id = ANY($1::uuid[])", [uuid.UUID(run) for run in runs])
+        assert {row["id"]: tuple(row)[1:] for row in rows} == {
+            runs[0]: ("RUNNING", 0, 10), runs[1]: ("QUEUED", None, None), runs[2]: ("RUNNING", 2, 30)}
+        # Published together: only the run that never went RUNNING is notified.
+        await mark_published_many(writer, [PublishedMark(runs[0], 3, LogPosition(0, 12)),
+                                           PublishedMark(runs[1], 1, LogPosition(1, 21))], EVENTS_CHANNEL)
+        assert await heard_within(heard, 0.3) == [runs[1]]
+        rows = await writer.fetch("SELECT id::text, terminal_published, event_first_offset, last_sequence"
+                                  " FROM runs WHERE id = ANY($1::uuid[])", [uuid.UUID(run) for run in runs])
+        assert {row["id"]: tuple(row)[1:] for row in rows} == {
+            runs[0]: (True, 10, 3), runs[1]: (True, 21, 1), runs[2]: (False, 30, 1)}
     finally:
         await listener.close()
         await writer.close()

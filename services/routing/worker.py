@@ -287,6 +287,7 @@ class RoutingWorker:
             await self.keeper.close()
             for listener in listeners:
                 await listener.close()
+            await self.ledger.close()      # the terminal-published marks still gathering
             await self.pool.close()
 
     def stop(self) -> None:
