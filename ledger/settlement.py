@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,89 +153,179 @@ _SETTLE = Statement.of(_WRITE.format(terminal=""))
 _SETTLE_TERMINAL = Statement.of(_WRITE.format(terminal=_TERMINAL_SET))
 
 
-# The settlement of a run its lease holder ends (owned_by_epoch), in ONE statement and so one round
-# trip and one commit: the run read row-locked under the epoch, the charge and its cost computed in
-# SQL (as pricing.cost_micros_sql: every term non-negative, so + unit - 1 before the integer division
-# rounds up as cost_micros does), then the entry, the run and the budget written as _WRITE does, all
-# only when the counts are possible (else nothing is written, and the caller raises SettlementError).
-_OWNED = """
-WITH run AS (
+# The settlements of runs their lease holder ends (owned_by_epoch), any number of them in ONE
+# statement and so one round trip and one commit (the routing worker's runs end together: a replica's
+# step ends every run in its batch; ledger/batching.py). Per run (one row of `unnest` each): the run
+# read row-locked under its epoch, the charge and its cost computed in SQL (as pricing.cost_micros_sql:
+# every term non-negative, so + unit - 1 before the integer division rounds up as cost_micros does),
+# then the entry and the run written as _WRITE does, only when its counts are possible (else nothing
+# of that run is written, and its caller raises SettlementError). The budgets take the sum of the
+# runs settled per tenant and period. Rows are locked in one order (runs by id, then budgets by tenant
+# and period), so two such statements never wait on each other in a cycle.
+# A NULL terminal_sequence: no terminal fix for that run (its terminal columns and lease unchanged).
+_OWNED_MANY = Statement.of(("""
+WITH p AS (
+    SELECT * FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:entry_ids AS uuid[]),
+                         CAST(:statuses AS text[]), CAST(:input_tokens AS integer[]),
+                         CAST(:cached_input_tokens AS integer[]), CAST(:output_tokens AS integer[]),
+                         CAST(:details AS text[]), CAST(:terminal_sequences AS bigint[]),
+                         CAST(:last_sequences AS bigint[]), CAST(:lease_owners AS text[]),
+                         CAST(:lease_seconds AS float8[]), CAST(:first_partitions AS integer[]),
+                         CAST(:first_offsets AS bigint[]))
+           AS p(run_id, epoch, entry_id, status, input_override, cached, output, detail, terminal_sequence,
+                last_sequence, lease_owner, lease_seconds, first_partition, first_offset)
+), run AS (
     SELECT r.id, r.tenant_id, r.model_version, r.input_tokens, r.max_output_tokens, r.reserved_tokens,
            r.reserved_cost_micros, r.api_key_id, r.price_card_id, r.route_reason, r.worker_pool,
-           r.quality_tier, r.created_at,
-           COALESCE(CAST(:input_tokens AS integer),
+           r.quality_tier, r.created_at, p.*,
+           COALESCE(p.input_override,
                     CASE WHEN r.replica IS NULL THEN 0 ELSE r.input_tokens END) AS charged_input,
            COALESCE(c.price_input_per_m_micros, m.price_input_per_m_micros) AS price_input,
            COALESCE(c.price_cached_input_per_m_micros, m.price_cached_input_per_m_micros) AS price_cached,
            COALESCE(c.price_output_per_m_micros, m.price_output_per_m_micros) AS price_output
-      FROM runs r
+      FROM p
+      JOIN runs r ON r.id = p.run_id
       JOIN models m ON m.version = r.model_version
       LEFT JOIN price_cards c ON c.id = r.price_card_id
-     WHERE r.id = :run_id AND r.lease_epoch = :epoch AND r.status IN {owned}
+     WHERE r.lease_epoch = p.epoch AND r.status IN {owned}
+     ORDER BY r.id
        FOR UPDATE OF r
 ), charge AS (
     SELECT run.*,
-           (0 <= charged_input AND charged_input <= input_tokens
-            AND 0 <= :cached_input_tokens AND :cached_input_tokens <= charged_input
-            AND 0 <= :output_tokens AND :output_tokens <= max_output_tokens) AS possible,
-           (CAST(charged_input - :cached_input_tokens AS bigint) * price_input
-            + CAST(:cached_input_tokens AS bigint) * price_cached
-            + CAST(:output_tokens AS bigint) * price_output + {unit_less_one}) / {unit} AS cost_micros
+           (0 <= charged_input AND charged_input <= input_tokens AND 0 <= cached AND cached <= charged_input
+            AND 0 <= output AND output <= max_output_tokens) AS possible,
+           (CAST(charged_input - cached AS bigint) * price_input + CAST(cached AS bigint) * price_cached
+            + CAST(output AS bigint) * price_output + {unit_less_one}) / {unit} AS cost_micros,
+           CAST(date_trunc('month', timezone('UTC', created_at)) AS date) AS period
       FROM run
 ), entry AS (
 """ + _INSERT_ENTRY + """
-    SELECT CAST(:entry_id AS uuid), id, tenant_id, model_version, date(timezone('UTC', now())),
-           charged_input,
-           :cached_input_tokens, :output_tokens, cost_micros, api_key_id, price_card_id, route_reason,
-           worker_pool, quality_tier
+    SELECT entry_id, id, tenant_id, model_version, date(timezone('UTC', now())), charged_input, cached,
+           output, cost_micros, api_key_id, price_card_id, route_reason, worker_pool, quality_tier
       FROM charge WHERE possible
-""" + _ENTRY_THEN_FINISHED + """, budget AS (
+    ON CONFLICT (run_id) DO NOTHING
+    RETURNING run_id, settled_at
+), settled AS (
+    SELECT charge.* FROM charge JOIN entry ON entry.run_id = charge.id
+), finished AS (
+    UPDATE runs
+       SET status = s.status, finished_at = now(), output_tokens = s.output, cached_input_tokens = s.cached,
+           detail = s.detail,
+           terminal_sequence = COALESCE(s.terminal_sequence, runs.terminal_sequence),
+           last_sequence = COALESCE(s.last_sequence, runs.last_sequence),
+           lease_owner = COALESCE(s.lease_owner, runs.lease_owner),
+           lease_expires_at = CASE WHEN s.terminal_sequence IS NULL THEN runs.lease_expires_at
+                                   ELSE now() + make_interval(secs => s.lease_seconds) END,
+           event_partition = COALESCE(runs.event_partition, s.first_partition),
+           event_first_offset = COALESCE(runs.event_first_offset, s.first_offset)
+      FROM settled s
+     WHERE runs.id = s.id
+    RETURNING runs.id
+), owed AS (
+    SELECT tenant_id, period, sum(reserved_tokens) AS reserved_tokens,
+           sum(reserved_cost_micros) AS reserved_cost_micros, sum(charged_input + output) AS used_tokens,
+           sum(cost_micros) AS used_cost_micros
+      FROM settled GROUP BY tenant_id, period
+), budget_rows AS (
+    SELECT b.tenant_id, b.period_start FROM budgets b JOIN owed o
+        ON b.tenant_id = o.tenant_id AND b.period_start = o.period
+     ORDER BY b.tenant_id, b.period_start
+       FOR NO KEY UPDATE OF b
+), budget AS (
     UPDATE budgets b
-       SET reserved_tokens = b.reserved_tokens - charge.reserved_tokens,
-           reserved_cost_micros = b.reserved_cost_micros - charge.reserved_cost_micros,
-           used_tokens = b.used_tokens + charge.charged_input + :output_tokens,
-           used_cost_micros = b.used_cost_micros + charge.cost_micros
-      FROM charge
-     WHERE b.tenant_id = charge.tenant_id
-       AND b.period_start = CAST(date_trunc('month', timezone('UTC', charge.created_at)) AS date)
-       AND EXISTS (SELECT 1 FROM entry)
-    RETURNING 1
+       SET reserved_tokens = b.reserved_tokens - o.reserved_tokens,
+           reserved_cost_micros = b.reserved_cost_micros - o.reserved_cost_micros,
+           used_tokens = b.used_tokens + o.used_tokens,
+           used_cost_micros = b.used_cost_micros + o.used_cost_micros
+      FROM owed o, budget_rows l
+     WHERE b.tenant_id = o.tenant_id AND b.period_start = o.period
+       AND l.tenant_id = o.tenant_id AND l.period_start = o.period
+    RETURNING b.tenant_id, b.period_start
 )
-SELECT charge.id IS NOT NULL AS owned, charge.possible, charge.tenant_id, charge.input_tokens,
-       charge.max_output_tokens, charge.charged_input, charge.cost_micros,
-       (SELECT settled_at FROM entry) AS settled_at, (SELECT count(*) FROM finished) AS runs,
-       (SELECT count(*) FROM budget) AS budgets
-  FROM (SELECT 1) AS one LEFT JOIN charge ON true
-"""
-_OWNED_FORMAT = {"owned": _RUN_STATUSES_OWNED, "unit": TOKENS_PER_PRICE_UNIT,
-                 "unit_less_one": TOKENS_PER_PRICE_UNIT - 1}
-_SETTLE_OWNED = Statement.of(_OWNED.format(terminal="", **_OWNED_FORMAT))
-_SETTLE_OWNED_TERMINAL = Statement.of(_OWNED.format(terminal=_TERMINAL_SET, **_OWNED_FORMAT))
+SELECT p.run_id, charge.id IS NOT NULL AS owned, charge.possible, charge.tenant_id, charge.input_tokens,
+       charge.max_output_tokens, charge.charged_input, charge.cost_micros, entry.settled_at,
+       EXISTS (SELECT 1 FROM budget WHERE budget.tenant_id = charge.tenant_id
+                                      AND budget.period_start = charge.period) AS budgeted,
+       EXISTS (SELECT 1 FROM finished WHERE finished.id = p.run_id) AS finished
+  FROM p LEFT JOIN charge ON charge.id = p.run_id LEFT JOIN entry ON entry.run_id = p.run_id
+""").format(owned=_RUN_STATUSES_OWNED, unit=TOKENS_PER_PRICE_UNIT,
+                                          unit_less_one=TOKENS_PER_PRICE_UNIT - 1))
 
 
-async def _settle_owned(rows: Rows, run_id: uuid.UUID, status: RunStatus, output_tokens: int,
-                        cached_input_tokens: int, detail: str | None, input_tokens: int | None, epoch: int,
-                        terminal: TerminalFix | None) -> SettledUsage | None:
-    """settle_run_usage(owned_by_epoch=epoch) in one statement (_OWNED)."""
-    values: dict[str, object] = {
-        "entry_id": uuid.uuid4(), "run_id": run_id, "epoch": epoch, "input_tokens": input_tokens,
-        "cached_input_tokens": cached_input_tokens, "output_tokens": output_tokens, "status": status.value,
-        "detail": detail}
-    written = await _write(rows, (_SETTLE_OWNED, _SETTLE_OWNED_TERMINAL), values, terminal)
+@dataclass(frozen=True, slots=True)
+class OwnedSettlement:
+    """One run its lease holder ends: what settle_run_usage(owned_by_epoch=...) is given."""
+
+    run_id: uuid.UUID
+    epoch: int                       # the holder's lease epoch: settled only while the run is active under it
+    status: RunStatus                # terminal
+    output_tokens: int
+    cached_input_tokens: int
+    detail: str | None
+    input_tokens: int | None = None  # the charged prompt, when not the default (settle_run)
+    terminal: TerminalFix | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedSettled:
+    """What settle_owned_many did for one run."""
+
+    owned: bool                      # False: not active under that epoch (nothing written)
+    usage: SettledUsage | None       # None: not owned, impossible, or settled before
+    impossible: SettlementError | None = None   # counts no run could produce (nothing written)
+
+
+async def settle_owned_many(executor: Executor, settlements: Sequence[OwnedSettlement]) -> list[OwnedSettled]:
+    """Settle every run of `settlements` its lease holder ends, in one statement (_OWNED_MANY); per
+    run, in order, what was done. A run settled before is left alone (usage None)."""
+    fixes = [item.terminal for item in settlements]
+    found = await rows_of(executor).rows(_OWNED_MANY, {
+        "run_ids": [item.run_id for item in settlements], "epochs": [item.epoch for item in settlements],
+        "entry_ids": [uuid.uuid4() for _ in settlements],
+        "statuses": [RunStatus(item.status).value for item in settlements],
+        "input_tokens": [item.input_tokens for item in settlements],
+        "cached_input_tokens": [item.cached_input_tokens for item in settlements],
+        "output_tokens": [item.output_tokens for item in settlements],
+        "details": [item.detail for item in settlements],
+        "terminal_sequences": [None if fix is None else fix.sequence for fix in fixes],
+        "last_sequences": [None if fix is None else fix.last_sequence for fix in fixes],
+        "lease_owners": [None if fix is None else fix.lease_owner for fix in fixes],
+        "lease_seconds": [None if fix is None else float(fix.lease_seconds) for fix in fixes],
+        "first_partitions": [None if fix is None else fix.first_partition for fix in fixes],
+        "first_offsets": [None if fix is None else fix.first_offset for fix in fixes]})
+    by_run = {row["run_id"]: row for row in found}
+    return [_owned_settled(item, by_run[item.run_id]) for item in settlements]
+
+
+def _owned_settled(item: OwnedSettlement, written: Mapping[str, Any]) -> OwnedSettled:
     if not written["owned"]:
-        raise NotOwned(f"run {run_id} is not active under lease epoch {epoch}")
+        return OwnedSettled(False, None)
     if not written["possible"]:
-        _check_counts(run_id, written["input_tokens"], written["max_output_tokens"], written["charged_input"],
-                      cached_input_tokens, output_tokens)
-        raise AssertionError(f"run {run_id}: the ledger refused counts that _check_counts accepts")
+        try:
+            _check_counts(item.run_id, written["input_tokens"], written["max_output_tokens"],
+                          written["charged_input"], item.cached_input_tokens, item.output_tokens)
+        except SettlementError as impossible:
+            return OwnedSettled(True, None, impossible)
+        raise AssertionError(f"run {item.run_id}: the ledger refused counts that _check_counts accepts")
     if written["settled_at"] is None:
-        return None
-    assert written["budgets"] == 1, (
-        f"no budget row for tenant {written['tenant_id']} in the period run {run_id} was admitted in:"
+        return OwnedSettled(True, None)
+    assert written["budgeted"] and written["finished"], (
+        f"no budget row for tenant {written['tenant_id']} in the period run {item.run_id} was admitted in:"
         " a reservation was lost")
-    return SettledUsage(run_id=run_id, status=status, input_tokens=written["charged_input"],
-                        cached_input_tokens=cached_input_tokens, output_tokens=output_tokens,
-                        cost_micros=int(written["cost_micros"]), settled_at=written["settled_at"])
+    return OwnedSettled(True, SettledUsage(
+        run_id=item.run_id, status=RunStatus(item.status), input_tokens=written["charged_input"],
+        cached_input_tokens=item.cached_input_tokens, output_tokens=item.output_tokens,
+        cost_micros=int(written["cost_micros"]), settled_at=written["settled_at"]))
+
+
+async def _settle_owned(rows: Rows, item: OwnedSettlement) -> SettledUsage | None:
+    """settle_run_usage(owned_by_epoch=...): settle_owned_many for one run."""
+    settled = (await settle_owned_many(rows, [item]))[0]
+    if not settled.owned:
+        raise NotOwned(f"run {item.run_id} is not active under lease epoch {item.epoch}")
+    if settled.impossible is not None:
+        raise settled.impossible
+    return settled.usage
 
 
 async def _write(rows: Rows, statements: tuple[Statement, Statement], values: dict[str, object],
@@ -277,8 +367,8 @@ async def settle_run_usage(
 
     rows = rows_of(session)
     if owned_by_epoch is not None:
-        return await _settle_owned(rows, run_uuid, final, output_tokens, cached_input_tokens, detail,
-                                   input_tokens, owned_by_epoch, terminal)
+        return await _settle_owned(rows, OwnedSettlement(run_uuid, owned_by_epoch, final, output_tokens,
+                                                         cached_input_tokens, detail, input_tokens, terminal))
     run = await rows.row(_READ_ANY, {"run_id": run_uuid})
     if run is None:
         raise SettlementError(f"no run {run_uuid}")

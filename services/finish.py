@@ -22,7 +22,13 @@ from sluice.ledger.db import autocommit_engine
 from sluice.ledger.models import Run, RunStatus
 from sluice.ledger.pg import Executor, HotPool
 from sluice.ledger.runs_sql import mark_published
-from sluice.ledger.settlement import SettledUsage, TerminalFix, settle_run_usage, settled_usage
+from sluice.ledger.settlement import (
+    OwnedSettlement,
+    SettledUsage,
+    TerminalFix,
+    settle_run_usage,
+    settled_usage,
+)
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -64,19 +70,38 @@ async def settle_and_fix_terminal(session: Executor, run_id: str, ending: Ending
     """Step 1, inside the caller's transaction. None when the run was already settled. `owned`: only
     while the run is active under `epoch` (NotOwned otherwise, nothing written)."""
     untaken = ending.prompt_taken is False
-    first = ending.first
-    fix = TerminalFix(sequence=ending.last_sequence + 1, last_sequence=ending.last_sequence,
-                      lease_owner=owner, lease_seconds=lease_seconds,
-                      first_partition=None if first is None else first.partition,
-                      first_offset=None if first is None else first.offset)
     settled = await settle_run_usage(session, run_id, ending.status, output_tokens=ending.output_tokens,
                                      cached_input_tokens=0 if untaken else ending.cached_input_tokens,
                                      detail=ending.detail, input_tokens=0 if untaken else None,
-                                     owned_by_epoch=epoch if owned else None, terminal=fix)
+                                     owned_by_epoch=epoch if owned else None,
+                                     terminal=_terminal_fix(ending, owner, lease_seconds))
     if settled is None:
         return None
     # What was just settled is the record: no need to read it back.
+    return settled_record(run_id, ending, settled, epoch)
+
+
+def owned_settlement(run_id: str, ending: Ending, owner: str, lease_seconds: float,
+                     epoch: int) -> OwnedSettlement:
+    """Step 1 as its lease holder asks it of the ledger for many runs at once (settle_owned_many);
+    settle_and_fix_terminal(owned=True) for one."""
+    untaken = ending.prompt_taken is False
+    return OwnedSettlement(uuid.UUID(run_id), epoch, ending.status, ending.output_tokens,
+                           0 if untaken else ending.cached_input_tokens, ending.detail,
+                           0 if untaken else None, _terminal_fix(ending, owner, lease_seconds))
+
+
+def settled_record(run_id: str, ending: Ending, settled: SettledUsage, epoch: int) -> TerminalRecord:
+    """The terminal event's record of a run just settled as `ending`."""
     return _record(run_id, ending.last_sequence + 1, settled, ending.detail, epoch)
+
+
+def _terminal_fix(ending: Ending, owner: str, lease_seconds: float) -> TerminalFix:
+    first = ending.first
+    return TerminalFix(sequence=ending.last_sequence + 1, last_sequence=ending.last_sequence,
+                       lease_owner=owner, lease_seconds=lease_seconds,
+                       first_partition=None if first is None else first.partition,
+                       first_offset=None if first is None else first.offset)
 
 
 async def terminal_record(session: AsyncSession, run_id: str, sequence: int, epoch: int) -> TerminalRecord:

@@ -11,7 +11,15 @@ import pytest
 from sluice.ledger.models import Model, Run, RunStatus, UsageEntry
 from sluice.ledger.pg import HotPool
 from sluice.ledger.pricing import cost_micros
-from sluice.ledger.settlement import NotOwned, SettlementError, TerminalFix, settle_run_usage, settled_usage
+from sluice.ledger.settlement import (
+    NotOwned,
+    OwnedSettlement,
+    SettlementError,
+    TerminalFix,
+    settle_owned_many,
+    settle_run_usage,
+    settled_usage,
+)
 from sluice.services.routing.claims import mark_queued
 from sqlalchemy import func, select
 
@@ -111,3 +119,48 @@ async def test_a_prompt_no_replica_took_is_not_charged(api: Services, hot_pool: 
         settled = await settle_run_usage(connection, run_id, RunStatus.INTERRUPTED, 0, 0, "refused",
                                          input_tokens=0, owned_by_epoch=epoch)
     assert settled is not None and (settled.input_tokens, settled.cost_micros) == (0, 0)
+
+
+async def test_many_runs_settle_in_one_statement_each_under_its_own_epoch_and_counts(
+        api: Services, hot_pool: HotPool):
+    first_tenant, first, first_epoch = await leased_run(api)
+    async with api.sessionmaker() as session, session.begin():
+        second = uuid.UUID((await api.submit(first_tenant, prompt_of(7), 8)).run_id)
+        _, second_epoch = await mark_queued(session, second, "r0", "w1", LEASE_S)
+    other_tenant, other, other_epoch = await leased_run(api)
+    _, stale, stale_epoch = await leased_run(api)
+    _, impossible, impossible_epoch = await leased_run(api)
+    async with api.sessionmaker() as session:
+        prompt = int(await session.scalar(select(Run.input_tokens).where(Run.id == first)) or 0)
+    items = [OwnedSettlement(first, first_epoch, RunStatus.COMPLETED, 3, 1, None, terminal=FIX),
+             OwnedSettlement(stale, stale_epoch + 1, RunStatus.COMPLETED, 3, 0, None, terminal=FIX),
+             OwnedSettlement(second, second_epoch, RunStatus.CANCELLED, 2, 0, "cancelled", terminal=FIX),
+             OwnedSettlement(impossible, impossible_epoch, RunStatus.COMPLETED, 9, 0, None),
+             OwnedSettlement(other, other_epoch, RunStatus.INTERRUPTED, 0, 0, "refused", input_tokens=0)]
+    async with hot_pool.connection() as connection:
+        settled = await settle_owned_many(connection, items)
+    charges = {first: (prompt, 1, 3), second: (prompt, 0, 2), other: (0, 0, 0)}
+    assert [(s.owned, s.usage is not None, s.impossible is not None) for s in settled] == [
+        (True, True, False), (False, False, False), (True, True, False), (True, False, True),
+        (True, True, False)]
+    assert str(settled[3].impossible) == f"output_tokens 9 outside 0..8 (the run's cap) for run {impossible}"
+    for item, result in zip(items, settled, strict=True):
+        if result.usage is not None:
+            assert (result.usage.input_tokens, result.usage.cached_input_tokens, result.usage.output_tokens,
+                    result.usage.cost_micros) == (*charges[item.run_id], cost_micros(DEFAULT_MODEL,
+                                                                                      *charges[item.run_id]))
+    assert [(await entries(api, run), await status(api, run)) for run in (first, stale, second, impossible,
+                                                                          other)] == [
+        (1, "COMPLETED"), (0, "QUEUED"), (1, "CANCELLED"), (0, "QUEUED"), (1, "INTERRUPTED")]
+    # One budget row took both of its tenant's runs: their reservations released, their charges used.
+    both = await budget_row(api.sessionmaker, first_tenant.id)
+    assert (both.reserved_tokens, both.used_tokens, both.reserved_cost_micros, both.used_cost_micros) == (
+        0, prompt + 3 + prompt + 2, 0, cost_micros(DEFAULT_MODEL, prompt, 1, 3)
+        + cost_micros(DEFAULT_MODEL, prompt, 0, 2))
+    alone = await budget_row(api.sessionmaker, other_tenant.id)
+    assert (alone.reserved_tokens, alone.used_tokens, alone.used_cost_micros) == (0, 0, 0)
+    # Settled once: the same settlements again find nothing of theirs to settle.
+    async with hot_pool.connection() as connection:
+        again = await settle_owned_many(connection, [items[0], items[2]])
+    assert [(s.owned, s.usage) for s in again] == [(False, None), (False, None)]
+    assert (await budget_row(api.sessionmaker, first_tenant.id)) == both

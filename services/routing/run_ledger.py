@@ -5,10 +5,11 @@ transient database error (connection lost, PostgreSQL restarting, a failover) is
 the lease runs out: a blip shorter than the lease interrupts nothing. Every write is idempotent
 under its epoch, so a retry after a commit whose acknowledgment was lost changes nothing.
 
-The process's drivers share their writes of one kind (ledger/batching.py): RUNNING marks that
-arrive while one is being written go together in the next statement (a lone run's is sent at
-once); terminal-published marks, which nobody waits for, are gathered for up to PUBLISHED_LINGER_S
-and written in one statement for every run published meanwhile. A run's TERMINAL event is durable
+The process's drivers share their writes of one kind (ledger/batching.py): RUNNING marks and
+settlements that arrive while one of their kind is being written go together in the next
+statement (a lone run's is sent at once); terminal-published marks, which nobody waits for, are
+gathered for up to PUBLISHED_LINGER_S and written in one statement for every run published
+meanwhile. A run's TERMINAL event is durable
 before its mark is written; should the process die in between, the reaper republishes the same
 event once the publisher's lease lapses (services/finish.py), as after any crash between the two.
 """
@@ -26,13 +27,14 @@ from sluice.ledger.batching import WriteBatcher
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.pg import HotPool
 from sluice.ledger.runs_sql import PublishedMark, RunningMark, mark_published_many, mark_running_many
-from sluice.ledger.settlement import NotOwned
+from sluice.ledger.settlement import OwnedSettled, OwnedSettlement, settle_owned_many
 from sluice.ledger.transient import transient
 from sluice.services.finish import (
     Ending,
     TerminalRecord,
+    owned_settlement,
     record_published,
-    settle_and_fix_terminal,
+    settled_record,
     terminal_event_of,
 )
 from sluice.services.routing.claims import reassign_replica
@@ -90,16 +92,19 @@ class SqlRunLedger:
     lease_seconds: float
     pool: HotPool                # the process's hot connections for the run path (ledger/pg.py)
     _running: WriteBatcher[RunningMark, bool] = field(init=False)
+    _settling: WriteBatcher[OwnedSettlement, OwnedSettled] = field(init=False)
     _published: WriteBatcher[_Unpublished, None] = field(init=False)
 
     def __post_init__(self) -> None:
         self._running = WriteBatcher(self._mark_running)
+        self._settling = WriteBatcher(self._settle)
         linger_s = min(PUBLISHED_LINGER_S, PUBLISHED_LINGER_LEASES * self.lease_seconds)
         self._published = WriteBatcher(self._mark_published, linger_s=linger_s)
 
     async def close(self) -> None:
         """Write every mark still waiting (before the pool closes)."""
         await self._running.flush()
+        await self._settling.flush()
         await self._published.flush()
 
     async def _retrying(self, lease: Lease, write: Callable[[], Awaitable[T]]) -> T:
@@ -128,16 +133,21 @@ class SqlRunLedger:
             raise LeaseLost("the ledger refused the new replica under this epoch")
 
     async def finish(self, lease: Lease, ending: Ending) -> TerminalRecord | None:
-        async def attempt() -> TerminalRecord | None:
-            # One statement on a hot connection, its own transaction (no BEGIN/COMMIT round trips):
-            # the run read row-locked under this epoch and settled (ledger/settlement.py, _OWNED).
-            async with self.pool.connection() as connection:
-                return await settle_and_fix_terminal(connection, lease.run_id, ending, self.owner,
-                                                     self.lease_seconds, lease.epoch, owned=True)
-        try:
-            return await self._retrying(lease, attempt)
-        except NotOwned as gone:
-            raise LeaseLost("the run is no longer active under this epoch") from gone
+        # One statement on a hot connection for every run ending meanwhile, its own transaction: each
+        # run read row-locked under its epoch and settled (ledger/settlement.py, _OWNED_MANY).
+        item = owned_settlement(lease.run_id, ending, self.owner, self.lease_seconds, lease.epoch)
+        settled = await self._retrying(lease, lambda: self._settling.submit(item))
+        if not settled.owned:
+            raise LeaseLost("the run is no longer active under this epoch")
+        if settled.impossible is not None:
+            raise settled.impossible
+        if settled.usage is None:
+            return None
+        return settled_record(lease.run_id, ending, settled.usage, lease.epoch)
+
+    async def _settle(self, items: list[OwnedSettlement]) -> list[OwnedSettled]:
+        async with self.pool.connection() as connection:
+            return await settle_owned_many(connection, items)
 
     async def publish_terminal(self, record: TerminalRecord) -> None:
         # Settling gave the run a fresh lease for its publisher: recording the publication is retried
