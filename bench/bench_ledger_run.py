@@ -1,12 +1,14 @@
 """PostgreSQL's CPU per run, statement by statement, without the rest of the stack:
-`python -m bench.bench_ledger_run [--runs 600] [--lanes 4]`.
+`python -m bench.bench_ledger_run [--runs 600] [--lanes 4] [--batch 1]`.
 
 Each run goes through the ledger's hot statements as the platform sends them (admission's read and
 write, the claim transaction, RUNNING, the driver's settlement, terminal published), each kind on its
 own connection, so the backend CPU read from /proc/<pid>/schedstat (nanoseconds) is that kind's.
 Five more connections LISTEN as the deployed stack's do (two gateways on the events channel; the
 routing process on its channels), so NOTIFY's fan-out is paid as it is there. --lanes runs that many
-runs at once (each lane its own connections; a lane drives whatever its claim took). Prints backend
+runs at once (each lane its own connections; a lane drives whatever its claim took); --batch N gives
+each lane N runs that take their steps together, one statement per step (the routing worker's
+batches, ledger/batching.py; 1: a statement per run). Prints backend
 CPU per run by statement kind, the runs table's HOT share of updates, and the listeners' CPU.
 Never fails on timing.
 """
@@ -26,9 +28,10 @@ from sluice.ledger.admission_sql import insert_reserving, read_submit_context
 from sluice.ledger.channels import CANCEL_CHANNEL, EVENTS_CHANNEL, REPLICAS_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import RunStatus
 from sluice.ledger.pg import HotPool, asyncpg_dsn
-from sluice.ledger.runs_sql import mark_published, mark_running
+from sluice.ledger.runs_sql import PublishedMark, RunningMark, mark_published_many, mark_running_many
 from sluice.ledger.seed import TINY_CHAT
-from sluice.services.finish import Ending, settle_and_fix_terminal
+from sluice.ledger.settlement import settle_owned_many
+from sluice.services.finish import Ending, owned_settlement
 
 from bench.platform_stack import create_database, drop_database, tenant_key
 from sluice.eventlog.interface import LogPosition
@@ -71,7 +74,7 @@ async def open_lane(pools: dict[str, HotPool]) -> Lane:
     return lane
 
 
-async def one_run(lane: Lane, index: int, model: str, tenants: int) -> None:
+async def submit(lane: Lane, index: int, model: str, tenants: int) -> None:
     tenant = index % tenants
     context = await read_submit_context(lane.connections["submit read"], tenant_key(tenant), model, 1000)
     assert context.caller is not None and context.caller.tenant is not None and context.model is not None
@@ -86,21 +89,30 @@ async def one_run(lane: Lane, index: int, model: str, tenants: int) -> None:
     reserved = await insert_reserving(lane.connections["submit write"], run, 60_000,
                                       (RUNS_ACCEPTED_CHANNEL, context.model.worker_pool))
     assert reserved is not None
+
+
+async def run_group(lane: Lane, indices: Sequence[int], model: str, tenants: int) -> None:
+    """Runs submitted one by one, then claimed, RUNNING, settled and published together, each step one
+    statement for the whole group (as the routing worker batches runs that reach a step together)."""
+    for index in indices:
+        await submit(lane, index, model, tenants)
     claim = lane.connections["claim"]
     async with claim.transaction():
-        rows = await claims_sql.lock_accepted(claim, 8)
+        rows = await claims_sql.lock_accepted(claim, max(8, len(indices)))
         queued = await claims_sql.queue_runs(claim, {row["id"]: "replica-0" for row in rows}, OWNER, LEASE_S)
-    driver = lane.connections["running"]
-    for run_id, (_queued_at, epoch) in queued.items():
-        first = LogPosition(0, index * 10)
-        assert await mark_running(driver, str(run_id), epoch, first, 2, EVENTS_CHANNEL)
-        record = await settle_and_fix_terminal(lane.connections["settle"], str(run_id),
-                                               Ending(RunStatus.COMPLETED, 3, 2, None), OWNER, LEASE_S, epoch,
-                                               owned=True)
-        assert record is not None
-        await mark_published(lane.connections["published"], str(run_id), record.sequence,
-                             LogPosition(0, index * 10 + 3), EVENTS_CHANNEL)
-        lane.runs += 1
+    runs = [(str(run_id), epoch, LogPosition(0, indices[0] * 10 + i))
+            for i, (run_id, (_queued_at, epoch)) in enumerate(queued.items())]
+    running = await mark_running_many(lane.connections["running"], [
+        RunningMark(run_id, epoch, first, 2) for run_id, epoch, first in runs], EVENTS_CHANNEL)
+    assert all(running)
+    ending = Ending(RunStatus.COMPLETED, 3, 2, None)
+    settled = await settle_owned_many(lane.connections["settle"], [
+        owned_settlement(run_id, ending, OWNER, LEASE_S, epoch) for run_id, epoch, _ in runs])
+    assert all(item.usage is not None for item in settled)
+    await mark_published_many(lane.connections["published"], [
+        PublishedMark(run_id, 4, LogPosition(0, first.offset + 3)) for run_id, _, first in runs],
+        EVENTS_CHANNEL)
+    lane.runs += len(runs)
 
 
 async def listen(dsn: str, channels: Sequence[str]) -> tuple[asyncpg.Connection, int]:
@@ -123,14 +135,15 @@ async def hot_counts(connection: asyncpg.Connection) -> tuple[int, int]:
     return int(row["upd"]), int(row["hot"])
 
 
-async def measure(dsn: str, runs: int, lanes: int, merged: bool, tenants: int) -> list[str]:
+async def measure(dsn: str, runs: int, lanes: int, merged: bool, tenants: int, batch: int = 1) -> list[str]:
     pools = {kind: HotPool(dsn, size=lanes) for kind in KINDS}
     listeners = [await listen(asyncpg_dsn(dsn), channels)
                  for channels in (LISTENERS_MERGED if merged else LISTENERS_SPLIT)]
     try:
         opened = [await open_lane(pools) for _ in range(lanes)]
         # Warm up: every statement prepared on every connection, caches filled.
-        await asyncio.gather(*(one_run(lane, i, TINY_CHAT.version, tenants) for i, lane in enumerate(opened)))
+        await asyncio.gather(*(run_group(lane, range(i * batch, (i + 1) * batch), TINY_CHAT.version, tenants)
+                               for i, lane in enumerate(opened)))
         stats = opened[0].connections["claim"]
         await asyncio.sleep(0.6)    # statistics are sent at most every 500 ms
         updated, hot = await hot_counts(stats)
@@ -138,11 +151,11 @@ async def measure(dsn: str, runs: int, lanes: int, merged: bool, tenants: int) -
         listened = [backend_ns(pid) for _, pid in listeners]
         done = sum(lane.runs for lane in opened)
         started = time.perf_counter()
-        counter = iter(range(lanes, lanes + runs))
+        counter = iter(range(lanes * batch, lanes * batch + runs, batch))
 
         async def drive(lane: Lane) -> None:
-            for index in counter:
-                await one_run(lane, index, TINY_CHAT.version, tenants)
+            for first in counter:
+                await run_group(lane, range(first, first + batch), TINY_CHAT.version, tenants)
         await asyncio.gather(*(drive(lane) for lane in opened))
         wall = time.perf_counter() - started
         after = cpu_by_lane(opened)
@@ -154,6 +167,7 @@ async def measure(dsn: str, runs: int, lanes: int, merged: bool, tenants: int) -
                     for kind in KINDS}
         total = sum(per_kind.values()) + heard / driven / 1e3
         lines = [f"{driven} runs driven ({runs} submitted) in {wall:.1f} s, {lanes} lanes,"
+                 f" {batch} runs a statement,"
                  f" {'merged' if merged else 'split'} listeners ({len(listeners)} connections)",
                  "backend CPU per run (us): " + ", ".join(f"{kind} {us:.0f}" for kind, us in per_kind.items())
                  + f", listeners {heard / driven / 1e3:.0f}; total {total:.0f}",
@@ -179,7 +193,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 await connection.execute(args.ddl)
             finally:
                 await connection.close()
-        for line in await measure(dsn, args.runs, args.lanes, not args.split_listeners, args.tenants):
+        for line in await measure(dsn, args.runs, args.lanes, not args.split_listeners, args.tenants,
+                                  args.batch):
             print(line)
     finally:
         await drop_database(database)
@@ -190,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=600)
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--tenants", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="runs that take each step together: claimed, RUNNING, settled and published"
+                             " by one statement each (the routing worker's batches)")
     parser.add_argument("--split-listeners", action="store_true",
                         help="the routing worker's three channels on three connections (before s12)")
     parser.add_argument("--ddl", default="", help="SQL run on the fresh ledger first (experiments)")
