@@ -278,6 +278,9 @@ class OwnedSettled:
 async def settle_owned_many(executor: Executor, settlements: Sequence[OwnedSettlement]) -> list[OwnedSettled]:
     """Settle every run of `settlements` its lease holder ends, in one statement (_OWNED_MANY); per
     run, in order, what was done. A run settled before is left alone (usage None)."""
+    # A run twice would be charged twice in its budget's sum: each driver has one settlement in flight.
+    assert len({item.run_id for item in settlements}) == len(settlements), \
+        "a run settled twice in one statement"
     fixes = [item.terminal for item in settlements]
     found = await rows_of(executor).rows(_OWNED_MANY, {
         "run_ids": [item.run_id for item in settlements], "epochs": [item.epoch for item in settlements],
