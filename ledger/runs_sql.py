@@ -47,7 +47,8 @@ WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
 # Each write takes many runs at once (ledger/batching.py: the routing worker's runs reach each step
 # together), one row of `unnest` per run, one round trip and one commit for all of them. Each row
 # carries its own lease epoch (RUNNING) and its own NOTIFY (a transaction's notifications reach the
-# listeners together, at its commit).
+# listeners together, at its commit). `id = ANY(ids)` beside the join keeps the prepared statement's
+# generic plan on the primary key: joined to `unnest` alone (10 rows assumed), runs was scanned whole.
 _MARK_RUNNING_MANY = Statement.of("""
 UPDATE runs AS r
    SET status = 'RUNNING', started_at = COALESCE(r.started_at, now()),
@@ -57,7 +58,8 @@ UPDATE runs AS r
   FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
               CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
        AS p(run_id, epoch, partition, first_offset, last_sequence)
- WHERE r.id = p.run_id AND r.lease_epoch = p.epoch AND r.status IN ('QUEUED', 'RUNNING')
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch
+   AND r.status IN ('QUEUED', 'RUNNING')
 RETURNING r.id, pg_notify(:channel, CAST(r.id AS text))
 """)
 
@@ -70,7 +72,7 @@ UPDATE runs AS r
   FROM unnest(CAST(:run_ids AS uuid[]), CAST(:sequences AS bigint[]), CAST(:partitions AS integer[]),
               CAST(:first_offsets AS bigint[]))
        AS p(run_id, sequence, partition, first_offset)
- WHERE r.id = p.run_id
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id
 RETURNING CASE WHEN r.started_at IS NULL THEN pg_notify(:channel, CAST(r.id AS text)) END
 """)
 

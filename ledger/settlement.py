@@ -161,7 +161,8 @@ _SETTLE_TERMINAL = Statement.of(_WRITE.format(terminal=_TERMINAL_SET))
 # then the entry and the run written as _WRITE does, only when its counts are possible (else nothing
 # of that run is written, and its caller raises SettlementError). The budgets take the sum of the
 # runs settled per tenant and period. Rows are locked in one order (runs by id, then budgets by tenant
-# and period), so two such statements never wait on each other in a cycle.
+# and period), so two such statements never wait on each other in a cycle. `id = ANY(ids)` keeps the
+# generic plan on runs' primary key (joined to `unnest` alone, runs was scanned whole).
 # A NULL terminal_sequence: no terminal fix for that run (its terminal columns and lease unchanged).
 _OWNED_MANY = Statement.of(("""
 WITH p AS (
@@ -187,7 +188,7 @@ WITH p AS (
       JOIN runs r ON r.id = p.run_id
       JOIN models m ON m.version = r.model_version
       LEFT JOIN price_cards c ON c.id = r.price_card_id
-     WHERE r.lease_epoch = p.epoch AND r.status IN {owned}
+     WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.lease_epoch = p.epoch AND r.status IN {owned}
      ORDER BY r.id
        FOR UPDATE OF r
 ), charge AS (

@@ -119,7 +119,8 @@ async def test_runs_that_end_together_settle_in_one_statement_and_their_publishe
     before = pool.checkouts
     endings = [Ending(RunStatus.COMPLETED, 3, 2), Ending(RunStatus.COMPLETED, 4, 3),
                Ending(RunStatus.FAILED, 0, 0, "refused", prompt_taken=False)]     # never went RUNNING
-    records = await asyncio.gather(*(ledger.finish(lease, ending) for lease, ending in zip(leases, endings)))
+    records = await asyncio.gather(*(ledger.finish(lease, ending)
+                                     for lease, ending in zip(leases, endings, strict=True)))
     assert pool.checkouts - before == 2
     assert [(record.sequence, record.status, record.usage.output_tokens) for record in records if record] == [
         (4, RunStatus.COMPLETED, 2), (5, RunStatus.COMPLETED, 3), (1, RunStatus.FAILED, 0)]
