@@ -28,6 +28,7 @@ from typing import Protocol, cast
 
 import hpack
 from sluice.services import h2frames as h2
+from sluice.services.grpc_wire import HeaderDecoder
 
 KEEPALIVE_S = 2.0            # silence on a connection with open streams before it is pinged
 KEEPALIVE_TIMEOUT_S = 2.0    # an unanswered ping then closes it: every stream on it is lost
@@ -92,7 +93,8 @@ class ReplicaConnection(asyncio.Protocol):
         self._out: list[bytes] = []                # written this loop pass, sent at its end (_write)
         self._loop = asyncio.get_running_loop()    # made on the loop it serves (connect)
         self._table_shrunk = False                 # the peer's header table is below the default
-        self._decoder = hpack.Decoder()
+        # Every stream's response headers and trailers repeat the same blocks: each decoded once.
+        self._decoder = HeaderDecoder()
         self._blocks = h2.HeaderBlocks()
         self._send_window = h2.DEFAULT_WINDOW      # the connection's, set by the peer
         self._peer_initial = h2.DEFAULT_WINDOW     # each new stream's, set by the peer
@@ -306,7 +308,7 @@ class ReplicaConnection(asyncio.Protocol):
             self._end(stream_id, "INTERNAL", ERR_NO_TRAILERS)
 
     def _on_headers(self, block: h2.HeaderBlock) -> None:
-        headers = dict(self._decoder.decode(block.data, raw=True))
+        headers = dict(self._decoder.decode(block.data))
         if block.stream_id not in self._streams:
             return
         status = headers.get(b":status")

@@ -292,3 +292,32 @@ async def test_closing_sends_what_was_written_before_it(served):
     assert (await peer.next_frame(*SETUP)).type == h2.HEADERS
     reset = await peer.next_frame(*SETUP)
     assert (reset.type, reset.stream_id, h2.parse_u32(reset.payload)) == (h2.RST_STREAM, stream_id, h2.CANCEL)
+
+
+async def test_header_blocks_repeated_on_every_stream_are_decoded_once_per_connection(served, monkeypatch):
+    # Every stream's response headers and trailers are the same; after the first stream's (literals
+    # that enter the peer's table) the peer sends them as references, the same bytes each time.
+    decoded: list[bytes] = []
+    decode = hpack.Decoder.decode
+
+    def counted(self, data, raw=False):  # type: ignore[no-untyped-def]
+        decoded.append(bytes(data))
+        return decode(self, data, raw)
+
+    monkeypatch.setattr(hpack.Decoder, "decode", counted)
+    connection, peers = served
+    sinks = [Sink() for _ in range(4)]
+    peer: Peer | None = None
+    for sink in sinks:
+        stream_id = connection.start(PATH, sink)
+        if peer is None:
+            peer = await peers.get()
+            await peer.handshake()
+        peer.headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        peer.data(stream_id, h2.grpc_message(b"token"))
+        peer.headers(stream_id, [("grpc-status", "0"), ("grpc-message", "")], end_stream=True)
+        await asyncio.wait_for(_until(lambda: sink.ends), 5)  # noqa: B023
+    assert [sink.ends for sink in sinks] == [[(None, "")]] * 4
+    assert [sink.messages for sink in sinks] == [[b"token"]] * 4
+    # The first stream's two blocks (literals), the second's (references), then none.
+    assert len(decoded) == 4 and len(set(decoded)) == 4

@@ -5,6 +5,7 @@ and everything else left to the full parse. Responses are built as the replica b
 from __future__ import annotations
 
 import numpy as np
+from sluice.services import replica_client
 from sluice.services.replica_responses import MAX_LAYOUTS, ResponseLayout, is_final
 from tritonclient.grpc import service_pb2
 
@@ -111,3 +112,26 @@ def test_a_stream_keeps_at_most_a_bounded_number_of_layouts():
     known = [count for count in range(1, MAX_LAYOUTS + 3)
              if layout.tokens(response([5] * count).SerializeToString()) is not None]
     assert known == list(range(1, MAX_LAYOUTS + 1))
+
+
+class _Connection:
+    """What a generation asks of its connection while it reads responses."""
+
+    last_received = 0.0
+
+    def cancel(self, stream_id: int) -> None:
+        pass
+
+
+async def test_a_stream_learns_its_layout_only_when_enough_responses_may_follow():
+    # Learning costs ~9 full parses: a stream that may send at most a few responses parses them in
+    # full; one with many to come learns from its first and reads the rest at their offsets.
+    chunks: list[replica_client.TokenChunk] = []
+    for max_new_tokens, learns in ((2, False), (replica_client.LEARN_MIN_RESPONSES_LEFT, False),
+                                   (replica_client.LEARN_MIN_RESPONSES_LEFT + 1, True), (100, True)):
+        generation = replica_client._Generation("r0", "run-1", 3, chunks.append, 1.0, 1.0,
+                                                _Connection(), max_new_tokens)  # type: ignore[arg-type]
+        generation.message(response([17]).SerializeToString())
+        assert (generation.layout.tokens(response([18]).SerializeToString()) is not None) is learns
+        generation.message(response([18]).SerializeToString())
+    assert [chunk.token_ids for chunk in chunks] == [(17,), (18,)] * 4
