@@ -147,6 +147,13 @@ def tracer() -> trace.Tracer:
     return _telemetry.tracer
 
 
+def tracing() -> bool:
+    """Whether this process records spans (an exporter is set up). A hot path may skip its spans
+    when it does not: a no-op span still costs two generator-based context managers, a switch of the
+    current context and the attributes' dict (~20 us a run in the routing worker's four)."""
+    return _telemetry.provider is not None
+
+
 def traceparent() -> str | None:
     """The W3C traceparent of the current span (None when nothing is traced): stored on the run row."""
     carrier: dict[str, str] = {}

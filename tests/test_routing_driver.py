@@ -10,10 +10,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 from sluice.ledger.models import RunStatus
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
 from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaLost, ReplicaRejected, TokenChunk
+from sluice.services.routing import driver as driver_module
 from sluice.services.routing.claims import ClaimedRun
 from sluice.services.routing.driver import DriverSettings, RunDriver, Target, Wake
 from sluice.services.routing.leases import Lease
@@ -281,6 +283,18 @@ async def test_a_window_closes_on_its_timer_while_the_replica_is_still_streaming
     await driver.run()
     deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
     assert deltas == [[1], [2, 3, 4], [5, 6, 7]]
+
+
+async def test_a_run_in_a_process_that_records_no_spans_makes_none(monkeypatch: pytest.MonkeyPatch):
+    # No exporter (the default): a no-op span still cost its context managers and attributes.
+    def no_spans() -> None:
+        raise AssertionError("a span was made while nothing records spans")
+
+    monkeypatch.setattr(driver_module, "tracer", no_spans)
+    driver, ledger, _ = driver_for(ScriptedReplicas({"r0": Script([(1,), (2, 3)])}))
+    assert await driver.run() is not None
+    assert ledger.finished().output_tokens == 3
+    assert driver.outcome is not None and driver.outcome.output_tokens == 3
 
 
 async def test_a_replica_lost_mid_stream_ends_the_run_interrupted_with_exactly_the_tokens_received():

@@ -67,7 +67,7 @@ from sluice.services.routing.outcome import (
 from sluice.services.routing.run_ledger import LeaseLost, RunLedger
 from sluice.services.routing.textdecode import IncrementalDecoder, load_tokenizer
 from sluice.services.routing.windows import WindowClock
-from sluice.services.telemetry import tracer
+from sluice.services.telemetry import tracer, tracing
 
 from sluice.eventlog.events import DeltaCoalescer, RunEventSequencer
 from sluice.eventlog.interface import EventLog, LogPosition
@@ -351,21 +351,23 @@ class RunDriver:
     async def run(self) -> TerminalRecord | None:
         """Drive the run to its end; None when the lease was lost (someone else ends it)."""
         try:
-            # One span for the replica stream (tokens as attributes, never a span per token), then
-            # one for the settlement; both in the run's trace (the worker's run.drive is current).
-            claim = self.claim
-            with tracer().start_as_current_span(stream_span_name(claim), kind=trace.SpanKind.CLIENT,
-                                                attributes=stream_attributes(claim, self.address)) as span:
-                ending = await self._drive()
-                span.set_attributes(stream_end_attributes(claim, ending, len(self.tried), self._ttft_s()))
-            with tracer().start_as_current_span("run.settle", attributes={
-                    "sluice.run_id": self.run_id, "sluice.status": ending.status.value}):
-                await self._flush()
-                self._check_lease()
-                record = await self.ledger.finish(self.lease, ending)
-                if record is None:
-                    return None
-                await self.ledger.publish_terminal(record)
+            if not tracing():                # nothing records spans: none made
+                record = await self._settle(await self._drive())
+            else:
+                # One span for the replica stream (tokens as attributes, never a span per token), then
+                # one for the settlement; both in the run's trace (the worker's run.drive is current).
+                claim = self.claim
+                attributes = stream_attributes(claim, self.address)
+                with tracer().start_as_current_span(stream_span_name(claim), kind=trace.SpanKind.CLIENT,
+                                                    attributes=attributes) as span:
+                    ending = await self._drive()
+                    span.set_attributes(stream_end_attributes(claim, ending, len(self.tried),
+                                                              self._ttft_s()))
+                with tracer().start_as_current_span("run.settle", attributes={
+                        "sluice.run_id": self.run_id, "sluice.status": ending.status.value}):
+                    record = await self._settle(ending)
+            if record is None:
+                return None
             self.outcome = self._outcome(record)
             return record
         except LeaseLost as lost:
@@ -376,6 +378,16 @@ class RunDriver:
                 self._horizon.cancel()
             for ack, _, _ in self._in_flight:
                 ack.cancel()
+
+    async def _settle(self, ending: Ending) -> TerminalRecord | None:
+        """The terminal write once every event is durable, then its event; None when the lease was
+        refused meanwhile (LeaseLost is raised when the driver finds it lost first)."""
+        await self._flush()
+        self._check_lease()
+        record = await self.ledger.finish(self.lease, ending)
+        if record is not None:
+            await self.ledger.publish_terminal(record)
+        return record
 
     async def _drive(self) -> Ending:
         # Read once: a datetime's timestamp() on every wake-up was a measurable share of the loop.

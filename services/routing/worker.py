@@ -83,7 +83,7 @@ from sluice.services.routing.observability import (
 from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.routing.scrape import fetch_metrics
 from sluice.services.routing.windows import WindowClock
-from sluice.services.telemetry import context_of, tracer
+from sluice.services.telemetry import context_of, tracer, tracing
 from sluice.services.traffic import LadderMetrics, TrafficSettings
 from sluice.services.trust_scope import cache_salt, scope_of
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -490,15 +490,17 @@ class RoutingWorker:
         link = trace.Link(span.get_span_context())
         span.end()
         claimed_ns = time.time_ns()
+        traced = tracing()
         for item in routed:
             self.metrics.routed(item.claim.route)
             self.policy.on_routed(item.request, item.decision, now)
-            # The claim seen from each run's own trace (the batch span above is the worker's).
-            claim_span = tracer().start_span("run.claim", context=context_of(item.claim.traceparent),
-                                             start_time=started_ns, links=[link],
-                                             attributes=claim_attributes(item.claim, item.decision))
-            claim_span.end(end_time=claimed_ns)
-            self._start_driver(item, link)
+            if traced:
+                # The claim seen from each run's own trace (the batch span above is the worker's).
+                claim_span = tracer().start_span("run.claim", context=context_of(item.claim.traceparent),
+                                                 start_time=started_ns, links=[link],
+                                                 attributes=claim_attributes(item.claim, item.decision))
+                claim_span.end(end_time=claimed_ns)
+            self._start_driver(item, link if traced else None)
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
@@ -626,6 +628,8 @@ class RoutingWorker:
 
     async def _drive(self, item: _Routed, driver: RunDriver,
                      claim_span: trace.Link | None) -> TerminalRecord | None:
+        if not tracing():
+            return await driver.run()        # nothing records spans: none made, no attributes built
         claim = item.claim
         attributes = span_attributes(claim.run_id, claim.model_version, claim.worker_pool, item.decision,
                                      claim.input_tokens)
