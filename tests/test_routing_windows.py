@@ -223,4 +223,3 @@ async def test_a_run_whose_acks_stall_does_not_hold_up_the_windows_of_the_others
         assert len(drivers[0].events.events) == 4     # type: ignore[attr-defined]  # then it waits for room
     finally:
         stalled.cancel()
-
