@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
+from prometheus_client.metrics import MetricWrapperBase
 from sluice.ledger.models import RunStatus
 from sluice.services import telemetry
 from sluice.services.routing.observability import RoutingMetrics, RunOutcome, ServiceObjectives
@@ -116,3 +117,24 @@ def test_a_scrape_sets_each_load_gauge_of_its_replica_and_forgetting_the_replica
     metrics.forget_replica("r0")   # twice: nothing left to remove is no error
     assert value("sluice_replica_healthy", {"replica": "r0"}) is None
     assert value("sluice_replica_load", {"replica": "r0", "kind": "active"}) is None
+
+
+def test_the_series_a_run_ends_on_are_looked_up_once_per_pool(monkeypatch: pytest.MonkeyPatch):
+    metrics = RoutingMetrics()
+    looked_up: list[dict[str, str]] = []
+    labels = MetricWrapperBase.labels
+
+    def counted(self, *values, **named):  # type: ignore[no-untyped-def]
+        if "pool" in named:                  # (the router's own metrics are by kind alone)
+            looked_up.append(named)
+        return labels(self, *values, **named)
+
+    monkeypatch.setattr(MetricWrapperBase, "labels", counted)
+    metrics.run_ended(POOL, 0, outcome())
+    first = len(looked_up)
+    metrics.run_ended(POOL, 0, outcome())
+    metrics.run_ended("another-pool", 0, outcome())
+    assert len(looked_up) == 2 * first and all(named["pool"] == "another-pool" for named in looked_up[first:])
+    value = metrics.registry.get_sample_value
+    assert value("sluice_runs_total", {"pool": POOL, "status": "COMPLETED"}) == 2.0
+    assert value("sluice_run_tokens_total", {"pool": POOL, "kind": "output"}) == 2 * outcome().output_tokens
