@@ -110,6 +110,43 @@ def rows_of(executor: Executor) -> Rows:
     return executor
 
 
+# Type OIDs below this are PostgreSQL's own (pg_type.dat, FirstNormalObjectId): the same in every
+# database of every server, so what one connection learnt about them holds for all.
+_FIRST_NORMAL_OID = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    """Stands for the introspection statement when the types came from the cache: no statement ran,
+    so the caller's anonymous statement was not replaced (a truthy name: nothing to prepare again)."""
+
+    name: str = "sluice-cached-types"
+
+
+class KnownTypesConnection(asyncpg.Connection):  # type: ignore[misc]
+    """An asyncpg connection that introspects each of PostgreSQL's own types once per process.
+
+    asyncpg looks up, on every new connection, the types a statement uses that it has no codec for
+    (the arrays the batched statements bind: uuid[], bigint[], integer[], text[], float8[]): a
+    recursive catalog query of ~7 ms of PostgreSQL CPU (and two to turn JIT off and on), paid again
+    by each connection a pool opens (issue 9: ~0.3-0.6 ms a run while pools grew in a bench phase).
+    Built-in types' rows are kept here for every later connection; other types (a database's own)
+    are looked up as asyncpg does. Relies on asyncpg's Connection._introspect_types (0.32, pinned)."""
+
+    _types: dict[int, Any] = {}       # type OID -> asyncpg's introspection row, built-in types only
+
+    async def _introspect_types(self, typeoids: Any, limit: Any) -> tuple[Any, Any]:
+        known = KnownTypesConnection._types
+        oids = list(typeoids)
+        if all(oid in known for oid in oids):
+            return [known[oid] for oid in oids], _Cached()
+        rows, statement = await super()._introspect_types(typeoids, limit)
+        for row in rows:
+            if row["oid"] < _FIRST_NORMAL_OID:
+                known[row["oid"]] = row
+        return rows, statement
+
+
 async def _keep_session_state(connection: asyncpg.Connection) -> None:
     """Pool reset hook: nothing to reset (see the module doc)."""
 
@@ -141,7 +178,8 @@ class HotPool:
         async with self._opening:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.size,
-                                                       init=_decode_json, reset=_keep_session_state)
+                                                       init=_decode_json, reset=_keep_session_state,
+                                                       connection_class=KnownTypesConnection)
             return self._pool
 
     @contextlib.asynccontextmanager

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-from sluice.ledger.pg import asyncpg_dsn
+from sluice.ledger.pg import KnownTypesConnection, asyncpg_dsn
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,8 @@ class LeaseKeeper:
 
         async def connected() -> _Link:
             connection = await asyncpg.connect(asyncpg_dsn(self.dsn), timeout=limit,
-                                               server_settings={"application_name": APPLICATION_NAME})
+                                               server_settings={"application_name": APPLICATION_NAME},
+                                               connection_class=KnownTypesConnection)
             try:
                 return _Link(connection, await connection.prepare(RENEW_SQL))
             except BaseException:
