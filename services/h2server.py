@@ -364,6 +364,8 @@ class H2Connection(asyncio.Protocol):
         self._paused = False
         self._going_away = False
         self._pending: list[bytes] = []              # written this pass of the loop, not yet sent
+        # Looked up once: get_running_loop is a getpid() system call per call in CPython 3.11.
+        self._loop = asyncio.get_running_loop()
 
     # --- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -430,7 +432,7 @@ class H2Connection(asyncio.Protocol):
         if self._transport is None:
             raise _Closed()
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self.flush)
+            self._loop.call_soon(self.flush)
         self._pending.append(data)
 
     def flush(self) -> None:
