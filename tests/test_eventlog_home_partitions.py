@@ -18,6 +18,7 @@ from sluice.config import load_settings
 from sluice.eventlog import tail as tail_module
 from sluice.eventlog.events import RunEventSequencer
 from sluice.eventlog.interface import LogPosition
+from sluice.eventlog import kafka as kafka_module
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2
 
@@ -116,3 +117,15 @@ async def test_each_gateway_reads_its_own_runs_partitions_and_still_streams_the_
     await until(lambda: tail_b.followed == set(HOME_B))
     await write_run(publisher, waiting_b, 0)
     assert await held_open == [1, 2]
+
+
+async def test_a_gateway_whose_topic_is_not_there_yet_draws_plain_run_ids_and_follows_every_partition(
+        monkeypatch):
+    monkeypatch.setattr(kafka_module, "HOME_LOOKUP_S", 0.5)
+    log = KafkaEventLog(load_settings().kafka.bootstrap, f"sluice.test-missing-{uuid.uuid4().hex[:8]}")
+    await log.start()
+    try:
+        new_run_id = await log.home_run_ids(HOME_A)
+        assert new_run_id is uuid.uuid4 and log.home is None
+    finally:
+        await log.close()

@@ -32,6 +32,7 @@ promise that no client sees an event the log could still lose.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -56,6 +57,9 @@ from sluice.eventlog.tail import (
 )
 from sluice.v1 import runs_pb2
 
+log = logging.getLogger(__name__)
+
+HOME_LOOKUP_S = 10.0     # how long a gateway's start waits to learn the topic's partition count
 LINGER_MS = 20           # the writer's window across runs ([kafka].producer_linger_ms)
 # An appended event (a terminal event, a fence) leaves with its window, but no later than this after it
 # was appended, whatever the linger: its caller waits for it (a run's end, a takeover). With the default
@@ -176,9 +180,16 @@ class KafkaEventLog:
         """From now on this process places the runs it admits on its home partitions (`configured`,
         else one by process id: partitioning.home_partitions), and its live tail follows those (and
         any other only while a stream reads it) instead of every partition. Returns the run-id
-        chooser its admission draws ids with (eventlog/partitioning.py)."""
+        chooser its admission draws ids with (eventlog/partitioning.py). A topic whose partitions
+        cannot be learned within HOME_LOOKUP_S (not created yet) leaves it as before: random run ids,
+        every partition followed."""
         producer = await self._ready_producer()
-        count = len(await producer.partitions_for(self.topic))
+        try:
+            async with asyncio.timeout(HOME_LOOKUP_S):
+                count = len(await producer.partitions_for(self.topic))
+        except (KafkaError, TimeoutError) as exc:
+            log.warning("no home partitions: the partitions of %s are unknown (%r)", self.topic, exc)
+            return uuid.uuid4
         home = self.home = home_partitions(count, configured, os.getpid())
         if self._tail is not None:
             self._tail.home = home
