@@ -15,10 +15,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import DefaultPartitioner
 
 from sluice.config import load_settings
+from sluice.eventlog import kafka as kafka_module
 from sluice.eventlog import tail as tail_module
 from sluice.eventlog.events import RunEventSequencer
 from sluice.eventlog.interface import LogPosition
-from sluice.eventlog import kafka as kafka_module
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import common_pb2
 
