@@ -115,7 +115,7 @@ class Subscription:
         self._failure: BaseException | None = None
         # The reader waits on a future of the loop found here, once: asyncio.Event.wait looks the
         # running loop up on every wait, a getpid() system call in CPython 3.11 (once per batch per
-        # stream, ~10% of a gateway's CPU at 64 streams).
+        # stream: ~2% of the samples of a gateway at 64 x 300-token streams, py-spy).
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
 
