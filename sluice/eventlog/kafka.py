@@ -15,8 +15,9 @@ publish and wait, for the caller that needs the position (a terminal event, a
 fence): within the window like any publish, but leaving no later than
 APPEND_WITHIN_MS after it, so that the terminal events of runs that end close
 together, and the DELTAs around them, share one produce request (and each
-gateway one fetch of them) where at once each took a request of its own. A position is durable when its future
-resolves, and only then may it be recorded in the ledger.
+gateway one fetch of them) where at once each took a request of its own. A
+position is durable when its future resolves, and only then may it be recorded
+in the ledger.
 
 Reads: two lean fetchers per process (eventlog/fetcher.py: aiokafka's client and
 connections, requests and records decoded by hand, no consumer) for every stream:
