@@ -238,6 +238,11 @@ class MessageReader:
         """The messages `data` completes, in order, a compressed one through `decompress`. Raises
         ValueError on a compressed message without `decompress` (this side asked for none),
         MessageTooLarge on one longer than `limit` (`decompress` holds its output to the same)."""
+        if not self._pending and len(data) >= 5 and decompress is None:
+            # The usual frame: exactly one whole uncompressed message (one response per token).
+            compressed, length = _GRPC_PREFIX.unpack_from(data)
+            if not compressed and length == len(data) - 5 and (limit is None or length <= limit):
+                return [data[5:]]
         buffer = self._pending + data if self._pending else data
         messages = []
         pos, size = 0, len(buffer)

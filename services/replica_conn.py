@@ -140,6 +140,7 @@ class ReplicaConnection(asyncio.Protocol):
         straight to its stream without a Frame built for it."""
         pos, size = 0, len(buffer)
         unpack_head = h2.unpack_head
+        blocks_open = self._blocks.open      # changes only with a HEADERS or CONTINUATION frame
         while size - pos >= 9:
             high, low, kind, flags, stream_id = unpack_head(buffer, pos)
             start = pos + 9
@@ -147,10 +148,11 @@ class ReplicaConnection(asyncio.Protocol):
             if end > size:
                 break
             pos = end
-            if kind == h2.DATA and not self._blocks.open:
+            if kind == h2.DATA and not blocks_open:
                 self._on_data(stream_id & 0x7FFFFFFF, flags, buffer[start:end])
             else:
                 self._on_frame(h2.Frame(kind, flags, stream_id & 0x7FFFFFFF, buffer[start:end]))
+                blocks_open = self._blocks.open
         return pos
 
     # --- streams --------------------------------------------------------------------------------
@@ -287,21 +289,28 @@ class ReplicaConnection(asyncio.Protocol):
 
     def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         size = len(payload)
-        transport = self._transport
-        assert transport is not None, "frames arrive on a connected transport"
-        self._received, update = h2.refill(self._received, size, 0)
         stream = self._streams.get(stream_id)
-        if stream is not None:
-            stream.received, more = h2.refill(stream.received, size, stream_id)
-            update += more
-        if update:
-            self._write(update)
+        # The windows are opened wide and topped up rarely (h2.refill): counted inline, per frame.
+        received = self._received + size
+        refill = h2.WINDOW_REFILL
+        if received >= refill or (stream is not None and stream.received + size >= refill):
+            self._received, update = h2.refill(self._received, size, 0)
+            if stream is not None:
+                stream.received, more = h2.refill(stream.received, size, stream_id)
+                update += more
+            if update:
+                self._write(update)
+        else:
+            self._received = received
+            if stream is not None:
+                stream.received += size
         if stream is None:
             return                           # cancelled here: its late frames only count for the window
         if flags & h2.PADDED:
             payload = h2.unpadded(h2.Frame(h2.DATA, flags, stream_id, payload))
+        sink = stream.sink
         for body in stream.reader.feed(payload):
-            stream.sink.message(body)
+            sink.message(body)
             if self._streams.get(stream_id) is not stream:
                 return                       # the sink cancelled the stream
         if flags & h2.END_STREAM:

@@ -321,3 +321,23 @@ async def test_header_blocks_repeated_on_every_stream_are_decoded_once_per_conne
     assert [sink.messages for sink in sinks] == [[b"token"]] * 4
     # The first stream's two blocks (literals), the second's (references), then none.
     assert len(decoded) == 4 and len(set(decoded)) == 4
+
+
+async def test_windows_are_topped_up_once_what_was_received_on_them_reaches_the_refill_mark(
+        served, monkeypatch):
+    monkeypatch.setattr(h2, "WINDOW_REFILL", 64)
+    connection, peers = served
+    sink = Sink()
+    stream_id = connection.start(PATH, sink)
+    peer = await peers.get()
+    await peer.handshake()
+    message = h2.grpc_message(b"x" * 25)             # 30 bytes a frame
+    for _ in range(3):
+        peer.data(stream_id, message)
+    # 90 bytes received: past the mark on the third frame, on the connection and on the stream.
+    preface = (h2.WINDOW_UPDATE, 0, h2.MAX_WINDOW - h2.DEFAULT_WINDOW)   # the client opening its window
+    updates = [await asyncio.wait_for(peer.next_frame(h2.SETTINGS, h2.HEADERS), 5) for _ in range(3)]
+    expected = [preface, (h2.WINDOW_UPDATE, 0, 90), (h2.WINDOW_UPDATE, stream_id, 90)]
+    got = [(frame.type, frame.stream_id, h2.parse_u32(frame.payload)) for frame in updates]
+    assert sorted(got) == sorted(expected)
+    await asyncio.wait_for(_until(lambda: len(sink.messages) == 3), 5)

@@ -235,7 +235,9 @@ class _Pump:
         """A chunk from the replica, handed over as its response is parsed (ReplicaClient.generate)."""
         self.reused_blocks = max(self.reused_blocks, chunk.kv_cache_reused_blocks)
         # Never more than the cap the budget reserved for, whatever the replica sends.
-        tokens = chunk.token_ids[:self.cap - self.received_tokens]
+        tokens = chunk.token_ids
+        if len(tokens) > self.cap - self.received_tokens:
+            tokens = tokens[:self.cap - self.received_tokens]
         if not tokens:
             return
         arrived = time.monotonic()
