@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from sluice.services.replica_client import TokenChunk
-from sluice.services.routing.driver import _Pump
+from sluice.services.routing.driver import Wake, _Pump
 from sluice.services.routing.worker import WorkerSettings
 
 from sluice.config import load_settings
@@ -41,3 +41,21 @@ async def test_a_window_opened_mid_way_closes_at_the_next_multiple_of_the_window
     pump.wake.clear()
     await asyncio.wait_for(pump.wake.wait(), WINDOW_MS / 1000)   # the clock closes it then, not before
     assert time.monotonic() * 1000 >= closes_ms
+
+
+async def test_a_token_arriving_past_its_windows_instant_before_the_clock_ticks_joins_it_quietly():
+    # The loop may read a socket before it runs a timer due as long: a token then arrives after its
+    # window's instant. It joins the window, which the clock's tick closes with it; nobody is woken.
+    pump = _Pump(DeltaCoalescer(WINDOW_MS, aligned=True), Wake(), time.monotonic(), cap=100)
+    pump.take(TokenChunk((1,), 4, 0))
+    pump.wake.clear()
+    assert pump.coalescer.take() == [1]
+    pump.take(TokenChunk((2,), 4, 0))
+    instant = pump.window_at
+    assert instant is not None and not pump.wake.is_set()
+    # The loop busy past the instant (a blocking sleep: no timer runs meanwhile).
+    time.sleep(max(0.0, instant / 1000 - time.monotonic()) + 0.005)  # noqa: ASYNC251
+    pump.take(TokenChunk((3,), 4, 0))
+    assert not pump.wake.is_set() and pump.window_at == instant
+    await asyncio.sleep(0.01)                                          # the tick: the driver's turn
+    assert pump.wake.is_set() and pump.coalescer.take() == [2, 3]

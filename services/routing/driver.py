@@ -250,14 +250,16 @@ class _Pump:
         # once) and by a window that is due as soon as it holds these tokens (full, or no window).
         # A window that closes by time is the clock's, which the token that opens it joins, and which
         # publishes the window's DELTA while the driver sleeps on (RunDriver._window_closed).
-        # Tokens that join an open window wake nobody.
+        # Tokens that join an open window wake nobody, even past its instant while the clock holds it
+        # (the loop may read a socket before it runs a timer due as long: the tick publishes them).
         coalescer = self.coalescer
         opens = not coalescer.pending()
         coalescer.add(tokens, arrived * 1000)
-        if first or coalescer.due(arrived * 1000):
+        if first or coalescer.full() or not coalescer.window_ms:
             self.wake.set()
         elif opens:
             self.wait_window()
+
 
     def step_s(self) -> float | None:
         """The replica's observed time per token on this stream (None before the second token)."""
