@@ -223,3 +223,14 @@ async def test_a_run_whose_acks_stall_does_not_hold_up_the_windows_of_the_others
         assert len(drivers[0].events.events) == 4     # type: ignore[attr-defined]  # then it waits for room
     finally:
         stalled.cancel()
+
+
+async def test_without_a_window_each_token_wakes_the_driver_and_leaves_at_once():
+    # coalesce_ms 0: no window to wait for, no timer armed; every token is its own DELTA.
+    log = MemoryLog()
+    clock = WindowClock(asyncio.get_running_loop())
+    driver, ledger, _ = driver_for(streaming(5), log, window_ms=0)
+    driver.clock = clock
+    await driver.run()
+    assert delta_tokens(log.events) == [[1], [2], [3], [4], [5]] and in_order(log.events)
+    assert clock.timers_armed == 0
