@@ -84,6 +84,12 @@ START_NOTIFIED_GRACE_S = 0.1
 # returned: a client slow to open it may have let the NOTIFY go by. Unless the run's first event
 # reaches it live first, it reads the ledger after this long (instead of WAIT_REPOLL_S).
 ADMITTED_HERE_WAIT_S = 0.5
+# A stream handed its run's first event (STATUS RUNNING) live waits for the ledger's RUNNING commit
+# before passing it on (DESIGN.md: a transition is durable in PostgreSQL before anyone is told of it).
+# The commit's NOTIFY usually arrives about when the event does; if it has not within this long (its
+# NOTIFY went by before the stream's waiter was registered, or the worker is slow to write), the
+# ledger is read instead.
+RUNNING_NOTIFIED_WITHIN_S = 0.25
 
 
 def _run_uuid(run_id: str) -> uuid.UUID | None:
@@ -227,7 +233,8 @@ class RunsService:
             # No events recorded yet (a stream opened right after Submit): the run's first event
             # goes out as soon as the log has it, without waiting for the ledger to say where it is.
             events = self.events.follow_from_first(
-                str(known), after, lambda: self._recorded_position(known, after, started, notified_within_s))
+                str(known), after, lambda: self._recorded_position(known, after, started, notified_within_s),
+                lambda: self._running_recorded(known, started))
         elif start.position is None:
             return                       # the cursor is at or past the terminal event
         else:
@@ -248,6 +255,17 @@ class RunsService:
     async def _recorded_position(self, run_id: uuid.UUID, after: int, started: asyncio.Event | None,
                                  notified_within_s: float) -> LogPosition | None:
         return (await self._wait_for_events(run_id, after, started, notified_within_s)).position
+
+    async def _running_recorded(self, run_id: uuid.UUID, started: asyncio.Event | None) -> None:
+        """Returns once the ledger has recorded the run's start, which its RUNNING commit does (and
+        so does the terminal bookkeeping of a run that never ran)."""
+        if started is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RUNNING_NOTIFIED_WITHIN_S):
+                    await started.wait()
+            if started.is_set():
+                return
+        await self._wait_for_events(run_id, 0)
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int,
                                started_since_read: asyncio.Event | None = None,

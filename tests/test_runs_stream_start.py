@@ -10,9 +10,11 @@ import uuid
 
 import grpc.aio
 import pytest
+from sluice.ledger.models import RunStatus
 from sluice.services import runs as runs_module
 from sluice.services.admission import add_admission_servicer
 from sluice.services.admitted_here import RecentAdmissions
+from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.runs import StreamStart, add_runs_servicer
 
 from sluice.eventlog.kafka import KafkaEventLog
@@ -66,6 +68,45 @@ async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_withou
     assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED
     assert deltas_tokens(events) == TOKENS == events[-1].usage.output_tokens
     assert reads == []
+
+
+async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has_committed_running(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """DESIGN.md: every transition is durable in PostgreSQL before it is acknowledged to anyone. The
+    run's first event (STATUS RUNNING) is durable in Kafka before the worker commits RUNNING; here the
+    worker writes RUNNING a second late, and the stream following the run live must hold its first
+    event until then: whoever is told RUNNING then finds it in the ledger (GetRun, finance)."""
+    late_s = 1.0
+    write = SqlRunLedger._mark_running
+
+    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
+        await asyncio.sleep(late_s)
+        return await write(self, marks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
+    runs = await stack.start_runs_server()
+    assert runs.service._started is not None
+    runs.service._started.start()
+    await until(lambda: runs.service._started.listening)
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    run = await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
+        admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
+                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+        metadata=metadata)
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                         metadata=metadata)
+        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
+        await stack.start_worker()
+        first = await asyncio.wait_for(stream.read(), 30)
+        told_running = (await stack.run_row(run.run_id)).status     # read the moment the client is told
+        rest = []
+        while (event := await asyncio.wait_for(stream.read(), 30)) is not grpc.aio.EOF:
+            rest.append(event)
+    assert first.sequence == 1 and first.status == common_pb2.RUN_STATUS_RUNNING
+    assert told_running in {RunStatus.RUNNING, RunStatus.COMPLETED}          # not still QUEUED
+    assert [event.sequence for event in rest] == list(range(2, len(rest) + 2))
+    assert rest[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(rest) == TOKENS
 
 
 async def test_the_first_stream_of_a_run_admitted_by_the_same_process_and_key_skips_the_ledger_lookup(

@@ -225,6 +225,7 @@ class KafkaEventLog:
 
     async def follow_from_first(self, run_id: str, after: int,
                                 recorded_start: Callable[[], Awaitable[LogPosition | None]],
+                                first_recorded: Callable[[], Awaitable[object]] | None = None,
                                 ) -> AsyncIterator[runs_pb2.RunEvent]:
         tail, partitions = await self._ready_tail(run_id)
         # Where this process's partitioner puts the run (the metadata _ready_tail just read: no second look).
@@ -238,8 +239,13 @@ class KafkaEventLog:
             if first_live.done() and not first_live.exception():
                 live = first_live.result()
                 if runs_pb2.RunEvent.FromString(live[0]).sequence == 1:
-                    # The run's first event came after the subscription: nothing to replay, no wait.
+                    # The run's first event came after the subscription: nothing to replay. It is
+                    # STATUS RUNNING: handed over once the ledger has committed RUNNING (DESIGN.md: a
+                    # transition is durable in PostgreSQL before anyone is told of it); the live
+                    # events meanwhile wait in the subscription's bounded buffer.
                     ledger.cancel()
+                    if first_recorded is not None:
+                        await first_recorded()
                     async for event in self._deliver(run_id, None, after, subscription, [], live):
                         yield event
                     return
