@@ -19,7 +19,7 @@ from sluice.services.runs import StreamStart, add_runs_servicer
 
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
-from tests.support.routing_stack import Stack, collect, deltas_tokens
+from tests.support.routing_stack import RunsServer, Stack, collect, deltas_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +33,29 @@ async def until(condition: object, timeout_s: float = 30.0) -> None:  # generous
         await asyncio.sleep(0.01)
 
 
+async def listening_runs_server(stack: Stack) -> RunsServer:
+    """A Runs server of its own whose LISTEN for recorded starts is up (it is, once warm)."""
+    runs = await stack.start_runs_server()
+    assert runs.service._started is not None
+    runs.service._started.start()
+    await until(lambda: runs.service._started.listening)
+    return runs
+
+
+async def submit(stack: Stack, metadata: tuple[tuple[str, str], ...]) -> admission_pb2.SubmitResponse:
+    return await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
+        admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
+                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+        metadata=metadata)
+
+
 async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_without_reading_the_ledger_again(
         stack: Stack, monkeypatch: pytest.MonkeyPatch):
     # The ledger's slow re-poll (the safety net for lost notifications) must not fire while the
     # worker starts on a busy box: what is pinned here is that nothing reads it sooner.
     monkeypatch.setattr(runs_module, "WAIT_REPOLL_S", 120.0)
-    runs = await stack.start_runs_server()
+    runs = await listening_runs_server(stack)
     service = runs.service
-    assert service._started is not None
-    service._started.start()
-    await until(lambda: service._started.listening)       # the gateway's LISTEN is up (it is, once warm)
     reads: list[uuid.UUID] = []
     read_ledger = service._event_start
 
@@ -52,10 +65,7 @@ async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_withou
 
     service._event_start = counted  # type: ignore[method-assign]
     metadata = (("x-api-key", stack.tenant.api_key),)
-    run = await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
-        admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
-                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
-        metadata=metadata)
+    run = await submit(stack, metadata)
     async with grpc.aio.insecure_channel(runs.address) as channel:
         stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
                                                          metadata=metadata)
@@ -84,15 +94,9 @@ async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has
         return await write(self, marks)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
-    runs = await stack.start_runs_server()
-    assert runs.service._started is not None
-    runs.service._started.start()
-    await until(lambda: runs.service._started.listening)
+    runs = await listening_runs_server(stack)
     metadata = (("x-api-key", stack.tenant.api_key),)
-    run = await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
-        admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
-                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
-        metadata=metadata)
+    run = await submit(stack, metadata)
     async with grpc.aio.insecure_channel(runs.address) as channel:
         stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
                                                          metadata=metadata)
