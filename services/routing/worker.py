@@ -81,7 +81,7 @@ from sluice.services.routing.observability import (
     span_attributes,
 )
 from sluice.services.routing.run_ledger import SqlRunLedger
-from sluice.services.routing.scrape import fetch_metrics
+from sluice.services.routing.scrape import MetricsScraper
 from sluice.services.routing.windows import WindowClock
 from sluice.services.telemetry import context_of, tracer, tracing
 from sluice.services.traffic import LadderMetrics, TrafficSettings
@@ -212,6 +212,7 @@ class RoutingWorker:
         self.ledger = SqlRunLedger(sessions, events, settings.owner, settings.lease_seconds, self.pool)
         self.keeper = LeaseKeeper(dsn or dsn_of(sessions), settings.lease_seconds, settings.renew_interval_s)
         self._alive_at: dict[str, float] = {}   # replica -> monotonic time it last proved alive
+        self.scraper = MetricsScraper()         # one kept-alive connection per metrics endpoint
         self._published_health: dict[str, bool] = {}   # the health gauges as last set
         self.drivers: dict[str, RunDriver] = {}
         self._windows: WindowClock | None = None   # closes every driver's DELTA windows (made on the loop)
@@ -284,6 +285,7 @@ class RoutingWorker:
             for task in self._tasks.values():
                 task.cancel()
             await _cancelled(claiming, *upkeep)
+            self.scraper.close()
             await self.keeper.close()
             for listener in listeners:
                 await listener.close()
@@ -725,6 +727,7 @@ class RoutingWorker:
     async def scrape_once(self) -> bool:
         """Scrape every replica's metrics endpoint at once (a slow one delays no other)."""
         specs = [spec for spec in self.registry.specs() if spec.metrics_url]
+        self.scraper.keep_only({spec.metrics_url for spec in specs})
         if specs:
             await asyncio.gather(*(self._scrape(spec) for spec in specs))
         return False
@@ -732,7 +735,7 @@ class RoutingWorker:
     async def _scrape(self, spec: ReplicaSpec) -> None:
         started = time.perf_counter()
         try:
-            text = await fetch_metrics(spec.metrics_url, SCRAPE_TIMEOUT_S)
+            text = await self.scraper.fetch(spec.metrics_url, SCRAPE_TIMEOUT_S)
             previous = self.loads.snapshot(spec.name)
             snapshot = record_scrape(self.loads, self.policy, spec.name, text)
             self._alive_at[spec.name] = time.monotonic()

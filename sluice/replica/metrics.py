@@ -35,9 +35,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from sluice.replica.engine_api import EngineStats
+from sluice.replica.metrics_server import serve_metrics
 from sluice.replica.protocol import MODEL_NAME
 
 REQUEST_METRIC = "nv_trt_llm_request_metrics"
@@ -119,7 +120,8 @@ class ReplicaMetrics:
         start.set(start_time)
 
     def serve(self, port: int, address: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=address, registry=self.registry)
+        """On HTTP/1.1 with keep-alive (metrics_server.py): the router scrapes four times a second."""
+        serve_metrics(self.registry, port, address)
 
     def update(self, stats: EngineStats) -> None:
         for child, value in self._rows:
