@@ -44,6 +44,13 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 from sluice.services import replica_conn
+from sluice.services.replica_request import (
+    EMPTY_FINAL_RESPONSE_PARAM,
+    OUTPUTS_READ,
+    SCALAR_BYTES,
+    RequestTemplates,
+    scalar_inputs,
+)
 from sluice.services.replica_responses import ResponseLayout
 from sluice.services.replica_responses import is_final as _is_final
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -181,16 +188,6 @@ def _raw_tensor(request: service_pb2.ModelInferRequest, name: str, shape: Sequen
     request.raw_input_contents.append(raw)
 
 
-# A [1, 1] tensor's bytes by Triton datatype (little-endian, as numpy's tobytes on this platform):
-# packed by struct, a run's request costs no numpy array per input (~10 of them per run).
-_SCALAR = {"INT32": struct.Struct("<i").pack, "UINT64": struct.Struct("<Q").pack,
-           "FP32": struct.Struct("<f").pack, "BOOL": struct.Struct("<?").pack}
-
-
-def _scalar(request: service_pb2.ModelInferRequest, name: str, value: float, datatype: str) -> None:
-    _raw_tensor(request, name, (1, 1), _SCALAR[datatype](value), datatype)
-
-
 def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                   end_id: int | None = None, *, stop: bool = False, seed: int | None = None,
                   streaming: bool = True, cache_salt: int = 0, temperature: float | None = None,
@@ -199,41 +196,23 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
     """One request of the `tensorrt_llm` interface (tensorrtllm_backend v0.19.0, batch of one;
     deploy/triton/CONTRACT.md). Sampling fields left None/empty are not sent (the backend's
     defaults: greedy, no nucleus cut, no stop words). `perf_metrics` asks for the perf outputs,
-    which the backend returns only when asked: the platform reads kv_cache_reused_blocks from them."""
+    which the backend returns only when asked: the platform reads kv_cache_reused_blocks from them.
+    A run's request without stop words is sent as bytes from a template instead (replica_request.py)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = list(prompt_ids)
     _raw_tensor(request, "input_ids", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids), "INT32")
-    _scalar(request, "input_lengths", len(ids), "INT32")
-    _scalar(request, "request_output_len", max_new_tokens, "INT32")
-    _scalar(request, "streaming", streaming, "BOOL")
-    # Only new tokens, whatever the deployment's exclude_input_in_output parameter says (a
-    # non-streaming response would otherwise start with the prompt).
-    _scalar(request, "exclude_input_in_output", True, "BOOL")
-    if perf_metrics:
-        _scalar(request, "return_perf_metrics", True, "BOOL")
-    # Only the outputs parse_chunk reads (Triton returns every declared output when none is
-    # listed): ten perf tensors per streamed token would cost more than the token itself.
-    for name in _OUTPUTS_READ if perf_metrics else _OUTPUTS_READ[:2]:
+    for scalar in scalar_inputs(len(ids), max_new_tokens, end_id, streaming=streaming, perf_metrics=perf_metrics,
+                                seed=seed, cache_salt=cache_salt, temperature=temperature, top_p=top_p):
+        _raw_tensor(request, scalar.name, (1, 1), SCALAR_BYTES[scalar.datatype](scalar.value), scalar.datatype)
+    for name in OUTPUTS_READ if perf_metrics else OUTPUTS_READ[:2]:
         request.outputs.add().name = name
-    if end_id is not None:
-        _scalar(request, "end_id", end_id, "INT32")
-    if seed is not None:
-        _scalar(request, "random_seed", seed, "UINT64")
-    if cache_salt:
-        # The trust scope (DESIGN.md "Trust scopes"): KV blocks are reused only between requests
-        # with the same salt. TensorRT-LLM's request field cache_salt_id; replica/README.md.
-        _scalar(request, "cache_salt_id", cache_salt, "UINT64")
-    if temperature is not None:
-        _scalar(request, "temperature", temperature, "FP32")
-    if top_p is not None:
-        _scalar(request, "runtime_top_p", top_p, "FP32")
     if stop_words:
         _tensor(request, "stop_words_list", stop_words_tensor(stop_words), "INT32")
     if stop:
-        _scalar(request, "stop", True, "BOOL")
+        _raw_tensor(request, "stop", (1, 1), SCALAR_BYTES["BOOL"](True), "BOOL")
     request.parameters[REQUEST_ID_PARAM].string_param = request_id
     # Without this Triton drops the flags-only last response, and the client could not see the end.
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    request.parameters[EMPTY_FINAL_RESPONSE_PARAM].bool_param = True
     return request
 
 
@@ -270,8 +249,6 @@ def _tensor_ints(raw: bytes, datatype: str, name: str) -> tuple[int, ...]:
 
 _INT_WIDTHS = {"INT32": 4, "INT64": 8}
 _UNPACKERS: dict[tuple[str, int], Callable[[bytes], tuple[Any, ...]]] = {}
-# The outputs parse_chunk reads; the backend refuses a request that does not list the first two.
-_OUTPUTS_READ = ("output_ids", "sequence_length", "kv_cache_reused_blocks")
 
 
 def parse_chunk(response: service_pb2.ModelInferResponse, num_input_tokens: int,
@@ -488,21 +465,22 @@ async def _connection(address: str, request_id: str) -> replica_conn.ReplicaConn
     return connection
 
 
-async def _start(address: str, request: service_pb2.ModelInferRequest, num_input_tokens: int,
+async def _start(address: str, request_id: str, request: bytes, num_input_tokens: int,
                  on_chunk: Callable[[TokenChunk], None] | None, first_timeout_s: float,
                  inactivity_timeout_s: float, max_new_tokens: int = 0) -> _Generation:
-    """Send one request on its own stream of the address's shared connection."""
-    connection = await _connection(address, request.id)
-    generation = _Generation(address, request.id, num_input_tokens, on_chunk, first_timeout_s,
+    """Send one request (a serialised ModelInferRequest) on its own stream of the address's shared
+    connection."""
+    connection = await _connection(address, request_id)
+    generation = _Generation(address, request_id, num_input_tokens, on_chunk, first_timeout_s,
                              inactivity_timeout_s, connection, max_new_tokens)
     try:
         generation.stream_id = connection.start(_STREAM_INFER, generation)
     except ConnectionError as exc:
-        raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request.id, code="UNAVAILABLE",
+        raise ReplicaLost(ERR_LOST_RPC.format(address=address, request_id=request_id, code="UNAVAILABLE",
                                               details=exc)) from exc
     _watch(generation)
     with contextlib.suppress(ConnectionError):   # a lost connection told the generation already
-        await connection.send(generation.stream_id, request.SerializeToString())
+        await connection.send(generation.stream_id, request)
     return generation
 
 
@@ -589,7 +567,8 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
                 reused = chunk.kv_cache_reused_blocks
                 yield chunk
         else:
-            generation = await _start(address, request, num_input_tokens, None, first_token_timeout_s,
+            generation = await _start(address, request_id, request.SerializeToString(), num_input_tokens,
+                                      None, first_token_timeout_s,
                                       inactivity_timeout_s, max_new_tokens)
             chunks = generation.chunks
             while True:
@@ -616,6 +595,9 @@ async def stream_generate(address: str, request_id: str, prompt_ids: Sequence[in
         yield TokenChunk((), num_input_tokens, reused, stopped=True)
 
 
+_TEMPLATES = RequestTemplates()     # a run's request as bytes (generate's: the routing driver's path)
+
+
 async def generate(address: str, request_id: str, prompt_ids: Sequence[int], max_new_tokens: int,
                    end_id: int | None = None, *, on_chunk: Callable[[TokenChunk], None],
                    seed: int | None = None, cache_salt: int = 0, temperature: float | None = None,
@@ -636,9 +618,11 @@ async def generate(address: str, request_id: str, prompt_ids: Sequence[int], max
             if chunk.token_ids:
                 on_chunk(chunk)
         return
-    request = build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
-                            temperature=temperature, top_p=top_p, stop_words=stop_words)
-    generation = await _start(address, request, len(prompt_ids), on_chunk, first_token_timeout_s,
+    request = (_TEMPLATES.encode(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
+                                 temperature=temperature, top_p=top_p) if not stop_words else
+               build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
+                             temperature=temperature, top_p=top_p, stop_words=stop_words).SerializeToString())
+    generation = await _start(address, request_id, request, len(prompt_ids), on_chunk, first_token_timeout_s,
                               inactivity_timeout_s, max_new_tokens)
     ended = False                                # the replica sent the final response, or is gone
     try:
@@ -682,7 +666,8 @@ async def stop(address: str, request_id: str, timeout_s: float = 5.0) -> None:
         async for _ in _exchange(address, request, timeout_s, timeout_s):
             pass
         return
-    generation = await _start(address, request, 1, lambda chunk: None, timeout_s, timeout_s)
+    generation = await _start(address, request_id, request.SerializeToString(), 1, lambda chunk: None,
+                              timeout_s, timeout_s)
     try:
         await asyncio.shield(generation.ended)
     finally:
