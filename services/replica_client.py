@@ -201,9 +201,10 @@ def build_request(request_id: str, prompt_ids: Sequence[int], max_new_tokens: in
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     ids = list(prompt_ids)
     _raw_tensor(request, "input_ids", (1, len(ids)), struct.pack(f"<{len(ids)}i", *ids), "INT32")
-    for scalar in scalar_inputs(len(ids), max_new_tokens, end_id, streaming=streaming, perf_metrics=perf_metrics,
-                                seed=seed, cache_salt=cache_salt, temperature=temperature, top_p=top_p):
-        _raw_tensor(request, scalar.name, (1, 1), SCALAR_BYTES[scalar.datatype](scalar.value), scalar.datatype)
+    for name, datatype, value in scalar_inputs(len(ids), max_new_tokens, end_id, streaming=streaming,
+                                               perf_metrics=perf_metrics, seed=seed, cache_salt=cache_salt,
+                                               temperature=temperature, top_p=top_p):
+        _raw_tensor(request, name, (1, 1), SCALAR_BYTES[datatype](value), datatype)
     for name in OUTPUTS_READ if perf_metrics else OUTPUTS_READ[:2]:
         request.outputs.add().name = name
     if stop_words:
@@ -618,8 +619,9 @@ async def generate(address: str, request_id: str, prompt_ids: Sequence[int], max
             if chunk.token_ids:
                 on_chunk(chunk)
         return
-    request = (_TEMPLATES.encode(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
-                                 temperature=temperature, top_p=top_p) if not stop_words else
+    request = (_TEMPLATES.encode(request_id, prompt_ids, max_new_tokens, end_id, seed=seed,
+                                 cache_salt=cache_salt, temperature=temperature, top_p=top_p)
+               if not stop_words else
                build_request(request_id, prompt_ids, max_new_tokens, end_id, seed=seed, cache_salt=cache_salt,
                              temperature=temperature, top_p=top_p, stop_words=stop_words).SerializeToString())
     generation = await _start(address, request_id, request, len(prompt_ids), on_chunk, first_token_timeout_s,

@@ -50,27 +50,17 @@ def scalar_inputs(prompt_tokens: int, max_new_tokens: int, end_id: int | None, *
                   top_p: float | None) -> list[Scalar]:
     """The [1, 1] inputs of a request after input_ids, in the order they are sent; a field left None
     (or 0 for the salt) is not sent: the backend's default applies."""
-    scalars = [Scalar("input_lengths", "INT32", prompt_tokens),
-               Scalar("request_output_len", "INT32", max_new_tokens),
-               Scalar("streaming", "BOOL", streaming),
-               # Only new tokens, whatever the deployment's exclude_input_in_output parameter says (a
-               # non-streaming response would otherwise start with the prompt).
-               Scalar("exclude_input_in_output", "BOOL", True)]
-    if perf_metrics:
-        scalars.append(Scalar("return_perf_metrics", "BOOL", True))
-    if end_id is not None:
-        scalars.append(Scalar("end_id", "INT32", end_id))
-    if seed is not None:
-        scalars.append(Scalar("random_seed", "UINT64", seed))
-    if cache_salt:
-        # The trust scope (DESIGN.md "Trust scopes"): KV blocks are reused only between requests
-        # with the same salt. TensorRT-LLM's request field cache_salt_id; replica/README.md.
-        scalars.append(Scalar("cache_salt_id", "UINT64", cache_salt))
-    if temperature is not None:
-        scalars.append(Scalar("temperature", "FP32", temperature))
-    if top_p is not None:
-        scalars.append(Scalar("runtime_top_p", "FP32", top_p))
-    return scalars
+    # Only new tokens, whatever the deployment's exclude_input_in_output parameter says (a non-streaming
+    # response would otherwise start with the prompt). The salt is the trust scope (DESIGN.md "Trust
+    # scopes"): KV blocks are reused only between requests with the same salt (TensorRT-LLM's request
+    # field cache_salt_id; replica/README.md).
+    inputs: tuple[tuple[str, str, float | None], ...] = (
+        ("input_lengths", "INT32", prompt_tokens), ("request_output_len", "INT32", max_new_tokens),
+        ("streaming", "BOOL", streaming), ("exclude_input_in_output", "BOOL", True),
+        ("return_perf_metrics", "BOOL", True if perf_metrics else None), ("end_id", "INT32", end_id),
+        ("random_seed", "UINT64", seed), ("cache_salt_id", "UINT64", cache_salt or None),
+        ("temperature", "FP32", temperature), ("runtime_top_p", "FP32", top_p))
+    return [Scalar(name, datatype, value) for name, datatype, value in inputs if value is not None]
 
 
 def _varint(value: int) -> bytes:
@@ -111,7 +101,7 @@ def _constant_part(perf_metrics: bool, names: Sequence[tuple[str, str]]) -> byte
 
 
 # A scalar's raw_input_contents record, but for its value: the tag and the length of its datatype.
-_RAW_HEAD = {datatype: _varint(_RAW << 3 | 2) + _varint(len(pack(0))) for datatype, pack in SCALAR_BYTES.items()}
+_RAW_HEAD = {datatype: bytes((_RAW << 3 | 2, len(pack(0)))) for datatype, pack in SCALAR_BYTES.items()}
 
 
 class RequestTemplates:
@@ -126,7 +116,7 @@ class RequestTemplates:
                end_id: int | None = None, *, streaming: bool = True, perf_metrics: bool = True,
                seed: int | None = None, cache_salt: int = 0, temperature: float | None = None,
                top_p: float | None = None) -> bytes:
-        """build_request(...).SerializeToString() for a request without stop words, as a parser reads it."""
+        """build_request(...).SerializeToString() for a request without stop words, as parsed."""
         count = len(prompt_ids)
         scalars = scalar_inputs(count, max_new_tokens, end_id, streaming=streaming, perf_metrics=perf_metrics,
                                 seed=seed, cache_salt=cache_salt, temperature=temperature, top_p=top_p)

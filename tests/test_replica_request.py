@@ -12,7 +12,8 @@ from sluice.services import replica_client
 from sluice.services.replica_request import RequestTemplates
 from tritonclient.grpc import service_pb2
 
-OPTIONS = [dict(zip(("end_id", "seed", "cache_salt", "temperature", "top_p", "perf_metrics", "streaming"), values))
+NAMES = ("end_id", "seed", "cache_salt", "temperature", "top_p", "perf_metrics", "streaming")
+OPTIONS = [dict(zip(NAMES, values, strict=True))
            for values in itertools.product((None, 2), (None, 11), (0, 2**63 + 5), (None, 0.7), (None, 0.9),
                                            (True, False), (True, False))]
 
