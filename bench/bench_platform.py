@@ -138,6 +138,8 @@ class RunOutcome:
     # Each later DELTA: ms from its publish (the event's time_ms, the routing worker's wall clock at
     # the window's close) to its arrival here: the event log's and the gateway's share of a token's wait.
     delivery_ms: tuple[float, ...] = ()
+    answered_at: float = 0.0    # wall clock when Submit's answer arrived (0: none)
+    first_published_ms: int = 0  # the first DELTA's time_ms: the routing worker's clock as it published
 
 
 class Client:
@@ -168,6 +170,7 @@ class Client:
     async def run(self, tokens: int) -> RunOutcome:
         gateway, tenant = self.pick()
         submitted_at, first_at, run_id = time.time(), 0.0, ""
+        answered_at, first_published_ms = 0.0, 0
         started = time.perf_counter()
         first = float("nan")
         received = events = 0
@@ -175,6 +178,7 @@ class Client:
         status, detail = "NO TERMINAL", ""
         try:
             run_id = await self.submit(gateway, tenant, tokens)
+            answered_at = time.time()
             call = self.runs[gateway].Stream(runs_pb2.StreamRequest(run_id=run_id, after=0),
                                              metadata=(("x-api-key", tenant_key(tenant)),))
             async for event in call:
@@ -183,6 +187,7 @@ class Client:
                     if received == 0:
                         first = time.perf_counter() - started
                         first_at = time.time()
+                        first_published_ms = event.time_ms
                     else:
                         delivery.append(time.time() * 1000 - event.time_ms)
                     received += len(event.token_ids)
@@ -192,7 +197,7 @@ class Client:
         except grpc.aio.AioRpcError as error:
             status, detail = f"ERROR {error.code().name}", error.details() or ""
         return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at,
-                          tuple(delivery))
+                          tuple(delivery), answered_at, first_published_ms)
 
 
 async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]) -> list[T]:
@@ -323,6 +328,36 @@ async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
     return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms) (p50)"
 
 
+async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
+    """The first token's path stage by stage, p50/p95 in ms, from the client's, the ledger's and the
+    routing worker's clocks (one box): Submit's answer; the run row's INSERT from the Submit call;
+    claimed (queued_at) from that INSERT; the first DELTA published by the routing worker from its
+    claim (the replica's first token, step boundary included); the RUNNING statement from that
+    publish (the STATUS event's acknowledgment and any write in flight before it); the client's
+    first DELTA from the RUNNING statement (commit, NOTIFY, the Stream's hold) and from the publish."""
+    connection = await asyncpg.connect(asyncpg_dsn(dsn))
+    try:
+        rows = {row["id"]: row for row in await connection.fetch(_LEDGER_TIMES, [o.run_id for o in outcomes])}
+    finally:
+        await connection.close()
+    names = ("answered", "row", "claimed", "published", "RUNNING stmt", "RUNNING→client", "published→client")
+    legs: dict[str, list[float]] = {name: [] for name in names}
+    for outcome in outcomes:
+        row = rows.get(outcome.run_id)
+        if row is None or row["started"] is None or row["queued"] is None or not outcome.first_at \
+                or not outcome.first_published_ms:
+            continue
+        created, queued, started = float(row["created"]), float(row["queued"]), float(row["started"])
+        published = outcome.first_published_ms / 1e3
+        for name, value in zip(names, (outcome.answered_at - outcome.submitted_at,
+                                       created - outcome.submitted_at, queued - created, published - queued,
+                                       started - published, outcome.first_at - started,
+                                       outcome.first_at - published), strict=True):
+            legs[name].append(value)
+    return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}/{pct(values, 95) * 1e3:.1f}"
+                     for leg, values in legs.items()) + " ms (p50/p95)"
+
+
 async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str) -> list[str]:
     prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
 
@@ -360,6 +395,7 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
                      f" platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
                      f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
         lines.append(f"  where the platform's time goes: {await ttft_split(dsn, outcomes)}")
+        lines.append(f"  stages: {await ttft_stages(dsn, outcomes)}")
         outcomes.clear()
     return lines
 
