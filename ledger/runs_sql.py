@@ -2,23 +2,31 @@
 
     stream_lookup     API key → tenant, and that tenant's run with where its events start (Runs.Stream)
     event_start       where a run's events start, re-read while a stream waits for them
-    mark_running      QUEUED → RUNNING under the driver's lease epoch, with where its events start
+    mark_running      QUEUED → RUNNING under the driver's lease epoch (with where its events start,
+                      when known)
+    record_starts     where RUNNING runs' events start, once their first event is durable
     mark_published    the TERMINAL event is durable: the run's publisher lease ends
 
-Both writes take many runs in one statement (mark_*_many; the routing worker batches them,
-ledger/batching.py). They NOTIFY the run's Streams in their RETURNING clause (delivered at the statement's
-commit), so a write and its notification are one round trip. mark_published notifies only for a
-run that never went RUNNING (cancelled or ended before its first event): a Stream waits for a
-NOTIFY only while the run's start is unrecorded, and RUNNING's own NOTIFY already ended that wait
-for every other run. A NOTIFY wakes every listening backend of the database and reaches every
-gateway's listener: one per run fewer (issue 9).
+The writes take many runs in one statement (*_many; the routing worker batches them,
+ledger/batching.py). RUNNING and published marks NOTIFY the run's Streams in their RETURNING clause
+(delivered at the statement's commit), so a write and its notification are one round trip.
+mark_published notifies only for a run that never went RUNNING (cancelled or ended before its first
+event): a Stream waits for a NOTIFY only while the run's start is unrecorded, and RUNNING's own
+NOTIFY already ended that wait for every other run. A NOTIFY wakes every listening backend of the
+database and reaches every gateway's listener: one per run fewer (issue 9).
+
+The routing worker commits RUNNING while the run's first events travel to the event log, not after
+(a Stream holds the first event until RUNNING is committed: DESIGN.md, durable before told), and
+records where they start in a second write once they are durable (record_starts). That write does
+not NOTIFY, for the same reason: a Stream that finds the run RUNNING without a recorded start
+re-reads it shortly instead (services/runs.py, START_POLL_S).
 
 An unknown key and another tenant's run are told apart as the ORM path does: no row at all is
 an unknown (or revoked, or expired) key; a row without a run is a run this tenant does not have.
 The key is found as ApiKeyRepository.caller finds it: an unsalted key by its hash, a salted one
 (the Admin API's) by its public prefix, then checked against its salted hash in Python.
 
-The two reads run on a raw asyncpg connection (the gateway's HotPool), the two writes on the
+The two reads run on a raw asyncpg connection (the gateway's HotPool), the writes on the
 routing worker's: each statement prepared once per connection (ledger/pg.py).
 """
 
@@ -36,7 +44,8 @@ from sluice.eventlog.interface import LogPosition
 
 _LOOKUP = Statement.of("""
 SELECT k.key_hash, k.key_salt, k.scope,
-       r.id, r.event_partition, r.event_first_offset, r.terminal_sequence, r.traceparent
+       r.id, r.event_partition, r.event_first_offset, r.terminal_sequence, r.traceparent,
+       r.started_at IS NOT NULL AS started
 FROM api_keys k
 LEFT JOIN runs r ON r.id = :run_id AND r.tenant_id = k.tenant_id
 WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
@@ -63,6 +72,20 @@ UPDATE runs AS r
 RETURNING r.id, pg_notify(:channel, CAST(r.id AS text))
 """)
 
+# Where RUNNING runs' events start (each under its driver's epoch), without a NOTIFY: their Streams
+# were told RUNNING by mark_running's, and one that needs the start re-reads it (services/runs.py).
+_RECORD_STARTS = Statement.of("""
+UPDATE runs AS r
+   SET event_partition = COALESCE(r.event_partition, p.partition),
+       event_first_offset = COALESCE(r.event_first_offset, p.first_offset),
+       last_sequence = GREATEST(r.last_sequence, p.last_sequence)
+  FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
+              CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
+       AS p(run_id, epoch, partition, first_offset, last_sequence)
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch
+RETURNING r.id
+""")
+
 _MARK_PUBLISHED_MANY = Statement.of("""
 UPDATE runs AS r
    SET terminal_published = true, lease_expires_at = NULL,
@@ -77,7 +100,8 @@ RETURNING CASE WHEN r.started_at IS NULL THEN pg_notify(:channel, CAST(r.id AS t
 """)
 
 _START = Statement.of("""
-SELECT event_partition, event_first_offset, terminal_sequence FROM runs WHERE id = :run_id
+SELECT event_partition, event_first_offset, terminal_sequence, started_at IS NOT NULL AS started
+  FROM runs WHERE id = :run_id
 """)
 
 
@@ -88,6 +112,7 @@ class EventStart:
     partition: int | None            # None until the first event's position is recorded
     first_offset: int | None
     terminal_sequence: int | None    # fixed with settlement, before the terminal event is published
+    started: bool = False            # RUNNING recorded (its start may follow a moment later)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +121,8 @@ class RunningMark:
 
     run_id: str
     epoch: int                       # the driver's lease epoch: another epoch's row is not changed
-    first: LogPosition               # where the run's events start (its STATUS RUNNING event)
+    first: LogPosition | None        # where the run's events start (its STATUS RUNNING event); None:
+                                     # not durable yet (record_starts writes it)
     last_sequence: int
 
 
@@ -125,17 +151,18 @@ async def stream_lookup(connection: Executor, key: str, run_id: uuid.UUID | None
     if row is None:
         return StreamLookup(False, None, EventStart(None, None, None))
     return StreamLookup(True, row["id"], EventStart(row["event_partition"], row["event_first_offset"],
-                                                    row["terminal_sequence"]),
+                                                    row["terminal_sequence"], bool(row["started"])),
                         row["traceparent"], KeyScope(row["scope"]))
 
 
 async def event_start(connection: Executor, run_id: uuid.UUID) -> EventStart:
     row = await rows_of(connection).row(_START, {"run_id": run_id})
     assert row is not None, f"run {run_id} vanished"
-    return EventStart(row["event_partition"], row["event_first_offset"], row["terminal_sequence"])
+    return EventStart(row["event_partition"], row["event_first_offset"], row["terminal_sequence"],
+                      row["started"])
 
 
-async def mark_running(connection: Executor, run_id: str, epoch: int, first: LogPosition,
+async def mark_running(connection: Executor, run_id: str, epoch: int, first: LogPosition | None,
                        last_sequence: int, channel: str) -> bool:
     """QUEUED → RUNNING with where the run's events start; False if the lease of `epoch` is gone.
     Idempotent (a retry after a lost acknowledgment finds it RUNNING under the same epoch). Streams
@@ -147,13 +174,25 @@ async def mark_running(connection: Executor, run_id: str, epoch: int, first: Log
 async def mark_running_many(connection: Executor, marks: Sequence[RunningMark], channel: str) -> list[bool]:
     """mark_running for every mark in one statement: per mark, whether its run is now RUNNING under
     its epoch (False: that lease is gone)."""
-    rows = await rows_of(connection).rows(_MARK_RUNNING_MANY, {
-        "run_ids": [uuid.UUID(mark.run_id) for mark in marks], "epochs": [mark.epoch for mark in marks],
-        "partitions": [mark.first.partition for mark in marks],
-        "first_offsets": [mark.first.offset for mark in marks],
-        "last_sequences": [mark.last_sequence for mark in marks], "channel": channel})
+    rows = await rows_of(connection).rows(_MARK_RUNNING_MANY, {**_marks_columns(marks), "channel": channel})
     running = {str(row["id"]) for row in rows}
     return [mark.run_id in running for mark in marks]
+
+
+async def record_starts(connection: Executor, marks: Sequence[RunningMark]) -> list[bool]:
+    """Where each mark's run's events start (mark.first), in one statement; per mark, whether its
+    run is still under its epoch. Nobody is notified."""
+    assert all(mark.first is not None for mark in marks), "a start to record needs its position"
+    rows = await rows_of(connection).rows(_RECORD_STARTS, _marks_columns(marks))
+    recorded = {str(row["id"]) for row in rows}
+    return [mark.run_id in recorded for mark in marks]
+
+
+def _marks_columns(marks: Sequence[RunningMark]) -> dict[str, list[object]]:
+    return {"run_ids": [uuid.UUID(mark.run_id) for mark in marks], "epochs": [mark.epoch for mark in marks],
+            "partitions": [None if mark.first is None else mark.first.partition for mark in marks],
+            "first_offsets": [None if mark.first is None else mark.first.offset for mark in marks],
+            "last_sequences": [mark.last_sequence for mark in marks]}
 
 
 async def mark_published_many(connection: Executor, marks: Sequence[PublishedMark], channel: str) -> None:

@@ -90,6 +90,15 @@ ADMITTED_HERE_WAIT_S = 0.5
 # NOTIFY went by before the stream's waiter was registered, or the worker is slow to write), the
 # ledger is read instead.
 RUNNING_NOTIFIED_WITHIN_S = 0.25
+# The routing worker commits RUNNING (with its NOTIFY) while the run's first events travel to the log
+# and records where they start a moment later, without a NOTIFY (ledger/runs_sql.py). A stream that
+# needs that start (its run's first event went by before it subscribed) and finds the run RUNNING
+# without it re-reads the ledger after this long, then twice as long each time, up to WAIT_REPOLL_S.
+START_POLL_S = 0.02
+
+
+async def _recorded() -> None:
+    """first_recorded of a stream whose lookup found RUNNING committed already."""
 
 
 def _run_uuid(run_id: str) -> uuid.UUID | None:
@@ -232,9 +241,11 @@ class RunsService:
         if start is None:
             # No events recorded yet (a stream opened right after Submit): the run's first event
             # goes out as soon as the log has it, without waiting for the ledger to say where it is.
+            # A run found RUNNING already was notified before this stream looked: no NOTIFY to wait for.
+            waiter = None if found.start.started else started
             events = self.events.follow_from_first(
-                str(known), after, lambda: self._recorded_position(known, after, started, notified_within_s),
-                lambda: self._running_recorded(known, started))
+                str(known), after, lambda: self._recorded_position(known, after, waiter, notified_within_s),
+                _recorded if found.start.started else lambda: self._running_recorded(known, waiter))
         elif start.position is None:
             return                       # the cursor is at or past the terminal event
         else:
@@ -283,25 +294,29 @@ class RunsService:
             # The NOTIFY says the first event is durable; the live tail hands it over within a batch
             # interval or so, and then this wait is cancelled without reading the ledger at all.
             await asyncio.sleep(START_NOTIFIED_GRACE_S)
+        poll_s = START_POLL_S
         while True:
             if self._started is None:
-                start = await self._event_start(run_id, after)
-                if start is not None:
+                recorded = await self._event_start(run_id)
+                if (start := _stream_start(recorded, after)) is not None:
                     return start
-                await asyncio.sleep(WAIT_REPOLL_S / 10)
+                await asyncio.sleep(poll_s if recorded.started else WAIT_REPOLL_S / 10)
+                poll_s = min(2 * poll_s, WAIT_REPOLL_S)
                 continue
             # Register before reading, so a NOTIFY committed in between is not missed.
             with self._started.waiter(str(run_id)) as started:
-                start = await self._event_start(run_id, after)
-                if start is not None:
+                recorded = await self._event_start(run_id)
+                if (start := _stream_start(recorded, after)) is not None:
                     return start
+                # RUNNING recorded without its start: that write follows with no NOTIFY of its own.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(WAIT_REPOLL_S):
+                    async with asyncio.timeout(poll_s if recorded.started else WAIT_REPOLL_S):
                         await started.wait()
+                poll_s = min(2 * poll_s, WAIT_REPOLL_S)
 
-    async def _event_start(self, run_id: uuid.UUID, after: int) -> StreamStart | None:
+    async def _event_start(self, run_id: uuid.UUID) -> EventStart:
         async with self._hot.connection() as connection:
-            return _stream_start(await event_start(connection, run_id), after)
+            return await event_start(connection, run_id)
 
     # --- Cancel -------------------------------------------------------------------------------
 

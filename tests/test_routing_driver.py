@@ -38,6 +38,7 @@ from sluice.v1 import common_pb2, runs_pb2
 DELTA, STATUS, TERMINAL = runs_pb2.EVENT_TYPE_DELTA, runs_pb2.EVENT_TYPE_STATUS, runs_pb2.EVENT_TYPE_TERMINAL
 EPOCH = 7
 SPARSE_S = 0.03      # tokens this far apart: each is its own DELTA (more than the 5 ms window)
+START = LogPosition(0, 0)   # where a run's events start in a fresh MemoryLog (its STATUS RUNNING)
 
 
 # --- fakes -------------------------------------------------------------------------------------
@@ -79,11 +80,17 @@ class MemoryLedger:
     log: MemoryLog
     calls: list[tuple[str, object]] = field(default_factory=list)
     refuse_running: bool = False
+    running_saw: tuple[int, list[int]] | None = None     # (events published, sequences acked) at RUNNING
 
-    async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+    async def mark_running(self, lease: Lease, first: LogPosition | None, last_sequence: int) -> None:
         if self.refuse_running:
             raise LeaseLost("refused")
+        # What RUNNING's commit may overlap: events published, none of them durable yet.
+        self.running_saw = (len(self.log.events), list(self.log.acked))
         self.calls.append(("running", (first, last_sequence)))
+
+    def record_start(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+        self.calls.append(("start", (first, last_sequence)))
 
     async def reassign(self, lease: Lease, replica: str) -> None:
         self.calls.append(("reassign", replica))
@@ -201,11 +208,26 @@ async def test_a_run_publishes_running_then_a_delta_per_sparse_chunk_and_settles
     assert log.shape() == [(1, STATUS, 0, EPOCH), (2, DELTA, 2, EPOCH), (3, DELTA, 1, EPOCH),
                            (4, DELTA, 2, EPOCH), (5, TERMINAL, 0, EPOCH)]
     assert [e.token_ids for e in log.events if e.type == DELTA] == [[11, 12], [13], [14, 15]]
-    assert ledger.calls[0] == ("running", (LogPosition(0, 0), 1))
-    assert ledger.finished() == Ending(RunStatus.COMPLETED, 4, 5, None, cached_input_tokens=0)
+    assert ledger.calls[:2] == [("running", (None, 0)), ("start", (START, 1))]
+    assert ledger.finished() == Ending(RunStatus.COMPLETED, 4, 5, None, first=START,
+                                       cached_input_tokens=0)
     assert record is not None and record.sequence == 5 and lost == []
     assert (driver.last_sequence, driver.output_tokens) == (4, 5)       # durable progress, for renewals
     assert (driver.lease.last_sequence, driver.lease.output_tokens) == (4, 5)
+
+
+async def test_running_is_committed_while_the_first_events_travel_and_their_start_recorded_once_durable():
+    # A Stream holds the first event until RUNNING is committed: RUNNING is written while the STATUS
+    # and the first DELTA are on their way to the log (both published, neither acknowledged), not
+    # after their acknowledgment; where they start is recorded once the STATUS is durable.
+    replicas = ScriptedReplicas({"r0": Script([(11, 12), (13,)])})
+    log = MemoryLog(ack_delay_s=0.05)
+    driver, ledger, _ = driver_for(replicas, log)
+    await driver.run()
+    assert ledger.running_saw == (2, [])
+    assert ledger.calls[:2] == [("running", (None, 0)), ("start", (START, 1))]
+    # Settled with that start too, should its own write have been lost.
+    assert ledger.finished().first == START
 
 
 async def test_tokens_arriving_within_one_window_share_one_delta():
@@ -224,7 +246,7 @@ async def test_the_first_token_is_published_at_once_and_the_rest_in_windows_clos
     await driver.run()
     deltas = [list(e.token_ids) for e in driver.events.events if e.type == DELTA]  # type: ignore[attr-defined]
     assert deltas == [[1], [2, 3, 4], [5, 6, 7], [8]]
-    assert ledger.finished() == Ending(RunStatus.COMPLETED, 5, 8, None, cached_input_tokens=0)
+    assert ledger.finished() == Ending(RunStatus.COMPLETED, 5, 8, None, first=START, cached_input_tokens=0)
 
 
 async def test_the_first_token_does_not_wait_for_its_window():
@@ -305,7 +327,7 @@ async def test_a_replica_lost_mid_stream_ends_the_run_interrupted_with_exactly_t
     assert [e.type for e in driver.events.events] == [STATUS, DELTA, DELTA, TERMINAL]  # type: ignore[attr-defined]
     ending = ledger.finished()
     assert ending == Ending(RunStatus.INTERRUPTED, 3, 4, DETAIL_REPLICA_LOST.format(replica="r0", tokens=4,
-                                                                                  error=error))
+                                                                                  error=error), first=START)
     assert lost == ["r0"]
 
 
@@ -313,10 +335,11 @@ async def test_a_refusal_before_the_first_token_moves_the_run_to_another_replica
     replicas = ScriptedReplicas({"r0": Script([], then=ReplicaRejected("busy")), "r1-addr": Script([(9,)])})
     driver, ledger, lost = driver_for(replicas, targets=[Target("r1", "r1-addr", 16)])
     await driver.run()
-    assert [name for name, _ in ledger.calls] == ["reassign", "running", "finish"]
+    assert [name for name, _ in ledger.calls] == ["reassign", "running", "start", "finish"]
     assert ledger.calls[0] == ("reassign", "r1")
     assert driver.tried == ["r0", "r1"] and lost == []        # a refusal says nothing of the replica
-    assert ledger.finished() == Ending(RunStatus.COMPLETED, 2, 1, None, cached_input_tokens=0)
+    assert ledger.finished() == Ending(RunStatus.COMPLETED, 2, 1, None, first=START,
+                                       cached_input_tokens=0)
 
 
 async def test_a_cancel_mid_stream_stops_the_replica_and_ends_cancelled_with_what_it_produced():
@@ -342,7 +365,7 @@ async def test_a_hung_replica_is_abandoned_not_asked_and_the_run_ends_interrupte
     await asyncio.wait_for(running, 1.0)
     ending = ledger.finished()
     assert ending == Ending(RunStatus.INTERRUPTED, 4, 3, DETAIL_REPLICA_HUNG.format(
-        replica="r0", tokens=3, why="silent 2.6s"), cached_input_tokens=0)
+        replica="r0", tokens=3, why="silent 2.6s"), first=START, cached_input_tokens=0)
     assert replicas.stops == [] and lost == ["r0"]
 
 
@@ -354,7 +377,7 @@ async def test_a_refused_lease_stops_the_driver_without_settling_or_publishing_m
     driver.revoke_lease()
     published = len(driver.events.events)  # type: ignore[attr-defined]
     assert await running is None
-    assert [name for name, _ in ledger.calls] == ["running"]
+    assert [name for name, _ in ledger.calls] == ["running", "start"]
     assert len(driver.events.events) == published          # type: ignore[attr-defined]
 
 

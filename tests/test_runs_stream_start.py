@@ -11,11 +11,12 @@ import uuid
 import grpc.aio
 import pytest
 from sluice.ledger.models import RunStatus
+from sluice.ledger.runs_sql import EventStart
 from sluice.services import runs as runs_module
 from sluice.services.admission import add_admission_servicer
 from sluice.services.admitted_here import RecentAdmissions
 from sluice.services.routing.run_ledger import SqlRunLedger
-from sluice.services.runs import StreamStart, add_runs_servicer
+from sluice.services.runs import add_runs_servicer
 
 from sluice.eventlog.kafka import KafkaEventLog
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
@@ -42,10 +43,11 @@ async def listening_runs_server(stack: Stack) -> RunsServer:
     return runs
 
 
-async def submit(stack: Stack, metadata: tuple[tuple[str, str], ...]) -> admission_pb2.SubmitResponse:
+async def submit(stack: Stack, metadata: tuple[tuple[str, str], ...],
+                 tokens: int = TOKENS) -> admission_pb2.SubmitResponse:
     return await admission_pb2_grpc.AdmissionStub(stack.channel).Submit(
         admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
-                                    request_key=str(uuid.uuid4()), max_output_tokens=TOKENS),
+                                    request_key=str(uuid.uuid4()), max_output_tokens=tokens),
         metadata=metadata)
 
 
@@ -59,9 +61,9 @@ async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_withou
     reads: list[uuid.UUID] = []
     read_ledger = service._event_start
 
-    async def counted(run_id: uuid.UUID, after: int) -> StreamStart | None:
+    async def counted(run_id: uuid.UUID) -> EventStart:
         reads.append(run_id)
-        return await read_ledger(run_id, after)
+        return await read_ledger(run_id)
 
     service._event_start = counted  # type: ignore[method-assign]
     metadata = (("x-api-key", stack.tenant.api_key),)
@@ -111,6 +113,39 @@ async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has
     assert told_running in {RunStatus.RUNNING, RunStatus.COMPLETED}          # not still QUEUED
     assert [event.sequence for event in rest] == list(range(2, len(rest) + 2))
     assert rest[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(rest) == TOKENS
+
+
+async def test_a_stream_opened_after_running_is_committed_and_before_its_start_is_recorded_reads_it_soon(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """The worker commits RUNNING (and its NOTIFY) while the run's first events travel to the log and
+    records where they start a moment later, with no NOTIFY of its own (ledger/runs_sql.py). A Stream
+    that looks in between, once the first event went by, finds the run RUNNING without a start and
+    re-reads the ledger shortly (runs.START_POLL_S), instead of waiting for a NOTIFY that is not coming
+    (WAIT_REPOLL_S, made longer than the test here). The start is written 2 s late; the run lasts ~4 s."""
+    monkeypatch.setattr(runs_module, "WAIT_REPOLL_S", 120.0)
+    write = SqlRunLedger._record_starts
+
+    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
+        await asyncio.sleep(2.0)
+        return await write(self, marks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlRunLedger, "_record_starts", late)
+    tokens = 200                                        # TOKEN_DELAY_MS apart: ~4 s
+    runs = await listening_runs_server(stack)
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    run = await submit(stack, metadata, tokens)
+    await stack.start_worker()
+    await stack.wait_for_status(run.run_id, {RunStatus.RUNNING}, timeout_s=30)
+    await asyncio.sleep(0.3)                            # its first events durable, and gone by live
+    row = await stack.run_row(run.run_id)
+    assert (row.status, row.event_first_offset) == (RunStatus.RUNNING, None)    # the window under test
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                         metadata=metadata)
+        events = await asyncio.wait_for(collect(stream), 60)
+    assert [event.sequence for event in events] == list(range(1, len(events) + 1))
+    assert events[0].status == common_pb2.RUN_STATUS_RUNNING
+    assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(events) == tokens
 
 
 async def test_the_first_stream_of_a_run_admitted_by_the_same_process_and_key_skips_the_ledger_lookup(

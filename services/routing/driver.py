@@ -294,6 +294,7 @@ class RunDriver:
     _published_tokens: int = 0   # tokens in DELTA events published (durable by the time the run ends)
     _reported_cached: int = 0
     _first_token_wall: float | None = None
+    _first: LogPosition | None = None   # where the run's events start, once durable (settled with it)
     _tpot_s: float | None = None
     _wake: Wake = field(default_factory=Wake)
     _deadline: float = float("inf")   # the run's deadline on the monotonic clock (set when the run starts)
@@ -388,6 +389,9 @@ class RunDriver:
         refused meanwhile (LeaseLost is raised when the driver finds it lost first)."""
         await self._flush()
         self._check_lease()
+        if ending.first is None and self._first is not None:
+            # Recorded by record_start already, unless that write was lost: then settlement records it.
+            ending = dataclasses.replace(ending, first=self._first)
         record = await self.ledger.finish(self.lease, ending)
         if record is not None:
             await self.ledger.publish_terminal(record)
@@ -588,26 +592,41 @@ class RunDriver:
                              tokens: Sequence[int]) -> None:
         now_ms = int(time.time() * 1000)
         if sequencer.last_sequence == 0:
-            # The first token makes the run RUNNING: the STATUS event and the first DELTA go out
-            # together; once the STATUS is durable the ledger records the transition and where the
-            # run's events start (Streams wait for that).
-            # It carries the routing decision, so a stream shows where the run went before any token.
-            first_status = sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms)
-            first_status.route.CopyFrom(route_message(self.claim.route))
-            status = await self.events.publish(first_status)
-            self._track(status, sequencer.last_sequence, 0)
-            # Sent at once, the STATUS before it with it: the first token never waits out the
-            # producer's linger either.
-            delta = sequencer.delta(tokens, decoder.push(tokens), now_ms)
-            await self._publish(delta, len(tokens), at_once=True)
-            first = await status
-            self._check_lease()
-            await self.ledger.mark_running(self.lease, first, 1)
+            await self._publish_first(sequencer, decoder, tokens, now_ms)
             return
         if len(self._in_flight) >= MAX_IN_FLIGHT:
             await asyncio.wait([self._in_flight[0][0]])
             self._check_lease()
         await self._publish(sequencer.delta(tokens, decoder.push(tokens), now_ms), len(tokens))
+
+    async def _publish_first(self, sequencer: RunEventSequencer, decoder: IncrementalDecoder,
+                             tokens: Sequence[int], now_ms: int) -> None:
+        """The first token makes the run RUNNING: the STATUS event and the first DELTA go out together,
+        sent at once (the first token never waits out the producer's linger). A Stream hands them on
+        only once the ledger has committed RUNNING (DESIGN.md: durable before anyone is told), so
+        RUNNING is written while they travel to the log, not after their acknowledgment: the two
+        round trips overlap instead of adding up (issue 9, TTFT). Where the events start is only
+        known once they are durable: recorded after, in a write nobody waits for."""
+        self._check_lease()
+        running = asyncio.ensure_future(self.ledger.mark_running(self.lease, None, 0))
+        try:
+            # It carries the routing decision, so a stream shows where the run went before any token.
+            first_status = sequencer.status(common_pb2.RUN_STATUS_RUNNING, now_ms)
+            first_status.route.CopyFrom(route_message(self.claim.route))
+            status = await self.events.publish(first_status)
+            self._track(status, sequencer.last_sequence, 0)
+            delta = sequencer.delta(tokens, decoder.push(tokens), now_ms)
+            await self._publish(delta, len(tokens), at_once=True)
+            first = await status
+        except BaseException:
+            # The publication's failure decides the run's outcome; RUNNING may or may not be committed.
+            running.cancel()
+            running.add_done_callback(_retrieved)
+            raise
+        await running                     # LeaseLost: the ledger refused RUNNING under this epoch
+        self._check_lease()
+        self._first = first
+        self.ledger.record_start(self.lease, first, 1)
 
     async def _publish(self, event: runs_pb2.RunEvent, tokens: int, at_once: bool = False) -> None:
         self._track(await self.events.publish(event, at_once=at_once), event.sequence, tokens)
@@ -658,6 +677,12 @@ class RunDriver:
                           cached_input_tokens=usage.cached_input_tokens,
                           reported_cached_tokens=self._reported_cached, ttft_s=self._ttft_s(),
                           tpot_s=self._tpot_s)
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """Done callback of a task nobody awaits any more: its outcome is read so it is not reported."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

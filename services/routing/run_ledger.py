@@ -5,9 +5,10 @@ transient database error (connection lost, PostgreSQL restarting, a failover) is
 the lease runs out: a blip shorter than the lease interrupts nothing. Every write is idempotent
 under its epoch, so a retry after a commit whose acknowledgment was lost changes nothing.
 
-The process's drivers share their writes of one kind (ledger/batching.py): RUNNING marks and
-settlements that arrive while one of their kind is being written go together in the next
-statement (a lone run's is sent at once); terminal-published marks, which nobody waits for, are
+The process's drivers share their writes of one kind (ledger/batching.py): RUNNING marks, the
+starts recorded after them, and settlements that arrive while one of their kind is being written go
+together in the next statement (a lone run's is sent at once; RUNNING marks never wait behind a
+statement of another kind); terminal-published marks, which nobody waits for, are
 gathered for up to PUBLISHED_LINGER_S and written in one statement for every run published
 meanwhile. A run's TERMINAL event is durable
 before its mark is written; should the process die in between, the reaper republishes the same
@@ -26,7 +27,13 @@ from typing import Protocol, TypeVar
 from sluice.ledger.batching import WriteBatcher
 from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.pg import HotPool
-from sluice.ledger.runs_sql import PublishedMark, RunningMark, mark_published_many, mark_running_many
+from sluice.ledger.runs_sql import (
+    PublishedMark,
+    RunningMark,
+    mark_published_many,
+    mark_running_many,
+    record_starts,
+)
 from sluice.ledger.settlement import OwnedSettled, OwnedSettlement, settle_owned_many
 from sluice.ledger.transient import transient
 from sluice.services.finish import (
@@ -60,8 +67,15 @@ class LeaseLost(Exception):
 
 
 class RunLedger(Protocol):
-    async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
-        """QUEUED → RUNNING with where the run's events start. Raises LeaseLost."""
+    async def mark_running(self, lease: Lease, first: LogPosition | None, last_sequence: int) -> None:
+        """QUEUED → RUNNING, with where the run's events start when known (None: record_start follows).
+        Raises LeaseLost."""
+        ...
+
+    def record_start(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+        """Where the run's events start, once durable, after a mark_running without it. Not waited
+        for: written soon after (retried within the lease); a run whose start is never recorded is
+        still settled with it (Ending.first) or, if its driver dies, located by the reaper."""
         ...
 
     async def reassign(self, lease: Lease, replica: str) -> None:
@@ -92,11 +106,14 @@ class SqlRunLedger:
     lease_seconds: float
     pool: HotPool                # the process's hot connections for the run path (ledger/pg.py)
     _running: WriteBatcher[RunningMark, bool] = field(init=False)
+    _starts: WriteBatcher[RunningMark, bool] = field(init=False)
+    _recording: set[asyncio.Task[bool]] = field(default_factory=set)    # record_start's, until written
     _settling: WriteBatcher[OwnedSettlement, OwnedSettled] = field(init=False)
     _published: WriteBatcher[_Unpublished, None] = field(init=False)
 
     def __post_init__(self) -> None:
         self._running = WriteBatcher(self._mark_running)
+        self._starts = WriteBatcher(self._record_starts)
         self._settling = WriteBatcher(self._settle)
         linger_s = min(PUBLISHED_LINGER_S, PUBLISHED_LINGER_LEASES * self.lease_seconds)
         self._published = WriteBatcher(self._mark_published, linger_s=linger_s)
@@ -104,6 +121,9 @@ class SqlRunLedger:
     async def close(self) -> None:
         """Write every mark still waiting (before the pool closes)."""
         await self._running.flush()
+        if self._recording:
+            await asyncio.wait(set(self._recording))
+        await self._starts.flush()
         await self._settling.flush()
         await self._published.flush()
 
@@ -116,7 +136,7 @@ class SqlRunLedger:
                 return await write(session)
         return await self._retrying(lease, attempt)
 
-    async def mark_running(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+    async def mark_running(self, lease: Lease, first: LogPosition | None, last_sequence: int) -> None:
         mark = RunningMark(lease.run_id, lease.epoch, first, last_sequence)
         # A transient error fails the whole statement: each driver submits again (to the next one).
         if not await self._retrying(lease, lambda: self._running.submit(mark)):
@@ -125,6 +145,17 @@ class SqlRunLedger:
     async def _mark_running(self, marks: list[RunningMark]) -> list[bool]:
         async with self.pool.connection() as connection:
             return await mark_running_many(connection, marks, EVENTS_CHANNEL)
+
+    def record_start(self, lease: Lease, first: LogPosition, last_sequence: int) -> None:
+        mark = RunningMark(lease.run_id, lease.epoch, first, last_sequence)
+        task = asyncio.ensure_future(self._retrying(lease, lambda: self._starts.submit(mark)))
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
+        task.add_done_callback(_start_recorded)
+
+    async def _record_starts(self, marks: list[RunningMark]) -> list[bool]:
+        async with self.pool.connection() as connection:
+            return await record_starts(connection, marks)
 
     async def reassign(self, lease: Lease, replica: str) -> None:
         async def write(session: AsyncSession) -> bool:
@@ -181,6 +212,14 @@ class SqlRunLedger:
                     return [None] * len(marks)
                 log.warning("terminal-published marks failed (%r); retrying within the lease", error)
                 await asyncio.sleep(RETRY_S)
+
+
+def _start_recorded(task: asyncio.Future[bool]) -> None:
+    """A start not written is logged, not raised: the settlement carries it (Ending.first)."""
+    if task.cancelled():
+        return
+    if (error := task.exception()) is not None:
+        log.warning("a run's start could not be recorded (%r); its settlement records it", error)
 
 
 async def _retried(run_id: str, write: Callable[[], Awaitable[T]], may_retry: Callable[[], bool]) -> T:
