@@ -291,8 +291,11 @@ class RunsService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(notified_within_s):
                     await started_since_read.wait()
-            # The NOTIFY says the first event is durable; the live tail hands it over within a batch
-            # interval or so, and then this wait is cancelled without reading the ledger at all.
+            # The NOTIFY says the first event is durable or about to be (RUNNING commits while it
+            # travels); the live tail, hurried, hands it over as soon as the log has it, and then this
+            # wait is cancelled without reading the ledger at all.
+            if started_since_read.is_set():
+                self.events.hurry()
             await asyncio.sleep(START_NOTIFIED_GRACE_S)
         poll_s = START_POLL_S
         while True:

@@ -111,6 +111,27 @@ async def test_a_followed_partition_hands_over_each_record_from_its_offset_once_
         await stop(fetcher, task)
 
 
+async def test_records_wait_out_the_batch_interval_after_an_answer_unless_a_reader_hurries_the_fetcher(topic):
+    # An answer that carried records starts a batch interval (60 s here): what is written meanwhile
+    # waits for its end, unless hurry() says a reader waits for it (a run's first event, its RUNNING
+    # committed): the fetcher then fetches at once.
+    got = Collected()
+    fetcher = PartitionFetcher(topic.bootstrap, topic.name, got, max_wait_ms=200, batch_interval_s=60.0)
+    task = await running(fetcher)
+    try:
+        [first] = await topic.write(0, b"first")
+        fetcher.follow(0, first)
+        await until(lambda: len(got.of(0)) == 1)            # carried: the interval runs from here
+        [second] = await topic.write(0, b"second")
+        await asyncio.sleep(0.5)
+        assert got.of(0) == [(first, b"first")]               # held for the interval
+        fetcher.hurry()
+        await until(lambda: len(got.of(0)) == 2, timeout_s=10)
+        assert got.of(0) == [(first, b"first"), (second, b"second")]
+    finally:
+        await stop(fetcher, task)
+
+
 async def test_a_partition_paused_while_its_fetch_waits_at_the_broker_gets_nothing_from_that_answer(topic):
     got = Collected()
     fetcher = PartitionFetcher(topic.bootstrap, topic.name, got, max_wait_ms=3000)

@@ -12,7 +12,8 @@ eventlog/wire.py over it:
                                          fetch its followed partitions at their positions
                                          ├ records -> on_records(p, [(offset, key, value)]), position
                                          │            moves past them; then wait until batch_interval
-                                         │            after this answer before the next fetch
+                                         │            after this answer before the next fetch (or
+                                         │            until hurry(): a record is awaited now)
                                          ├ nothing new (long poll ran out) -> fetch again at once
                                          ├ leadership moved / broker gone -> refresh metadata, back off,
                                          │            the partition is fetched from its new leader
@@ -140,7 +141,15 @@ class PartitionFetcher:
         self._positions: dict[int, int] = {}       # followed partition -> next offset to fetch
         self._leaders: dict[int, int] = {}         # partition -> leader node, from the last metadata
         self._changed = asyncio.Event()            # followed partitions or leaders changed
+        self._hurry = asyncio.Event()              # hurry() since the last batch interval began
         self._closed = False
+
+    def hurry(self) -> None:
+        """A reader waits for a record that is durable, or about to be (a run's first event, its
+        RUNNING committed): the batch interval in progress ends now, or the next one is skipped, so
+        that the record is fetched as soon as the broker has it. With several leader brokers, one of
+        their loops takes it."""
+        self._hurry.set()
 
     async def start(self) -> list[int]:
         """Connect and learn the topic's partitions and their leaders."""
@@ -317,7 +326,12 @@ class PartitionFetcher:
             elif carried and self.batch_interval_s > 0:
                 # Let records gather at the broker: the next fetch takes them all at once. A record after
                 # a quiet spell is not held: the fetch then waits at the broker and answers at once.
-                await asyncio.sleep(max(0.0, answered + self.batch_interval_s - loop.time()))
+                # Nor is one a reader is known to wait for (hurry()).
+                if not self._hurry.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(max(0.0, answered + self.batch_interval_s - loop.time())):
+                            await self._hurry.wait()
+                self._hurry.clear()
 
     async def _fetch(self, node: int, asked: list[tuple[int, int]]) -> list[wire.FetchedPartition]:
         """One Fetch of `asked` (partition, offset) pairs from `node`, its answer decoded."""

@@ -111,5 +111,10 @@ class EventLog(Protocol):
         (which waits for the ledger) says where to replay from, None meaning nothing is left to read."""
         ...
 
+    def hurry(self) -> None:
+        """A live reader's next event is durable, or about to be (the ledger committed the transition
+        it announces): have it read as soon as the log has it, not at the next batch of the live tail."""
+        ...
+
     async def close(self) -> None:
         ...

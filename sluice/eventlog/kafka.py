@@ -316,6 +316,10 @@ class KafkaEventLog:
         except RangeDeleted as exc:
             raise CursorPastRetention(run_id, dedupe.last_sequence) from exc
 
+    def hurry(self) -> None:
+        if self._tail is not None:
+            self._tail.hurry()
+
     @property
     def live_tail(self) -> LiveTail | None:
         """The process's tail, once a follow() started it."""

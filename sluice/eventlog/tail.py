@@ -254,6 +254,12 @@ class LiveTail:
         self._note_idle()
         return subscription, self._recent[partition].since(subscription.run_key, from_offset)
 
+    def hurry(self) -> None:
+        """A subscriber's record is durable or about to be: fetch it without waiting out the batch
+        interval (PartitionFetcher.hurry)."""
+        if self._fetcher is not None:
+            self._fetcher.hurry()
+
     def recent(self, subscription: Subscription, from_offset: int) -> list[bytes] | None:
         """The subscription's run's recent records from `from_offset` on (those it was handed as well:
         the reader's EventDeduper drops them), or None when the tail no longer holds all of them."""
