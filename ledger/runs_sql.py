@@ -58,31 +58,28 @@ WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
 # carries its own lease epoch (RUNNING) and its own NOTIFY (a transaction's notifications reach the
 # listeners together, at its commit). `id = ANY(ids)` beside the join keeps the prepared statement's
 # generic plan on the primary key: joined to `unnest` alone (10 rows assumed), runs was scanned whole.
-_MARK_RUNNING_MANY = Statement.of("""
-UPDATE runs AS r
-   SET status = 'RUNNING', started_at = COALESCE(r.started_at, now()),
+# Where the runs' events start and their last durable sequence, one row of `unnest` per run under
+# its epoch: shared by the RUNNING mark and the start recorded after it.
+_START_SET = """
        event_partition = COALESCE(r.event_partition, p.partition),
        event_first_offset = COALESCE(r.event_first_offset, p.first_offset),
        last_sequence = GREATEST(r.last_sequence, p.last_sequence)
   FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
               CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
        AS p(run_id, epoch, partition, first_offset, last_sequence)
- WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch"""
+_MARK_RUNNING_MANY = Statement.of(f"""
+UPDATE runs AS r
+   SET status = 'RUNNING', started_at = COALESCE(r.started_at, now()),{_START_SET}
    AND r.status IN ('QUEUED', 'RUNNING')
 RETURNING r.id, pg_notify(:channel, CAST(r.id AS text))
 """)
 
 # Where RUNNING runs' events start (each under its driver's epoch), without a NOTIFY: their Streams
 # were told RUNNING by mark_running's, and one that needs the start re-reads it (services/runs.py).
-_RECORD_STARTS = Statement.of("""
+_RECORD_STARTS = Statement.of(f"""
 UPDATE runs AS r
-   SET event_partition = COALESCE(r.event_partition, p.partition),
-       event_first_offset = COALESCE(r.event_first_offset, p.first_offset),
-       last_sequence = GREATEST(r.last_sequence, p.last_sequence)
-  FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
-              CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
-       AS p(run_id, epoch, partition, first_offset, last_sequence)
- WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch
+   SET {_START_SET.lstrip()}
 RETURNING r.id
 """)
 

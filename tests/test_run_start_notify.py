@@ -1,6 +1,7 @@
 """Which ledger writes NOTIFY a run's Streams (ledger/runs_sql.py), on the real PostgreSQL: RUNNING
-always (it records where the run's events start); terminal-published only for a run that never went
-RUNNING (its start is recorded then). A Stream waits for a NOTIFY only while the start is unrecorded."""
+always (with where the run's events start, or before they are durable without it); the start recorded
+after such a RUNNING never (a Stream that needs it re-reads the ledger); terminal-published only for a
+run that never went RUNNING (its start is recorded then)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from sluice.ledger.runs_sql import (
     mark_published_many,
     mark_running,
     mark_running_many,
+    record_starts,
 )
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -98,6 +100,37 @@ async def test_one_running_statement_marks_each_run_under_its_own_epoch_and_noti
                                   " FROM runs WHERE id = ANY($1::uuid[])", [uuid.UUID(run) for run in runs])
         assert {row["id"]: tuple(row)[1:] for row in rows} == {
             runs[0]: (True, 10, 3), runs[1]: (True, 21, 1), runs[2]: (False, 30, 1)}
+    finally:
+        await listener.close()
+        await writer.close()
+
+
+async def test_running_without_its_start_notifies_and_the_start_recorded_later_does_not(api, sessionmaker):  # type: ignore[no-untyped-def]
+    async with sessionmaker() as session, session.begin():
+        await add_model(session, api.tokenizer, DEFAULT_MODEL)
+    runs = [await queued_run(api, sessionmaker, name) for name in ("acme", "globex")]
+    dsn = asyncpg_dsn(dsn_of(sessionmaker))
+    listener, writer = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    await listener.add_listener(EVENTS_CHANNEL, lambda _c, _p, _ch, payload: heard.put_nowait(payload))
+
+    async def rows() -> dict[str, tuple[object, ...]]:
+        found = await writer.fetch("SELECT id::text, status, started_at IS NOT NULL, event_partition,"
+                                   " event_first_offset, last_sequence FROM runs WHERE id = ANY($1::uuid[])",
+                                   [uuid.UUID(run) for run in runs])
+        return {row["id"]: tuple(row)[1:] for row in found}
+
+    try:
+        marks = [RunningMark(run, EPOCH, None, 0) for run in runs]
+        assert await mark_running_many(writer, marks, EVENTS_CHANNEL) == [True, True]
+        assert sorted(await heard_within(heard, 0.3)) == sorted(runs)
+        assert await rows() == {run: ("RUNNING", True, None, None, 0) for run in runs}
+        starts = [RunningMark(runs[0], EPOCH, LogPosition(1, 40), 1),
+                  RunningMark(runs[1], EPOCH + 1, LogPosition(1, 50), 1)]     # an epoch it does not hold
+        assert await record_starts(writer, starts) == [True, False]
+        assert await heard_within(heard, 0.3) == []
+        assert await rows() == {runs[0]: ("RUNNING", True, 1, 40, 1),
+                                runs[1]: ("RUNNING", True, None, None, 0)}
     finally:
         await listener.close()
         await writer.close()
