@@ -135,6 +135,19 @@ class KnownTypesConnection(asyncpg.Connection):  # type: ignore[misc]
 
     _types: dict[int, Any] = {}       # type OID -> asyncpg's introspection row, built-in types only
 
+    async def prepare(self, query: str, **options: Any) -> Any:
+        """asyncpg prepares with Parse, Describe and Flush, not Sync: PostgreSQL's implicit transaction
+        opened by the Parse stays open until the connection's next Sync. asyncpg's own type lookup
+        sends one at once; when the types come from the cache here, nothing does, and a statement
+        prepared now and run later would run in a transaction begun at the prepare: its now() frozen
+        there (seen: a lease keeper idle after connecting renewed leases seconds into the past, and
+        healthy runs were reaped). A one-row simple query ends that transaction (outside one of the
+        caller's own)."""
+        statement = await super().prepare(query, **options)
+        if not self.is_in_transaction():
+            await self.execute("SELECT 1")
+        return statement
+
     async def _introspect_types(self, typeoids: Any, limit: Any) -> tuple[Any, Any]:
         known = KnownTypesConnection._types
         oids = list(typeoids)

@@ -3,6 +3,7 @@ PostgreSQL CPU each) runs once per process for PostgreSQL's own types, not once 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -42,3 +43,28 @@ async def test_a_new_connection_reuses_the_types_an_earlier_one_looked_up(
     assert len(looked_up) == 1          # the second connection asked the catalog nothing
     assert set(looked_up[0]) <= set(KnownTypesConnection._types)
     assert all(oid < pg._FIRST_NORMAL_OID for oid in KnownTypesConnection._types)
+
+
+async def test_a_statement_prepared_now_and_run_later_runs_at_its_own_time(
+        database_dsn: str, monkeypatch: pytest.MonkeyPatch):
+    """asyncpg's prepare leaves PostgreSQL's implicit transaction open (Flush, no Sync) unless a type
+    lookup follows; with the types cached nothing did, and the statement run later saw now() frozen
+    at the prepare (the lease keeper renewed leases into the past)."""
+    monkeypatch.setattr(KnownTypesConnection, "_types", {})
+    idle_s = 1.0
+    lags = []
+    for _ in range(2):                  # the first connection looks the types up, the second reuses them
+        connection = await asyncpg.connect(pg.asyncpg_dsn(database_dsn),
+                                           connection_class=KnownTypesConnection)
+        try:
+            statement = await connection.prepare("SELECT clock_timestamp() - now() AS lag, "
+                                                 "cardinality(CAST($1 AS uuid[])) AS n")
+            await asyncio.sleep(idle_s)
+            row = await statement.fetchrow([uuid.uuid4()])
+            lags.append(row["lag"].total_seconds())
+            assert row["n"] == 1
+        finally:
+            await connection.close()
+    # Run after the idle second, in a transaction of its own: now() is within the statement, far
+    # from the prepare a second before.
+    assert all(lag < idle_s / 2 for lag in lags), lags

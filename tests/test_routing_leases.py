@@ -9,10 +9,19 @@ import asyncio
 import time
 import uuid
 
+import asyncpg
 from sluice.ledger.db import dsn_of as ledger_dsn_of
 from sluice.ledger.models import Model, Run, RunStatus
+from sluice.ledger.pg import KnownTypesConnection, asyncpg_dsn
 from sluice.services.routing.claims import mark_queued
-from sluice.services.routing.leases import WEDGED_LEASES, Lease, LeaseKeeper, Renewed, apply_renewal
+from sluice.services.routing.leases import (
+    RENEW_SQL,
+    WEDGED_LEASES,
+    Lease,
+    LeaseKeeper,
+    Renewed,
+    apply_renewal,
+)
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import make_url
 
@@ -118,6 +127,34 @@ async def test_the_keeper_renews_every_held_lease_and_records_durable_progress(a
     assert signals.refused == [] and signals.failures == 0 and len(signals.lags) >= 5
     row = await api_run(api, runs[0][0])
     assert (row.last_sequence, row.output_tokens) == (7, 6)
+
+
+async def test_a_keeper_idle_for_longer_than_a_lease_renews_its_first_lease_from_when_it_ran(api: Services):
+    # A keeper's connection is made (and its statement prepared) when it starts; its first lease may
+    # come much later. With the statement's types already known to the process (an earlier keeper),
+    # the renewal ran in a transaction begun at that prepare and dated the lease back by the idle time:
+    # the run's lease had expired by the ledger's clock at its first renewal, and a reaper took it.
+    primer = await asyncpg.connect(asyncpg_dsn(dsn_of(api)), connection_class=KnownTypesConnection)
+    await primer.prepare(RENEW_SQL)         # the renewal statement's types are now known to the process
+    await primer.close()
+    run_id, epoch = await queued_run(api)
+    signals = Signals()
+    keeper = signals.keeper(dsn_of(api))
+    keeper.start()
+    try:
+        await asyncio.sleep(LEASE_S * 1.5)  # idle: nothing held yet
+        signals.hold(keeper, Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S))
+        lags = len(signals.lags)
+        for _ in range(int(LEASE_S / INTERVAL_S) * 4):    # until the first renewal of that lease
+            if len(signals.lags) > lags:
+                break
+            await asyncio.sleep(INTERVAL_S / 4)
+        left = await lease_left_s(api, run_id)
+    finally:
+        await keeper.close()
+    # Renewed a moment ago for LEASE_S: at most a renewal interval (and this read) has passed since.
+    assert LEASE_S - 2 * INTERVAL_S < left <= LEASE_S, left
+    assert signals.refused == []
 
 
 async def api_run(api: Services, run_id: str) -> Run:

@@ -69,6 +69,9 @@ HEARTBEAT_S = 0.25
 # behind other work. A skipped row still ours by the snapshot is neither renewed nor refused this
 # round; only a row whose epoch moved on or that ended is refused. A renewal sent within the lease and
 # run late (a busy database) still renews: the epoch, not the clock, says whether a reaper took it.
+# The lease runs from when the row is written (clock_timestamp()), not from the transaction's start
+# (now()): a transaction opened earlier than the statement (an implicit one left open by a prepare,
+# ledger/pg.KnownTypesConnection) must not date a renewal back, not even by a second.
 RENEW_SQL = """
     WITH p AS (
         SELECT * FROM unnest($2::uuid[], $3::bigint[], $4::bigint[], $5::int[])
@@ -82,13 +85,13 @@ RENEW_SQL = """
            FOR UPDATE OF r SKIP LOCKED
     ), renewed AS (
         UPDATE runs AS r
-           SET lease_expires_at = now() + make_interval(secs => $1::float8),
+           SET lease_expires_at = clock_timestamp() + make_interval(secs => $1::float8),
                last_sequence = GREATEST(r.last_sequence, p.last_sequence),
                output_tokens = GREATEST(r.output_tokens, p.output_tokens)
           FROM p, locked
          WHERE r.id = locked.id AND p.id = locked.id
         RETURNING r.id, r.cancel_requested_at IS NOT NULL AS cancel_requested,
-                  extract(epoch FROM r.lease_expires_at - now())::float8 AS remaining_s
+                  extract(epoch FROM r.lease_expires_at - clock_timestamp())::float8 AS remaining_s
     )
     SELECT p.id::text AS id, renewed.cancel_requested, renewed.remaining_s,
            ours.id IS NOT NULL AS ours
