@@ -34,7 +34,7 @@ from typing import Any
 
 import asyncpg
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
-from sluice.ledger.models import RunStatus
+from sluice.ledger.models import RunStatus, unclaimed
 from sluice.ledger.pg import Statement, rows_of
 from sluice.ledger.repositories import Caller, ModelInfo, caller_of
 from sqlalchemy import bindparam, text
@@ -44,8 +44,8 @@ from sqlalchemy.types import Float
 from sluice.traffic.canary import SHARE_SCALE
 from sluice.traffic.route import RouteReason
 
-# A literal status, not a parameter: the plan can then prove the partial index's predicate
-# (ix_runs_model_version_priority_accepted).
+# The backlog counts name the partial index's predicate (ix_runs_model_version_priority_unclaimed), so
+# the plan can use it; the status stays a literal beside it.
 # The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
 # its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
 _READ = Statement.of(f"""
@@ -57,11 +57,11 @@ SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, 
        m.price_card_id, m.canary_share_bp, m.canary_baseline,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
-                                AND r.priority = 'interactive'
+                                AND {unclaimed("r.")} AND r.priority = 'interactive'
                               LIMIT :backlog_limit) AS waiting) AS backlog,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
-                                AND r.priority = 'batch'
+                                AND {unclaimed("r.")} AND r.priority = 'batch'
                               LIMIT :batch_backlog_limit) AS waiting) AS batch_backlog
 FROM api_keys k
 LEFT JOIN tenants t ON t.id = k.tenant_id

@@ -107,10 +107,11 @@ class CanaryRepository:
     async def samples(self, version: str, since: dt.datetime, window_s: float) -> list[RunSample]:
         """Runs of `version` admitted since `since` that finished within the last `window_s` (database
         clock), as guardrail samples. TTFT is started_at - created_at, what the caller waited; TPOT the
-        decode time over the tokens after the first."""
+        decode time over the tokens after the first. Read by the model's claim times
+        (ix_runs_model_version_queued_at): every run judged was claimed, at or after its admission."""
         rows = await self._session.execute(
             select(Run.status, Run.created_at, Run.started_at, Run.finished_at, Run.output_tokens)
-            .where(Run.model_version == version, Run.created_at >= since,
+            .where(Run.model_version == version, Run.created_at >= since, Run.queued_at >= since,
                    Run.status.in_(_JUDGED_STATUSES),
                    Run.finished_at >= func.now() - dt.timedelta(seconds=window_s)))
         samples = []

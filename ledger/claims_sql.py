@@ -21,9 +21,13 @@ import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from sluice.ledger.models import unclaimed, unfinished
 from sluice.ledger.pg import Executor, Statement, rows_of
 
-# Each class from its own partial index (ix_runs_priority_created_at_accepted), oldest first; the
+# The partial indexes' predicates, named so that the plans can use those indexes (ledger/models.py).
+_PREDICATES = {"unclaimed": unclaimed("r."), "unfinished": unfinished("h.")}
+
+# Each class from its own partial index (ix_runs_priority_created_at_unclaimed), oldest first; the
 # batch CTE takes only what the interactive one left of `limit`. A run is left out unless its
 # deadline passed (it is then ended EXPIRED, not claimed) when it would overflow its tenant's
 # GPU-memory budget given what its claimed runs hold now (a pre-selection: the exact check is made
@@ -35,20 +39,20 @@ _ELIGIBLE = """
            r.worker_pool AS route_pool, r.quality_tier AS route_tier, r.route_reason, r.requested_model,
            r.fallback_from, r.route_detail
       FROM runs r JOIN models m ON m.version = r.model_version JOIN tenants t ON t.id = r.tenant_id
-     WHERE r.status = 'ACCEPTED' AND r.priority = '{priority}'{pools}
+     WHERE r.status = 'ACCEPTED' AND {unclaimed} AND r.priority = '{priority}'{pools}
        AND (t.kv_token_budget IS NULL OR r.deadline_at <= now()
             OR (SELECT COALESCE(sum(h.input_tokens + h.max_output_tokens), 0) FROM runs h
-                 WHERE h.tenant_id = r.tenant_id AND h.status IN ('QUEUED', 'RUNNING'))
+                 WHERE h.tenant_id = r.tenant_id AND h.status IN ('QUEUED', 'RUNNING') AND {unfinished})
                + r.input_tokens + r.max_output_tokens <= t.kv_token_budget)
      ORDER BY r.created_at
 """
 # The locked rows carry every column the claim needs: no second look at runs.
 _LOCK_ACCEPTED = Statement.of(f"""
-WITH interactive AS ({_ELIGIBLE.format(klass=0, priority='interactive', pools='')}
+WITH interactive AS ({_ELIGIBLE.format(klass=0, priority='interactive', pools='', **_PREDICATES)}
      LIMIT :limit
        FOR UPDATE OF r SKIP LOCKED
 ), batch AS ({_ELIGIBLE.format(klass=1, priority='batch', pools='''
-       AND (m.worker_pool <> ALL(CAST(:excluding AS text[])) OR r.deadline_at <= now())''')}
+       AND (m.worker_pool <> ALL(CAST(:excluding AS text[])) OR r.deadline_at <= now())''', **_PREDICATES)}
      LIMIT GREATEST(:limit - (SELECT count(*) FROM interactive), 0)
        FOR UPDATE OF r SKIP LOCKED
 )
@@ -56,8 +60,9 @@ SELECT * FROM interactive UNION ALL SELECT * FROM batch
  ORDER BY class, created_at
 """)
 
-# From the claim's partial index (runs of status ACCEPTED only): no plan or scan worth the name.
-_ANY_ACCEPTED = Statement.of("SELECT EXISTS (SELECT 1 FROM runs WHERE status = 'ACCEPTED') AS waiting")
+# From the claim's partial index (runs not yet claimed only): no plan or scan worth the name.
+_ANY_ACCEPTED = Statement.of(
+    f"SELECT EXISTS (SELECT 1 FROM runs WHERE status = 'ACCEPTED' AND {unclaimed()}) AS waiting")
 
 # FOR NO KEY UPDATE, as admission's lock: it does not block the FOR KEY SHARE lock inserting a run
 # takes. The sums are a second statement on purpose: in READ COMMITTED a statement's snapshot is
@@ -69,9 +74,9 @@ SELECT id, kv_token_budget FROM tenants
  ORDER BY id
    FOR NO KEY UPDATE
 """)
-_HELD = Statement.of("""
+_HELD = Statement.of(f"""
 SELECT tenant_id, sum(input_tokens + max_output_tokens) AS held FROM runs
- WHERE tenant_id = ANY(CAST(:tenants AS uuid[])) AND status IN ('QUEUED', 'RUNNING')
+ WHERE tenant_id = ANY(CAST(:tenants AS uuid[])) AND status IN ('QUEUED', 'RUNNING') AND {unfinished()}
  GROUP BY tenant_id
 """)
 
@@ -79,12 +84,15 @@ SELECT tenant_id, sum(input_tokens + max_output_tokens) AS held FROM runs
 # BEGIN is never later than the ledger's. queued_at is when the run was taken (clock_timestamp()):
 # the locks that decided it (a tenant's GPU-memory budget freed by a run that ended meanwhile) may
 # have been waited for after BEGIN, and a run must not read as taken before what let it go.
+# `id = ANY(ids)` beside the join keeps the generic plan on the primary key (as runs_sql's writes):
+# joined to `unnest` alone (10 rows assumed), the plan may scan runs whole, the more so since no index
+# filters by status (migration 0013).
 _QUEUE = Statement.of("""
 UPDATE runs AS r
    SET status = 'QUEUED', queued_at = clock_timestamp(), replica = q.replica, lease_owner = :owner,
        lease_expires_at = now() + make_interval(secs => :lease_seconds), lease_epoch = r.lease_epoch + 1
   FROM unnest(CAST(:ids AS uuid[]), CAST(:replicas AS text[])) AS q(id, replica)
- WHERE r.id = q.id AND r.status = 'ACCEPTED'
+ WHERE r.id = ANY(CAST(:ids AS uuid[])) AND r.id = q.id AND r.status = 'ACCEPTED'
 RETURNING r.id, r.queued_at, r.lease_epoch
 """)
 

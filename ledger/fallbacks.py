@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.ledger.admission_sql import model_info_of
-from sluice.ledger.models import Model, RunStatus, TenantFallback
+from sluice.ledger.models import Model, RunStatus, TenantFallback, unclaimed
 from sluice.ledger.repositories import ModelInfo
 from sqlalchemy import delete, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -30,6 +30,7 @@ _CANDIDATES = text(f"""
 SELECT n.name, m.*,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
+                                AND {unclaimed("r.")}
                               LIMIT :backlog_limit) AS waiting) AS backlog
 FROM unnest(CAST(:names AS text[])) AS n(name)
 LEFT JOIN LATERAL (

@@ -85,8 +85,23 @@ def _in_list(column: str, values: list[str]) -> str:
 
 
 _RUN_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus])
-_ACTIVE_STATUS_CHECK = _in_list("status", [s.value for s in RunStatus if s in ACTIVE_STATUSES])
-_ACCEPTED_CHECK = f"status = '{RunStatus.ACCEPTED.value}'"
+
+
+# What the partial indexes of runs filter by (never `status`, see Run.__table_args__). A query names
+# the predicate (`alias`: its name for runs, "r." ...) beside its status condition to use the index:
+# the planner uses a partial index only for a query whose conditions imply its predicate.
+def unfinished(alias: str = "") -> str:
+    """Runs ACCEPTED, QUEUED or RUNNING (only settlement sets finished_at, with a terminal status)."""
+    return f"{alias}finished_at IS NULL"
+
+
+def unclaimed(alias: str = "") -> str:
+    """Runs ACCEPTED (the claim sets queued_at as it takes one)."""
+    return f"{alias}queued_at IS NULL AND {alias}finished_at IS NULL"
+
+
+UNFINISHED = unfinished()
+UNCLAIMED = unclaimed()
 _ROUTE_REASON_CHECK = _in_list("route_reason", [r.value for r in RouteReason])
 _UNPUBLISHED_TERMINAL_CHECK = "terminal_published = false AND terminal_sequence IS NOT NULL"
 
@@ -314,19 +329,24 @@ class Run(Base):
         CheckConstraint(_RUN_STATUS_CHECK, name="status_known"),
         CheckConstraint("max_output_tokens > 0", name="max_output_tokens_positive"),
         CheckConstraint("priority IN ('interactive', 'batch')", name="priority_known"),
-        Index("ix_runs_status_created_at", "status", "created_at"),
-        # Admission's tokens-per-minute window (the tenant's runs of the last 60 s) and its
-        # concurrent-run count (the tenant's runs not yet terminal).
+        # No index keys on or filters by `status`: a RUNNING mark (status, started_at, where the events
+        # start) is then a HOT update, in place on its page (migration 0013). "Not finished" and "not
+        # yet claimed" are said by finished_at and queued_at, which only settlement and the claim set;
+        # each query keeps its status condition beside the predicate it names.
+        # Admission's tokens-per-minute window (the tenant's runs of the last 60 s).
         Index("ix_runs_tenant_id_created_at", "tenant_id", "created_at"),
-        Index("ix_runs_tenant_id_active", "tenant_id", postgresql_where=text(_ACTIVE_STATUS_CHECK)),
+        # A tenant's unfinished runs: admission's concurrent-run count, the reservations and GPU
+        # memory they hold; unkeyed, the reaper's expired leases and each replica's run count.
+        Index("ix_runs_tenant_id_unfinished", "tenant_id", postgresql_where=text(UNFINISHED)),
         # Admission's backlog count (a model's runs of one class waiting to be claimed, counted with a
         # LIMIT): it only ever holds the runs not yet claimed, so it stays small however big runs grows.
-        Index("ix_runs_model_version_priority_accepted", "model_version", "priority",
-              postgresql_where=text(_ACCEPTED_CHECK)),
+        Index("ix_runs_model_version_priority_unclaimed", "model_version", "priority",
+              postgresql_where=text(UNCLAIMED)),
         # The claim: one class at a time, oldest first.
-        Index("ix_runs_priority_created_at_accepted", "priority", "created_at",
-              postgresql_where=text(_ACCEPTED_CHECK)),
-        # The ladder's measured drain rate: a model's runs claimed in the last seconds.
+        Index("ix_runs_priority_created_at_unclaimed", "priority", "created_at",
+              postgresql_where=text(UNCLAIMED)),
+        # The ladder's measured drain rate (a model's runs claimed in the last seconds) and the canary
+        # guard's samples (every run it judges was claimed).
         Index("ix_runs_model_version_queued_at", "model_version", "queued_at",
               postgresql_where=text("queued_at IS NOT NULL")),
         # The reaper's scan for settled runs whose TERMINAL event was never confirmed published. Keyed
@@ -376,8 +396,11 @@ class UsageEntry(Base):
         UUID(as_uuid=True), primary_key=True, default=uuid.uuid4, server_default=text("gen_random_uuid()")
     )
     run_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("runs.id"), unique=True)
-    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id"))
-    model_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
+    # The tenant, model and price card are copied from the run by the settlement statement; the run's
+    # own foreign keys hold them (none here since migration 0013: each cost every settlement a lookup
+    # that share-locked its parent row, the one models row for every run).
+    tenant_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    model_version: Mapped[str] = mapped_column(Text)
     day: Mapped[dt.date] = mapped_column(Date)  # UTC day of settlement
     input_tokens: Mapped[int] = mapped_column(Integer)
     cached_input_tokens: Mapped[int] = mapped_column(Integer)
@@ -386,7 +409,7 @@ class UsageEntry(Base):
     settled_at: Mapped[dt.datetime] = _timestamp(now=True)
     # Copied from the run: the key that submitted it and the price card the cost follows.
     api_key_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), nullable=True)
-    price_card_id: Mapped[int | None] = mapped_column(ForeignKey("price_cards.id"), nullable=True)
+    price_card_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Copied from the run's routing decision, so finance can group by why runs went where.
     route_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     worker_pool: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sluice.ledger.models import RunStatus
+from sluice.ledger.models import RunStatus, unfinished
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -48,7 +48,7 @@ WHERE coalesce(r.worker_pool, m.worker_pool) = :pool
 
 _BY_REPLICA = text(f"""
 SELECT r.replica, count(*) AS runs FROM runs r
-WHERE r.status IN {_ACTIVE} AND r.replica = ANY(:names)
+WHERE r.status IN {_ACTIVE} AND {unfinished("r.")} AND r.replica = ANY(:names)
 GROUP BY r.replica
 """).bindparams(bindparam("names", type_=ARRAY(Text)))
 

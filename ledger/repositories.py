@@ -252,7 +252,7 @@ class RunRepository:
         others = (Run.tenant_id == tenant_id, Run.id != excluding)
         active = (
             select(func.count()).select_from(Run)
-            .where(*others, Run.status.in_([s.value for s in ACTIVE_STATUSES]))
+            .where(*others, Run.status.in_([s.value for s in ACTIVE_STATUSES]), Run.finished_at.is_(None))
             .scalar_subquery()
         )
         in_window = (
@@ -280,7 +280,7 @@ class RunRepository:
             func.count(),
             func.coalesce(func.sum(Run.reserved_tokens), 0),
             func.coalesce(func.sum(Run.reserved_cost_micros), 0),
-        ).where(Run.status.in_([s.value for s in ACTIVE_STATUSES]))
+        ).where(Run.status.in_([s.value for s in ACTIVE_STATUSES]), Run.finished_at.is_(None))
         if tenant_id is not None:
             query = query.where(Run.tenant_id == tenant_id)
         row = (await self._session.execute(query)).one()
@@ -292,7 +292,8 @@ class RunRepository:
         total = await self._session.scalar(
             select(func.coalesce(func.sum(Run.input_tokens + Run.max_output_tokens), 0))
             .where(Run.tenant_id == tenant_id,
-                   Run.status.in_([RunStatus.QUEUED.value, RunStatus.RUNNING.value])))
+                   Run.status.in_([RunStatus.QUEUED.value, RunStatus.RUNNING.value]),
+                   Run.finished_at.is_(None)))
         return int(total or 0)
 
 

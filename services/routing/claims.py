@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.ledger import claims_sql
-from sluice.ledger.models import Run, RunStatus
+from sluice.ledger.models import Run, RunStatus, unfinished
 from sluice.ledger.pg import Executor, Statement, rows_of
 from sluice.ledger.routes import route_from_columns
 from sluice.services.admission_rules import ENGINE_DEFAULT, Sampling
@@ -224,7 +224,7 @@ _TAKE = """
               r.event_first_offset, r.queued_at, r.terminal_sequence
 """
 _TAKE_EXPIRED = Statement.of(_TAKE.format(
-    where="status IN ('QUEUED', 'RUNNING') AND lease_expires_at < now()"))
+    where=f"status IN ('QUEUED', 'RUNNING') AND {unfinished()} AND lease_expires_at < now()"))
 _TAKE_UNPUBLISHED = Statement.of(_TAKE.format(
     where="terminal_published = false AND terminal_sequence IS NOT NULL AND lease_expires_at < now()"))
 
@@ -258,6 +258,7 @@ async def _take(executor: Executor, statement: Statement, owner: str, lease_seco
 
 async def in_flight_by_replica(session: AsyncSession) -> dict[str, int]:
     rows = await session.execute(
-        select(Run.replica, func.count()).where(Run.status.in_(ACTIVE_CLAIMED)).group_by(Run.replica)
+        select(Run.replica, func.count()).where(Run.status.in_(ACTIVE_CLAIMED), Run.finished_at.is_(None))
+        .group_by(Run.replica)
     )
     return {str(name): int(count) for name, count in rows if name is not None}
