@@ -37,7 +37,10 @@ pytestmark = pytest.mark.integration
 
 PROMPT = "Tell me about sluice gates."
 RUNS = 16 if FULL else 4
-TOKENS = 250                     # at TOKEN_DELAY_MS (20 ms): 5 s per run, longer than any fault here
+TOKENS = 500                     # at TOKEN_DELAY_MS (20 ms): 10 s per run. A run must outlast the wait for
+                                 #   every run to be RUNNING plus the longest fault (1.5 leases): at 5 s,
+                                 #   on a loaded box the runs ended before their lease did (COMPLETED,
+                                 #   settled after the stall: correct, but not the fault under test)
 COMPLETED = common_pb2.RUN_STATUS_COMPLETED
 INTERRUPTED = common_pb2.RUN_STATUS_INTERRUPTED
 
