@@ -37,6 +37,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 # :name, but not a ::cast and not inside a word (a time literal such as '12:30' does not occur here).
 _PARAMETER = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 POOL_SIZE = 8    # hot connections per process; a driver waits for one rather than opening more
+# Every statement of the run path reads by key (a primary key, a unique key, a partial index). A
+# prepared statement keeps its generic plan until an ANALYZE invalidates it, and one planned while a
+# table was small (a fresh ledger, a new tenant's budgets) scans it whole as it grows: on a growing
+# ledger the RUNNING, settlement and published writes scanned runs ~1 time in 2 (issue 9). Scans are
+# priced out, not forbidden (a table with no usable index is still read whole: models, by name or
+# alias). JIT off: a priced-out plan's cost would otherwise cross jit_above_cost and compile.
+HOT_SETTINGS = {"enable_seqscan": "off", "jit": "off"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +199,8 @@ class HotPool:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.size,
                                                        init=_decode_json, reset=_keep_session_state,
-                                                       connection_class=KnownTypesConnection)
+                                                       connection_class=KnownTypesConnection,
+                                                       server_settings=HOT_SETTINGS)
             return self._pool
 
     @contextlib.asynccontextmanager
