@@ -1,7 +1,8 @@
 """The runs table's indexes on the real PostgreSQL (migration 0013): a RUNNING mark is a HOT update
 (no index of runs keys on or filters by a column it changes), and every query that reads runs through
 a partial index still names that index's predicate, so the planner can use it (a partial index serves
-only a query whose conditions imply its predicate; without them the query scans runs whole)."""
+only a query whose conditions imply its predicate; without them the query scans runs whole), and a
+hot connection's statement keeps reading by key when the table grew after its plan was made."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from sluice.ledger import admission_sql, claims_sql, fallbacks, pool_load
 from sluice.ledger.models import Model
 from sluice.ledger.pg import HotPool, Statement
+from sluice.ledger import runs_sql
 from sluice.ledger.runs_sql import RunningMark, mark_running_many
 from sluice.services.routing import claims
 from sqlalchemy import TextClause, text
@@ -89,3 +91,27 @@ async def test_each_reader_of_a_partial_index_can_use_it(api: Services, reader: 
     assert "Seq Scan on runs" not in plan, f"{reader} scans runs whole:\n{plan}"
     assert index in plan, f"{reader} does not read runs through an index named *{index}*:\n{plan}"
 
+
+
+async def test_a_hot_statement_planned_on_a_small_table_still_reads_by_key_once_it_grew(
+        api: Services, hot_pool: HotPool):
+    run_id, epoch = await claimed_run(api, hot_pool)
+    statement = runs_sql._MARK_RUNNING_MANY
+    values = {"run_ids": [uuid.UUID(run_id)], "epochs": [epoch], "partitions": [0], "first_offsets": [1],
+              "last_sequences": [1], "channel": "test"}
+    async with hot_pool.connection() as connection:
+        await connection.execute("ANALYZE runs")    # the statistics of a ledger with one run
+        prepared = await connection.prepare(statement.positional)
+        for _ in range(6):          # PostgreSQL settles on the generic plan after five custom ones
+            await prepared.fetch(*statement.arguments(values))
+        # The ledger grows, no ANALYZE yet: the generic plan made for one run is what runs next.
+        await connection.execute("""
+            INSERT INTO runs (tenant_id, request_key, payload_hash, model_version, prompt_token_ids, input_tokens,
+                              max_output_tokens, deadline_at, reserved_tokens, reserved_cost_micros)
+            SELECT tenant_id, request_key || g, payload_hash, model_version, prompt_token_ids, input_tokens,
+                   max_output_tokens, deadline_at, reserved_tokens, reserved_cost_micros
+              FROM runs, generate_series(1, 3000) g""")
+        plan = "\n".join(row[0] for row in await connection.fetch(
+            f"EXPLAIN (COSTS OFF) EXECUTE {prepared.get_name()}"
+            f"({', '.join(['NULL'] * len(statement.names))})"))
+    assert "Seq Scan on runs" not in plan, plan
