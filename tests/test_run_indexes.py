@@ -9,10 +9,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from sluice.ledger import admission_sql, claims_sql, fallbacks, pool_load
+from sluice.ledger import admission_sql, claims_sql, fallbacks, pool_load, runs_sql
 from sluice.ledger.models import Model
 from sluice.ledger.pg import HotPool, Statement
-from sluice.ledger import runs_sql
 from sluice.ledger.runs_sql import RunningMark, mark_running_many
 from sluice.services.routing import claims
 from sqlalchemy import TextClause, text
