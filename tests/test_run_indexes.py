@@ -105,8 +105,9 @@ async def test_a_hot_statement_planned_on_a_small_table_still_reads_by_key_once_
             await prepared.fetch(*statement.arguments(values))
         # The ledger grows, no ANALYZE yet: the generic plan made for one run is what runs next.
         await connection.execute("""
-            INSERT INTO runs (tenant_id, request_key, payload_hash, model_version, prompt_token_ids, input_tokens,
-                              max_output_tokens, deadline_at, reserved_tokens, reserved_cost_micros)
+            INSERT INTO runs (tenant_id, request_key, payload_hash, model_version, prompt_token_ids,
+                              input_tokens, max_output_tokens, deadline_at, reserved_tokens,
+                              reserved_cost_micros)
             SELECT tenant_id, request_key || g, payload_hash, model_version, prompt_token_ids, input_tokens,
                    max_output_tokens, deadline_at, reserved_tokens, reserved_cost_micros
               FROM runs, generate_series(1, 3000) g""")
