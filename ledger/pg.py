@@ -42,8 +42,11 @@ POOL_SIZE = 8    # hot connections per process; a driver waits for one rather th
 # table was small (a fresh ledger, a new tenant's budgets) scans it whole as it grows: on a growing
 # ledger the RUNNING, settlement and published writes scanned runs ~1 time in 2 (issue 9). Scans are
 # priced out, not forbidden (a table with no usable index is still read whole: models, by name or
-# alias). JIT off: a priced-out plan's cost would otherwise cross jit_above_cost and compile.
-HOT_SETTINGS = {"enable_seqscan": "off", "jit": "off"}
+# alias). Generic plans always: priced-out scans left the writes that take arrays of run ids
+# (`id = ANY(...)`, ten ids assumed) dearer in their generic plan than in a plan for the one id
+# given, so PostgreSQL planned them again at every execution (~140 us each). JIT off: a priced-out
+# plan's cost would otherwise cross jit_above_cost and compile.
+HOT_SETTINGS = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan", "jit": "off"}
 
 
 @dataclass(frozen=True, slots=True)
