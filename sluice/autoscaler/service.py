@@ -91,6 +91,7 @@ class PoolAutoscaler:
         self.history: deque[Tick] = deque(maxlen=HISTORY)
         self.actions: list[tuple[float, str, str]] = []     # (time, action, replica): what it did
         self._starting: set[asyncio.Task[None]] = set()
+        self._unready = 0            # cold starts not yet members: counted as starting (see _cold_start)
         self._stopping: set[asyncio.Task[None]] = set()
         self._trend = ArrivalTrend(loop.window_s, loop.interval_s, loop.slope_windows)
         self._started_at = clock()
@@ -133,7 +134,7 @@ class PoolAutoscaler:
 
     def _counts(self) -> Members:
         states = [member.state for member in self.members.values()]
-        return Members(serving=states.count(SERVING), warm=states.count(WARM), starting=len(self._starting),
+        return Members(serving=states.count(SERVING), warm=states.count(WARM), starting=self._unready,
                        draining=[name for name, m in self.members.items() if m.state == DRAINING])
 
     async def _act(self, decision: ScaleDecision, load: PoolLoad, now: float) -> None:
@@ -148,6 +149,7 @@ class PoolAutoscaler:
         for member in warm[decision.promote:decision.promote + decision.retire_warm]:
             await self._retire(member, now, "retire")
         for _ in range(decision.start):
+            self._unready += 1
             self._spawn(self._starting, self._cold_start())
         # Drain the least busy first: they empty soonest.
         serving = sorted((m for m in self.members.values() if m.state == SERVING),
@@ -174,6 +176,11 @@ class PoolAutoscaler:
         except ProviderError as exc:
             log.error("autoscaler %s: cold start failed: %s", self.pool, exc)
             return
+        finally:
+            # Ready (a member from the next line on, counted by its state) or failed: no longer starting.
+            # Not when the task ends: while its registry row is written a tick counted it twice (a
+            # member and a start: 4 replicas held of a maximum of 3, seen under load).
+            self._unready -= 1
         now = self.clock()
         serving = sum(1 for m in self.members.values() if m.state == SERVING)
         # The pool's floor is not a scaling decision: below min_replicas a ready replica serves at once.
