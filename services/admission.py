@@ -550,10 +550,13 @@ class AdmissionService:
         if await budgets.current(tenant_id) is None:
             # A new period: open it, unless a concurrent submit opens it first (our INSERT then waits
             # for its COMMIT and does nothing). Either way the period now exists if the tenant has
-            # ever had a budget, so the reservation is tried on it again.
+            # ever had a budget.
             await budgets.open_current_period(tenant_id)
-            if await budgets.try_reserve(tenant_id, tokens, cost):
-                return
+        # Tried again even when a period was there: another submit may have opened it after the first
+        # try (its row invisible then, each statement seeing what was committed when it began); only a
+        # reservation that does not fit the period as it is now is refused.
+        if await budgets.try_reserve(tenant_id, tokens, cost):
+            return
         raise await _budget_refusal(budgets, prepared)
 
 

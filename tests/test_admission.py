@@ -211,6 +211,36 @@ async def test_a_submit_racing_another_to_open_the_new_month_reserves_in_the_per
     assert (budget.token_budget, budget.reserved_tokens) == (777, 6)     # this month's row
 
 
+async def test_a_period_another_submit_opens_just_after_this_ones_first_try_still_takes_the_reservation(
+        api, monkeypatch: pytest.MonkeyPatch):
+    # The other admission commits this month's period between this submit's first try (no period
+    # visible yet) and its look for the current period (now visible): the reservation fits it, so
+    # the run is admitted there, not refused as over budget (seen under load: "777 tokens left ...
+    # does not fit").
+    await make_model(api)
+    last_month = (first_of_this_month() - dt.timedelta(days=1)).replace(day=1)
+    tenant = await make_tenant(api, token_budget=777, cost_budget_micros=888_888, period_start=last_month)
+    async with api.sessionmaker() as other:
+        await other.begin()
+        assert await BudgetRepository(other).open_current_period(tenant.id)
+        tries: list[bool] = []
+        original = BudgetRepository.try_reserve
+
+        async def racing(self: BudgetRepository, tenant_id: uuid.UUID, tokens: int, cost_micros: int) -> bool:
+            reserved = await original(self, tenant_id, tokens, cost_micros)
+            tries.append(reserved)
+            if len(tries) == 1:
+                await other.commit()          # the period opens right after the first try
+            return reserved
+        monkeypatch.setattr(BudgetRepository, "try_reserve", racing)
+        response = await asyncio.wait_for(api.submit(tenant, "alpha", 5), 10)
+
+    assert tries[0] is False                  # the race happened: the first try saw no period
+    assert response.status == common_pb2.RUN_STATUS_ACCEPTED
+    budget = await budget_row(api.sessionmaker, tenant.id)
+    assert (budget.token_budget, budget.reserved_tokens) == (777, 6)     # this month's row
+
+
 async def test_a_tenant_without_any_budget_is_refused(api):
     await make_model(api)
     tenant = await make_tenant(api)
