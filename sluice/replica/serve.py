@@ -305,6 +305,16 @@ def build_engine(settings: ReplicaSettings) -> Engine:
     raise StartupError(ERR_UNKNOWN_ENGINE.format(kind))
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs, from /proc alone: no wait, no lock of anyone's (an exited child not yet
+    reaped is a zombie, state Z: not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
 def _run_until_ready(triton: Any, name: str, workspace: Path | None) -> None:
     """triton.run(), but end the process at once when tritonserver exits during startup.
 
@@ -317,11 +327,17 @@ def _run_until_ready(triton: Any, name: str, workspace: Path | None) -> None:
     ready = threading.Event()
 
     def watch() -> None:
+        pid: int | None = None
         while not ready.wait(0.2):
-            # pytriton internals (guarded): the server object and its `sh` process handle once spawned.
-            server = getattr(triton, "_triton_server", None)
-            spawned = getattr(server, "_tritonserver_running_cmd", None) is not None
-            if server is not None and spawned and not server.is_alive() and not ready.is_set():
+            if pid is None:
+                # pytriton internals (guarded): the server object and its `sh` process handle once spawned.
+                server = getattr(triton, "_triton_server", None)
+                pid = getattr(getattr(server, "_tritonserver_running_cmd", None), "pid", None)
+                continue
+            # Not sh's is_alive(): the thread whose poll sees the exit runs pytriton's exit callback
+            # (Triton.stop(), which waits on the stuck run()), so a watcher that saw it first hung
+            # there and never exited (seen under load: the test's 60 s ran out).
+            if not process_alive(pid) and not ready.is_set():
                 print(f"ERROR: {ERR_TRITON_START.format(name=name, error=ERR_TRITON_EXITED)}",
                       file=sys.stderr, flush=True)
                 if workspace is not None:
