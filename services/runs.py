@@ -268,15 +268,22 @@ class RunsService:
         return (await self._wait_for_events(run_id, after, started, notified_within_s)).position
 
     async def _running_recorded(self, run_id: uuid.UUID, started: asyncio.Event | None) -> None:
-        """Returns once the ledger has recorded the run's start, which its RUNNING commit does (and
-        so does the terminal bookkeeping of a run that never ran)."""
+        """Returns once the ledger has committed the run's RUNNING (or its end). Only RUNNING: where its
+        events start is recorded after, in a write nobody is notified of, and a stream that waited for
+        that held the first event for up to ~0.6 s at 16 concurrent runs on a loaded box."""
         if started is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RUNNING_NOTIFIED_WITHIN_S):
                     await started.wait()
             if started.is_set():
                 return
-        await self._wait_for_events(run_id, 0)
+        poll_s = START_POLL_S
+        while True:
+            recorded = await self._event_start(run_id)
+            if recorded.started or recorded.terminal_sequence is not None:
+                return
+            await asyncio.sleep(poll_s)
+            poll_s = min(2 * poll_s, WAIT_REPOLL_S)
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int,
                                started_since_read: asyncio.Event | None = None,

@@ -15,6 +15,7 @@ from sluice.ledger.runs_sql import EventStart
 from sluice.services import runs as runs_module
 from sluice.services.admission import add_admission_servicer
 from sluice.services.admitted_here import RecentAdmissions
+from sluice.services.routing import run_ledger as run_ledger_module
 from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.runs import add_runs_servicer
 
@@ -113,6 +114,37 @@ async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has
     assert told_running in {RunStatus.RUNNING, RunStatus.COMPLETED}          # not still QUEUED
     assert [event.sequence for event in rest] == list(range(2, len(rest) + 2))
     assert rest[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(rest) == TOKENS
+
+
+async def test_a_stream_not_notified_of_running_hands_the_first_event_over_once_running_is_committed(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """The RUNNING hold waits for RUNNING, not for the start recorded after it. Here the RUNNING
+    commit's NOTIFY goes to a channel nobody hears (so the stream reads the ledger after
+    RUNNING_NOTIFIED_WITHIN_S) and the start is written 3 s late: the client must get the run's first
+    event while the ledger holds RUNNING but no start yet (seen: held until the start, ~0.6 s at p95
+    under load)."""
+    monkeypatch.setattr(run_ledger_module, "EVENTS_CHANNEL", "sluice_test_heard_by_nobody")
+    write = SqlRunLedger._record_starts
+
+    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
+        await asyncio.sleep(3.0)
+        return await write(self, marks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlRunLedger, "_record_starts", late)
+    runs = await listening_runs_server(stack)
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    run = await submit(stack, metadata, 200)            # TOKEN_DELAY_MS apart: ~4 s
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                         metadata=metadata)
+        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
+        await stack.start_worker()
+        first = await asyncio.wait_for(stream.read(), 30)
+        row = await stack.run_row(run.run_id)           # the moment the client is told
+        stream.cancel()
+    assert first.sequence == 1 and first.status == common_pb2.RUN_STATUS_RUNNING
+    assert row.status == RunStatus.RUNNING              # durable before the client was told
+    assert row.event_first_offset is None               # and not held for the start written later
 
 
 async def test_a_stream_opened_after_running_is_committed_and_before_its_start_is_recorded_reads_it_soon(
