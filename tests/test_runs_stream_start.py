@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc.aio
 import pytest
-from sluice.ledger.models import RunStatus
+from sluice.ledger.models import Run, RunStatus
 from sluice.ledger.runs_sql import EventStart
 from sluice.services import runs as runs_module
 from sluice.services.admission import add_admission_servicer
@@ -50,6 +52,23 @@ async def submit(stack: Stack, metadata: tuple[tuple[str, str], ...],
         admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
                                     request_key=str(uuid.uuid4()), max_output_tokens=tokens),
         metadata=metadata)
+
+
+@asynccontextmanager
+async def told_first_event_live(stack: Stack, tokens: int = TOKENS) -> AsyncIterator[
+        tuple[grpc.aio.UnaryStreamCall[runs_pb2.StreamRequest, runs_pb2.RunEvent], runs_pb2.RunEvent, Run]]:
+    """A run submitted and streamed live from before any worker runs; yields the stream, the first
+    event the client got and the run's row read the moment it got it."""
+    runs = await listening_runs_server(stack)
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    run = await submit(stack, metadata, tokens)
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                         metadata=metadata)
+        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
+        await stack.start_worker()
+        first = await asyncio.wait_for(stream.read(), 30)
+        yield stream, first, await stack.run_row(run.run_id)
 
 
 async def test_a_stream_opened_before_its_run_is_claimed_gets_every_event_without_reading_the_ledger_again(
@@ -97,16 +116,8 @@ async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has
         return await write(self, marks)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
-    runs = await listening_runs_server(stack)
-    metadata = (("x-api-key", stack.tenant.api_key),)
-    run = await submit(stack, metadata)
-    async with grpc.aio.insecure_channel(runs.address) as channel:
-        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
-                                                         metadata=metadata)
-        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
-        await stack.start_worker()
-        first = await asyncio.wait_for(stream.read(), 30)
-        told_running = (await stack.run_row(run.run_id)).status     # read the moment the client is told
+    async with told_first_event_live(stack) as (stream, first, row):
+        told_running = row.status                      # read the moment the client is told
         rest = []
         while (event := await asyncio.wait_for(stream.read(), 30)) is not grpc.aio.EOF:
             rest.append(event)
@@ -131,16 +142,7 @@ async def test_a_stream_not_notified_of_running_hands_the_first_event_over_once_
         return await write(self, marks)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SqlRunLedger, "_record_starts", late)
-    runs = await listening_runs_server(stack)
-    metadata = (("x-api-key", stack.tenant.api_key),)
-    run = await submit(stack, metadata, 200)            # TOKEN_DELAY_MS apart: ~4 s
-    async with grpc.aio.insecure_channel(runs.address) as channel:
-        stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
-                                                         metadata=metadata)
-        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
-        await stack.start_worker()
-        first = await asyncio.wait_for(stream.read(), 30)
-        row = await stack.run_row(run.run_id)           # the moment the client is told
+    async with told_first_event_live(stack, 200) as (stream, first, row):   # TOKEN_DELAY_MS apart: ~4 s
         stream.cancel()
     assert first.sequence == 1 and first.status == common_pb2.RUN_STATUS_RUNNING
     assert row.status == RunStatus.RUNNING              # durable before the client was told
