@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -341,3 +342,52 @@ async def test_windows_are_topped_up_once_what_was_received_on_them_reaches_the_
     got = [(frame.type, frame.stream_id, h2.parse_u32(frame.payload)) for frame in updates]
     assert sorted(got) == sorted(expected)
     await asyncio.wait_for(_until(lambda: len(sink.messages) == 3), 5)
+
+
+class PacingTransport:
+    """The connection's transport, recording when reading is paused and resumed."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.calls: list[str] = []
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+        self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+        self.transport.resume_reading()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
+
+
+async def test_a_read_close_behind_the_last_pauses_reading_for_the_pace_and_a_sparse_one_does_not(
+        served, monkeypatch):
+    connection, peers = served
+    sink = Sink()
+    stream_id = connection.start(PATH, sink)
+    peer = await peers.get()
+    await peer.handshake()
+    peer.headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+    peer.data(stream_id, h2.grpc_message(b"0"))
+    await asyncio.wait_for(_until(lambda: sink.messages == [b"0"]), 5)
+    pacing = connection._transport = PacingTransport(connection._transport)  # type: ignore[assignment]
+    clock = [1000.0]
+    monkeypatch.setattr(replica_conn, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    connection.last_received = 0.0
+
+    def read(body: bytes) -> None:                      # one read of the socket carrying one DATA frame
+        connection.data_received(h2.frame(h2.DATA, 0, stream_id, h2.grpc_message(body)))
+
+    read(b"1")                                          # long after the last read: handled, not paced
+    assert pacing.calls == [] and sink.messages == [b"0", b"1"]
+    clock[0] += replica_conn.READ_PACE_S / 2
+    read(b"2")                                          # dense: handled, then reading paused
+    assert pacing.calls == ["pause"] and sink.messages[-1] == b"2"
+    await asyncio.sleep(replica_conn.READ_PACE_S * 3)
+    assert pacing.calls == ["pause", "resume"]          # the pace over, the socket is read again
+    clock[0] += 1.0
+    read(b"3")
+    assert pacing.calls == ["pause", "resume"] and sink.messages == [b"0", b"1", b"2", b"3"]
