@@ -39,7 +39,7 @@ fuzz: infra-up               ## every RPC's fields fuzzed (hypothesis), 400 requ
 	SLUICE_FUZZ_EXAMPLES=400 $(PYTEST) -q -s tests/test_fuzz_rpcs.py
 
 chaos: infra-up              ## the fault suite (burst, PostgreSQL restart, Kafka kills, replica/worker SIGKILL+SIGSTOP, ...), a table
-	SLUICE_CHAOS=1 $(PYTEST) -q -rfEs tests/test_chaos.py tests/test_chaos_infra.py tests/test_chaos_postgres.py tests/test_chaos_leases.py
+	SLUICE_CHAOS=1 $(PYTEST) -q -rfEs tests/test_chaos.py tests/test_chaos_infra.py tests/test_chaos_postgres.py tests/test_chaos_leases.py tests/test_autoscaler_live.py
 
 lint: setup                  ## ruff everywhere; mypy (strict on engine, planner, router)
 	.venv/bin/ruff check .

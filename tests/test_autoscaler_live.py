@@ -34,6 +34,7 @@ from sluice.autoscaler.control import ScalerConfig
 from sluice.autoscaler.local import LocalProcessProvider
 from sluice.autoscaler.service import LoopSettings, PoolAutoscaler
 from sluice.router.registry import DRAINING, SERVING, WARM
+from tests.support.chaos import full_only
 from tests.support.routing_stack import MODEL, Stack, open_stack
 
 pytestmark = pytest.mark.integration
@@ -208,6 +209,7 @@ SURGE_LOOP = dataclasses.replace(LOOP, window_s=2.0)
 FIRST_STEP, SURGE = 4, 4
 
 
+@full_only       # make chaos; its decision is pinned without processes in test_autoscaler.py
 async def test_a_surge_during_a_drain_returns_the_draining_replica_to_serving_and_starts_nothing(
         database_dsn: str, sessionmaker: async_sessionmaker[AsyncSession], tmp_path: Path):
     async with open_scaled(database_dsn, sessionmaker, tmp_path, SURGE_SCALER, SURGE_LOOP) as scaled:
