@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +93,18 @@ RUNNING_NOTIFIED_WITHIN_S = 0.25
 # The routing worker commits RUNNING (with its NOTIFY) while the run's first events travel to the log
 # and records where they start a moment later, without a NOTIFY (ledger/runs_sql.py). A stream that
 # needs that start (its run's first event went by before it subscribed) and finds the run RUNNING
-# without it re-reads the ledger after this long, then twice as long each time, up to WAIT_REPOLL_S.
+# without it re-reads the ledger after this long, then twice as long each time, up to WAIT_REPOLL_S
+# (_start_polls); so does a stream held for RUNNING whose NOTIFY did not come (_running_recorded).
 START_POLL_S = 0.02
+
+
+def _start_polls() -> Iterator[float]:
+    """How long each wait for a run's start lasts before the ledger is read again: START_POLL_S,
+    then twice as long each time, up to WAIT_REPOLL_S."""
+    poll_s = START_POLL_S
+    while True:
+        yield poll_s
+        poll_s = min(2 * poll_s, WAIT_REPOLL_S)
 
 
 async def _recorded() -> None:
@@ -277,13 +287,11 @@ class RunsService:
                     await started.wait()
             if started.is_set():
                 return
-        poll_s = START_POLL_S
-        while True:
+        for poll_s in _start_polls():
             recorded = await self._event_start(run_id)
             if recorded.started or recorded.terminal_sequence is not None:
                 return
             await asyncio.sleep(poll_s)
-            poll_s = min(2 * poll_s, WAIT_REPOLL_S)
 
     async def _wait_for_events(self, run_id: uuid.UUID, after: int,
                                started_since_read: asyncio.Event | None = None,
@@ -304,14 +312,14 @@ class RunsService:
             if started_since_read.is_set():
                 self.events.hurry()
             await asyncio.sleep(START_NOTIFIED_GRACE_S)
-        poll_s = START_POLL_S
+        polls = _start_polls()
         while True:
+            poll_s = next(polls)
             if self._started is None:
                 recorded = await self._event_start(run_id)
                 if (start := _stream_start(recorded, after)) is not None:
                     return start
                 await asyncio.sleep(poll_s if recorded.started else WAIT_REPOLL_S / 10)
-                poll_s = min(2 * poll_s, WAIT_REPOLL_S)
                 continue
             # Register before reading, so a NOTIFY committed in between is not missed.
             with self._started.waiter(str(run_id)) as started:
@@ -322,7 +330,6 @@ class RunsService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(poll_s if recorded.started else WAIT_REPOLL_S):
                         await started.wait()
-                poll_s = min(2 * poll_s, WAIT_REPOLL_S)
 
     async def _event_start(self, run_id: uuid.UUID) -> EventStart:
         async with self._hot.connection() as connection:

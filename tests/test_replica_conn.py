@@ -250,16 +250,25 @@ async def test_a_peer_that_shrinks_its_header_table_has_it_acknowledged_in_the_n
     assert dict(decoder.decode(second.payload))[":path"] == PATH
 
 
-class CountingTransport:
-    """The connection's transport, counting the sends made on it."""
+class RecordingTransport:
+    """The connection's transport, recording the sends made on it and when reading paused and resumed."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.writes: list[bytes] = []
+        self.calls: list[str] = []
 
     def write(self, data: bytes) -> None:
         self.writes.append(data)
         self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+        self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+        self.transport.resume_reading()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.transport, name)
@@ -267,7 +276,7 @@ class CountingTransport:
 
 async def test_what_one_loop_pass_writes_leaves_in_one_send_in_order(served):
     connection, peers = served
-    counting = connection._transport = CountingTransport(connection._transport)  # type: ignore[assignment]
+    counting = connection._transport = RecordingTransport(connection._transport)  # type: ignore[assignment]
     ids = []
     for body in (b"one", b"two", b"three"):                # a claim pass starting three runs
         ids.append(connection.start(PATH, Sink()))
@@ -344,25 +353,6 @@ async def test_windows_are_topped_up_once_what_was_received_on_them_reaches_the_
     await asyncio.wait_for(_until(lambda: len(sink.messages) == 3), 5)
 
 
-class PacingTransport:
-    """The connection's transport, recording when reading is paused and resumed."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.calls: list[str] = []
-
-    def pause_reading(self) -> None:
-        self.calls.append("pause")
-        self.transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self.calls.append("resume")
-        self.transport.resume_reading()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.transport, name)
-
-
 async def test_a_read_close_behind_the_last_pauses_reading_for_the_pace_and_a_sparse_one_does_not(
         served, monkeypatch):
     connection, peers = served
@@ -373,7 +363,7 @@ async def test_a_read_close_behind_the_last_pauses_reading_for_the_pace_and_a_sp
     peer.headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
     peer.data(stream_id, h2.grpc_message(b"0"))
     await asyncio.wait_for(_until(lambda: sink.messages == [b"0"]), 5)
-    pacing = connection._transport = PacingTransport(connection._transport)  # type: ignore[assignment]
+    pacing = connection._transport = RecordingTransport(connection._transport)  # type: ignore[assignment]
     clock = [1000.0]
     monkeypatch.setattr(replica_conn, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     connection.last_received = 0.0
