@@ -617,7 +617,7 @@ async def bench(args: argparse.Namespace) -> None:
     settings = StackSettings(token_delay_ms=args.token_delay_ms, gateways=args.gateways,
                              routing_workers=args.routing_workers,
                              max_runs_per_worker=max(64, -(-256 // args.routing_workers)),
-                             max_backlog_per_pool=10**6)
+                             max_backlog_per_pool=10**6, wire_replicas=args.wire_replicas)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-platform-"))
     stack = PlatformStack(settings, dsn, topic, log_dir)
     meter = CpuMeter(stack, database)
@@ -626,7 +626,9 @@ async def bench(args: argparse.Namespace) -> None:
         await asyncio.to_thread(stack.start)
         await meter.start()
         client = Client(stack.gateway_addresses)
-        print(f"bench-platform{' --quick' if args.quick else ''}: simple-engine replicas x2 at"
+        kind = "wire replicas (bench/wire_replica.py: the simple engine's bytes without Triton)" \
+            if args.wire_replicas else "simple-engine replicas"
+        print(f"bench-platform{' --quick' if args.quick else ''}: {kind} x2 at"
               f" {args.token_delay_ms} ms/token, {args.gateways} gateway processes, {args.routing_workers}"
               f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
               f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
@@ -745,7 +747,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_platform", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small phases (a few minutes)")
-    parser.add_argument("--token-delay-ms", type=int, default=100)
+    parser.add_argument("--token-delay-ms", type=float, default=100)
+    parser.add_argument("--wire-replicas", action="store_true",
+                        help="serve the simple engine from bench/wire_replica.py instead of Triton: the same"
+                             " responses for a few us of CPU per token, so that streams can run at seed 002's"
+                             " ~117 tokens/s (--token-delay-ms 8.5) on the platform's own box")
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--routing-workers", type=int, default=1)
     parser.add_argument("--submit-rate", type=float, default=500.0)

@@ -85,8 +85,10 @@ def group_cpu_seconds(session: int) -> float:
 
 
 def start_replica(settings: dict[str, object], log_path: Path, *, name: str = "bench", pool: str = "bench",
-                  ports: Sequence[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """A replica on `ports` (grpc, http, metrics; default free ones); returns it and its gRPC address."""
+                  ports: Sequence[int] | None = None,
+                  module: str = "sluice.replica.serve") -> tuple[subprocess.Popen[bytes], str]:
+    """A replica on `ports` (grpc, http, metrics; default free ones); returns it and its gRPC address.
+    `module`: bench.wire_replica for the simple engine on the wire without Triton."""
     grpc_port, http_port, metrics_port = ports or free_ports(3)
     env = dict(os.environ)
     entry = {"name": name, "pool": pool, "grpc_address": f"127.0.0.1:{grpc_port}",
@@ -94,7 +96,7 @@ def start_replica(settings: dict[str, object], log_path: Path, *, name: str = "b
     env["SLUICE_REPLICAS"] = json.dumps([entry])
     env.update(env_overrides("replica", settings))
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "sluice.replica.serve", "--name", name],
+        process = subprocess.Popen([sys.executable, "-m", module, "--name", name],
                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + 90

@@ -147,11 +147,12 @@ def launch(label: str, argv: list[str], env: Mapping[str, str], log_path: Path) 
 
 @dataclass(frozen=True, slots=True)
 class StackSettings:
-    token_delay_ms: int          # the simple engine's step: one token per live request per step
+    token_delay_ms: float        # the simple engine's step: one token per live request per step
     gateways: int                # gateway processes
     routing_workers: int         # routing worker processes
     max_runs_per_worker: int     # so that the workers together can hold every concurrent stream
     max_backlog_per_pool: int    # high: the open-loop Submit phase must never be shed
+    wire_replicas: bool = False  # bench/wire_replica.py, not Triton (the same bytes, a fraction of the CPU)
 
 
 @dataclass(slots=True)
@@ -190,7 +191,9 @@ class PlatformStack:
         for index in range(2):
             ports = free_ports(3)
             replica = start_replica(replica_settings, self.log_dir / f"replica-r{index}.log",
-                                    name=f"r{index}", pool=POOL, ports=ports)
+                                    name=f"r{index}", pool=POOL, ports=ports,
+                                    module="bench.wire_replica" if self.settings.wire_replicas
+                                    else "sluice.replica.serve")
             self.replicas.append(replica)
             self.replica_tables.append({"name": f"r{index}", "pool": POOL, "grpc_address": replica[1],
                                         "metrics_port": ports[2]})
