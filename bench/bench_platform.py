@@ -4,11 +4,19 @@
 Starts everything itself on a throwaway database and a private Kafka topic (PostgreSQL and Kafka
 must be running: `make infra-up`): two Triton replicas running the "simple" engine at
 --token-delay-ms per step (default 100 ms: one token per live request per step, so 256 streams
-ask the replicas for ~2,560 tokens/s, which they serve in well under a core; the platform, not the
-replicas, is what saturates the box), --gateways gateway processes (`sluice.services.main --role
+ask the replicas for ~2,560 tokens/s; at 0.7-1.2 ms of CPU per token they deliver ~1,500-2,300 of
+them and most of the box is theirs), --gateways gateway processes (`sluice.services.main --role
 gateway`, each on its own port) and --routing-workers routing worker processes
 (`sluice.services.routing`, [routing].max_runs_per_worker raised so they hold every stream).
 Clients spread over the gateways and 50 tenants.
+
+--wire-replicas (`make bench-platform-seed`: --token-delay-ms 8.5) serves the same simple engine from
+bench/wire_replica.py instead: byte for byte the responses a Triton replica sends
+(tests/test_wire_replica.py) for ~25-40 us of CPU per token instead of 0.7-1.2 ms, so that the
+streams can run at seed 002's ~117 tokens/s each (30,000 tokens/s over 256 streams; ~23 tokens per
+200 ms DELTA window) on the box that also runs the platform, where Triton replicas allow ~10 per
+stream (~2 tokens per event). The platform is the same either way; what changes is how many tokens
+each of its per-event, per-run and per-second costs is divided by.
 
 Phases, in order, with the CPU-seconds each component spent read from /proc (platform = gateway
 + routing worker + the PostgreSQL backends of the bench database + the Kafka JVM; replicas and

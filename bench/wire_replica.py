@@ -51,7 +51,7 @@ from sluice.replica.contract import is_stop, parse
 from sluice.replica.engine_api import EngineRequestError, StepOutput
 from sluice.replica.generator import GeneratorConfig, SimpleGenerator, prompt_seed
 from sluice.replica.metrics import ReplicaMetrics
-from sluice.replica.serve import StartupError, settings_from_config
+from sluice.replica.serve import EXIT_STARTUP_FAILED, StartupError, settings_from_config
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_config(config, args.name)
     except StartupError as exc:
         print(f"ERROR: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_STARTUP_FAILED
     if settings.generator is None:
         print("ERROR: the wire replica serves the simple engine only ([replica].engine = \"simple\")",
               file=sys.stderr, flush=True)
-        return 2
+        return EXIT_STARTUP_FAILED
     uvloop.run(serve(settings.name, settings.host, settings.grpc_port, settings.metrics_port,
                      settings.generator))
     return 0

@@ -46,13 +46,18 @@ class ChannelListener:
     """
 
     def __init__(self, dsn: str, channel: str, on_payload: Callable[[str], None] | None = None,
-                 on_connect: Callable[[], None] | None = None) -> None:
+                 on_connect: Callable[[], None] | None = None, remember: int = 0) -> None:
         self._dsn = asyncpg_dsn(dsn)
         self.channel = channel
         self._on_payload = on_payload
         self._on_connect = on_connect    # called each time LISTEN is (re)established
         self.listening = False           # LISTEN is established now: notifications arrive
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        # The last `remember` payloads heard, oldest first (`heard`): for a channel whose payloads
+        # state lasting facts, a caller that registers its waiter only after the NOTIFY may have gone
+        # by asks here instead of waiting for it.
+        self._remember = remember
+        self._heard: dict[str, None] = {}
         self._shared: _SharedConnection | None = None
         self._connection_seen = 0        # the shared connection's generation this one was told of
 
@@ -83,7 +88,18 @@ class ChannelListener:
                 if not waiting:
                     del self._waiters[payload]
 
+    def heard(self, payload: str) -> bool:
+        """`payload` was notified on this listener's connection, among the last `remember` payloads.
+        False says nothing: not heard yet, forgotten, or lost while the listener reconnected."""
+        return payload in self._heard
+
     def _deliver(self, payload: str) -> None:
+        if self._remember:
+            heard = self._heard
+            heard.pop(payload, None)
+            heard[payload] = None
+            if len(heard) > self._remember:
+                del heard[next(iter(heard))]
         if self._on_payload is not None:
             self._on_payload(payload)
         for event in self._waiters.get(payload, ()):

@@ -96,6 +96,13 @@ RUNNING_NOTIFIED_WITHIN_S = 0.25
 # without it re-reads the ledger after this long, then twice as long each time, up to WAIT_REPOLL_S
 # (_start_polls); so does a stream held for RUNNING whose NOTIFY did not come (_running_recorded).
 START_POLL_S = 0.02
+# Run ids notified on EVENTS_CHANNEL that the gateway remembers. Every payload there says the run is
+# RUNNING or past it in the ledger, a fact that stays true; a stream of a run admitted here registers
+# its waiter only once its client opens it, and with a replica that answers within milliseconds the
+# RUNNING NOTIFY often came first: the stream then waited out RUNNING_NOTIFIED_WITHIN_S (or
+# ADMITTED_HERE_WAIT_S) for it (bench_platform --wire-replicas, 16 concurrent: TTFT added p95 +275 ms).
+# At seed 002's 100 runs/s this reaches back ~40 s, where the race spans milliseconds.
+NOTIFIED_REMEMBERED = 8192
 
 
 def _start_polls() -> Iterator[float]:
@@ -161,7 +168,7 @@ class RunsService:
         self.events = events
         self.lease_seconds = lease_seconds
         self.owner = owner or f"runs:{os.getpid()}"
-        self._started = ChannelListener(dsn, EVENTS_CHANNEL) if dsn else None
+        self._started = ChannelListener(dsn, EVENTS_CHANNEL, remember=NOTIFIED_REMEMBERED) if dsn else None
 
     async def close(self) -> None:
         if self._started is not None:
@@ -281,6 +288,8 @@ class RunsService:
         """Returns once the ledger has committed the run's RUNNING (or its end). Only RUNNING: where its
         events start is recorded after, in a write nobody is notified of, and a stream that waited for
         that held the first event for up to ~0.6 s at 16 concurrent runs on a loaded box."""
+        if self._notified(run_id):
+            return
         if started is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RUNNING_NOTIFIED_WITHIN_S):
@@ -302,14 +311,16 @@ class RunsService:
         it is woken (or after `notified_within_s`): a stream opened right after Submit is usually handed
         its run's first event live and never reads it at all."""
         if started_since_read is not None:
-            # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for makes one)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(notified_within_s):
-                    await started_since_read.wait()
+            if not self._notified(run_id):
+                # asyncio.timeout, not wait_for: no task of its own per waiting stream (3.11's wait_for
+                # makes one)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(notified_within_s):
+                        await started_since_read.wait()
             # The NOTIFY says the first event is durable or about to be (RUNNING commits while it
             # travels); the live tail, hurried, hands it over as soon as the log has it, and then this
             # wait is cancelled without reading the ledger at all.
-            if started_since_read.is_set():
+            if started_since_read.is_set() or self._notified(run_id):
                 self.events.hurry()
             await asyncio.sleep(START_NOTIFIED_GRACE_S)
         polls = _start_polls()
@@ -330,6 +341,10 @@ class RunsService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(poll_s if recorded.started else WAIT_REPOLL_S):
                         await started.wait()
+
+    def _notified(self, run_id: uuid.UUID) -> bool:
+        """The run's RUNNING (or its end) was notified here already (NOTIFIED_REMEMBERED)."""
+        return self._started is not None and self._started.heard(str(run_id))
 
     async def _event_start(self, run_id: uuid.UUID) -> EventStart:
         async with self._hot.connection() as connection:

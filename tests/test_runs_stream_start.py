@@ -12,11 +12,13 @@ from contextlib import asynccontextmanager
 
 import grpc.aio
 import pytest
+from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.models import Run, RunStatus
 from sluice.ledger.runs_sql import EventStart
 from sluice.services import runs as runs_module
 from sluice.services.admission import add_admission_servicer
 from sluice.services.admitted_here import RecentAdmissions
+from sluice.services.notify import notify
 from sluice.services.routing import run_ledger as run_ledger_module
 from sluice.services.routing.run_ledger import SqlRunLedger
 from sluice.services.runs import add_runs_servicer
@@ -236,3 +238,74 @@ async def test_the_first_stream_of_a_run_admitted_by_the_same_process_and_key_sk
         await runs.close()
         await admission.close()
         await events.close()
+
+
+async def test_the_first_stream_of_a_run_admitted_here_opened_after_its_running_notify_does_not_wait_for_it(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """A run admitted by this process: its first Stream skips the lookup and waits for the NOTIFY of
+    the run's start, registered only when the client opens it. With a replica that answers within
+    milliseconds the NOTIFY may come first; the process heard it (runs.NOTIFIED_REMEMBERED), so the
+    stream does not wait for it. The waits a missed NOTIFY falls back to are raised to a minute here:
+    the first event must come within seconds."""
+    monkeypatch.setattr(runs_module, "ADMITTED_HERE_WAIT_S", 60.0)
+    monkeypatch.setattr(runs_module, "RUNNING_NOTIFIED_WITHIN_S", 60.0)
+    monkeypatch.setattr(runs_module, "WAIT_REPOLL_S", 120.0)
+    events = KafkaEventLog(stack.config.kafka.bootstrap, stack.events.topic)
+    await events.start()
+    admitted = RecentAdmissions(fresh_s=60.0)       # the Stream below comes well after its Submit
+    server = grpc.aio.server()
+    admission = add_admission_servicer(server, stack.sessionmaker, stack.config, recent=admitted)
+    runs = add_runs_servicer(server, stack.sessionmaker, stack.config, events, admitted=admitted)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    listener = runs._started
+    assert listener is not None
+    listener.start()
+    try:
+        await until(lambda: listener.listening)
+        await stack.start_worker()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            metadata = (("x-api-key", stack.tenant.api_key),)
+            run = await admission_pb2_grpc.AdmissionStub(channel).Submit(
+                admission_pb2.SubmitRequest(model="chat", input=b"How does a lock chamber fill?",
+                                            request_key=str(uuid.uuid4()), max_output_tokens=200),
+                metadata=metadata)
+            await until(lambda: listener.heard(run.run_id))          # RUNNING's NOTIFY went by
+            stream = runs_pb2_grpc.RunsStub(channel).Stream(runs_pb2.StreamRequest(run_id=run.run_id),
+                                                             metadata=metadata)
+            first = await asyncio.wait_for(stream.read(), 20)
+            assert first.sequence == 1 and first.status == common_pb2.RUN_STATUS_RUNNING
+            stream.cancel()
+    finally:
+        await server.stop(None)
+        await runs.close()
+        await admission.close()
+        await events.close()
+
+
+async def test_the_running_hold_does_not_wait_for_a_notify_heard_before_it_began(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """The hold on a run's first event (RUNNING durable before anyone is told) trusts a NOTIFY of the
+    run that this process heard before the stream's waiter existed: no ledger read, no wait."""
+    monkeypatch.setattr(runs_module, "RUNNING_NOTIFIED_WITHIN_S", 60.0)
+    runs = await listening_runs_server(stack)
+    service = runs.service
+    assert service._started is not None
+    run_id = uuid.uuid4()
+    with service._started.waiter(str(run_id)) as delivered:
+        async with stack.sessionmaker() as session:
+            await notify(session, EVENTS_CHANNEL, str(run_id))
+            await session.commit()
+        await asyncio.wait_for(delivered.wait(), 30)
+    reads: list[uuid.UUID] = []
+
+    async def counted(read_id: uuid.UUID) -> EventStart:
+        reads.append(read_id)
+        return EventStart(None, None, None)
+
+    service._event_start = counted  # type: ignore[method-assign]
+    await asyncio.wait_for(service._running_recorded(run_id, asyncio.Event()), 5)
+    assert reads == []
+    # A run nobody notified waits for its NOTIFY (here: the minute), as before.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(service._running_recorded(uuid.uuid4(), asyncio.Event()), 1)
