@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15 cluster for Sluice: loopback TCP on [database].port, socket inside .sluice.
+# Local PostgreSQL 15 cluster for Sluice: loopback TCP on [database].port, socket inside .sluice
+# (the services connect through the socket: [database].socket_dir; the role logs in with its
+# password there as on TCP).
 # Usage: infra/postgres.sh {start|wait|stop|status|restart|reset}
 #   restart: a fast restart of a running server (pg_ctl -m fast restart), for the fault suite
 #
@@ -76,6 +78,24 @@ log_min_messages = warning
 CONF
 }
 
+# The app role logs in with its password on the unix socket too (initdb's `local all all peer` would
+# ask for an OS user of its name): services on this machine connect through the socket, where a
+# statement costs ~35% less CPU than on loopback TCP, on both sides ([database].socket_dir). Run on
+# every start, before the server starts or (a cluster created before this line) followed by a reload.
+HBA_SOCKET_LINE="local   all             $DB_USER                                  scram-sha-256"
+
+allow_password_on_socket() {
+  local hba="$PG_DATA/pg_hba.conf"
+  grep -qxF "$HBA_SOCKET_LINE" "$hba" && return 1
+  # pg_hba.conf is read top down, first match wins: the line goes before initdb's peer line.
+  { echo "# Sluice (infra/postgres.sh): the app role with its password on the unix socket"
+    echo "$HBA_SOCKET_LINE"
+    cat "$hba"; } >"$hba.new"
+  chown "$PG_OS_USER": "$hba.new"; chmod 600 "$hba.new"
+  mv "$hba.new" "$hba"
+  say "pg_hba.conf: $DB_USER logs in with its password on the unix socket"
+}
+
 # Bumped when bootstrap_roles gains a statement, so that an existing cluster runs it (idempotent).
 BOOTSTRAP_STAMP="$PG_ROOT/.bootstrapped-2"
 
@@ -112,6 +132,7 @@ cmd_start() {
   mkdir -p "$LOG_DIR"
   if is_running; then
     [[ -f "$BOOTSTRAP_STAMP" ]] || bootstrap_roles
+    if allow_password_on_socket; then as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" reload >/dev/null; fi
     say "already running on 127.0.0.1:$PG_PORT"; return 0
   fi
   local holder; holder="$(port_listener "$PG_PORT")"
@@ -124,6 +145,7 @@ cmd_start() {
     die "an old postmaster (pid $stale) is still present; stop it first"
   fi
   ensure_traversable
+  allow_password_on_socket || true
   touch "$PG_LOG"; chown "$PG_OS_USER": "$PG_LOG"
   say "starting on 127.0.0.1:$PG_PORT (data $PG_DATA, log $PG_LOG)"
   if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 30 start >"$LOG_DIR/pg_ctl.out" 2>&1; then

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 
 from sluice.services.routing.leases import APPLICATION_NAME, Lease, Renewed, apply_renewal
 from sqlalchemy import func, select, text
-from sqlalchemy.engine import make_url
 
 from tests.support.ledger_services import Services
 from tests.support.tcp_proxy import TcpProxy
@@ -121,12 +120,10 @@ async def test_a_database_stalled_longer_than_the_lease_lets_the_lease_lapse_by_
 async def held_lease(api: Services, proxied: bool = False) -> AsyncIterator[tuple[TcpProxy, Signals, Lease]]:
     """A claimed run's lease held by a keeper (reaching PostgreSQL through a proxy when `proxied`),
     once the keeper renewed it a first time."""
-    url = make_url(dsn_of(api))
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
+    proxy, proxied_dsn = await TcpProxy.before_database(dsn_of(api))
     run_id, epoch = await queued_run(api)
     signals = Signals()
-    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-                            if proxied else dsn_of(api))
+    keeper = signals.keeper(proxied_dsn if proxied else dsn_of(api))
     lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
     keeper.start()
     try:

@@ -22,7 +22,6 @@ from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import func, select
-from sqlalchemy.engine import make_url
 
 from sluice.v1 import common_pb2
 from tests.support.routing_stack import Stack, collect, deltas_tokens
@@ -39,9 +38,7 @@ CLAIM = re.compile(r"\bSET\s+status\s*=\s*'QUEUED',\s*queued_at\s*=", re.IGNOREC
 async def test_runs_of_a_claim_whose_commit_acknowledgment_was_lost_are_driven_to_completion(
         stack: Stack, caplog: pytest.LogCaptureFixture):
     caplog.set_level(logging.WARNING, logger="sluice.services.routing.worker")
-    url = make_url(stack.config.database.url)
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy, proxied = await TcpProxy.before_database(stack.config.database.url)
     engine = make_engine(proxied)
     worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("lost-ack")),
                            make_sessionmaker(engine), stack.events, policy_from_config(stack.config),

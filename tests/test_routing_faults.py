@@ -18,7 +18,6 @@ from sluice.services.routing.app import policy_from_config, registry_from_config
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice_client.sdk import SluiceClient
 from sqlalchemy import select
-from sqlalchemy.engine import make_url
 
 from sluice.v1 import common_pb2
 from tests.support.ledger_factories import budget_row
@@ -78,9 +77,7 @@ async def test_a_burst_of_60_concurrent_runs_on_a_healthy_stack_interrupts_none(
 
 async def test_a_database_outage_shorter_than_the_lease_interrupts_no_run(stack: Stack):
     # The worker reaches PostgreSQL only through the proxy: its pool, its lease keeper, its LISTENs.
-    url = make_url(stack.config.database.url)
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy, proxied = await TcpProxy.before_database(stack.config.database.url)
     engine = make_engine(proxied)
     worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("blip")),
                            make_sessionmaker(engine), stack.events,

@@ -23,7 +23,6 @@ from sluice.services.routing.leases import (
     apply_renewal,
 )
 from sqlalchemy import func, select, update
-from sqlalchemy.engine import make_url
 
 from tests.support.ledger_factories import DEFAULT_MODEL, add_model, add_tenant, prompt_of
 from tests.support.ledger_services import Services
@@ -208,11 +207,10 @@ async def test_a_renewal_skips_a_row_another_transaction_holds_instead_of_waitin
 
 
 async def test_a_database_outage_shorter_than_the_lease_interrupts_no_lease(api: Services):
-    url = make_url(dsn_of(api))
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
+    proxy, proxied_dsn = await TcpProxy.before_database(dsn_of(api))
     run_id, epoch = await queued_run(api)
     signals = Signals()
-    keeper = signals.keeper(url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
+    keeper = signals.keeper(proxied_dsn)
     lease = Lease(run_id, epoch, expires_at=time.monotonic() + LEASE_S)
     keeper.start()
     lapsed = []

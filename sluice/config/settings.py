@@ -21,7 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -70,16 +78,46 @@ class DatabaseSection(Section):
     port: Port = 54329
     dsn: str = "postgresql+asyncpg://sluice@127.0.0.1:54329/sluice"
     password: SecretStr | None = None  # SLUICE_DATABASE__PASSWORD; replaces the DSN's password
+    # The unix socket directory of the PostgreSQL on this machine: a DSN to a loopback host connects
+    # through the socket there when the server has one for the DSN's port (through_local_socket).
+    # Unset: {paths.data_dir}/pg/run, where infra/postgres.sh puts it; "": always as the DSN says.
+    socket_dir: str | None = None
 
     @property
     def url(self) -> str:
-        """The DSN with the password from the environment, when one is set."""
-        if self.password is None:
-            return self.dsn
-        from sqlalchemy.engine import make_url
+        """The DSN with the password from the environment, when one is set, through the local
+        server's unix socket when it has one (socket_dir)."""
+        dsn = self.dsn
+        if self.password is not None:
+            from sqlalchemy.engine import make_url
 
-        return make_url(self.dsn).set(password=self.password.get_secret_value()).render_as_string(
-            hide_password=False)
+            dsn = make_url(dsn).set(password=self.password.get_secret_value()).render_as_string(
+                hide_password=False)
+        return through_local_socket(dsn, self.socket_dir)
+
+
+def through_local_socket(dsn: str, socket_dir: str | None) -> str:
+    """`dsn` through the unix socket in `socket_dir` (relative: from the working directory) when it
+    names a loopback host and a server listens there on its port (.s.PGSQL.<port>; only the server
+    bound to that port on this machine can have it); otherwise `dsn` unchanged. A statement over the
+    socket costs ~35% less CPU than over loopback TCP, in the client and in its PostgreSQL backend
+    alike (no TCP stack, no loopback softirq on a 2-core box that is also running both; issue 9)."""
+    if not socket_dir:
+        return dsn
+    from sqlalchemy.engine import URL, make_url
+
+    url = make_url(dsn)
+    if url.host not in LOOPBACK_HOSTS:
+        return dsn
+    port = url.port or 5432
+    directory = Path(socket_dir).absolute()
+    if not (directory / f".s.PGSQL.{port}").exists():
+        return dsn
+    # asyncpg and SQLAlchemy's asyncpg dialect both take a socket directory as the `host` query
+    # parameter, and only while the URL itself names no host.
+    return URL.create(url.drivername, url.username, url.password, None, None, url.database,
+                      {**url.query, "host": str(directory), "port": str(port)}
+                      ).render_as_string(hide_password=False)
 
 
 class KafkaSection(Section):
@@ -379,6 +417,19 @@ class Settings(BaseSettings):
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
         # load_settings() passes the already merged sources as init values; nothing is read here.
         return (init_settings,)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_socket_in_data_dir(cls, values: Any) -> Any:
+        """[database].socket_dir unset: the socket infra/postgres.sh gives the server it runs."""
+        if not isinstance(values, Mapping):
+            return values
+        database, paths = values.get("database", {}), values.get("paths", {})
+        if not isinstance(database, Mapping) or "socket_dir" in database:
+            return values
+        data_dir = paths.get("data_dir", PathsSection().data_dir) if isinstance(paths, Mapping) \
+            else PathsSection().data_dir
+        return {**values, "database": {**database, "socket_dir": str(Path(data_dir) / "pg" / "run")}}
 
     def updated(self, **changes: Any) -> Settings:
         """A validated copy with some sections changed: a mapping merges into its section,

@@ -37,7 +37,6 @@ from sluice.services.routing.servicer import add_routing_servicer
 from sluice.services.routing.worker import RoutingWorker, WorkerSettings, new_owner_id
 from sluice.services.runs import RunsService, add_runs_servicer
 from sluice.services.usage import add_usage_servicer
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.config import Settings, load_settings
@@ -356,9 +355,7 @@ async def open_stack(database_dsn: str, sessionmaker: async_sessionmaker[AsyncSe
 @contextlib.asynccontextmanager
 async def proxied_worker(stack: Stack) -> AsyncIterator[tuple[TcpProxy, RoutingWorker]]:
     """A routing worker that reaches PostgreSQL only through a proxy: its pool, keeper, reaper, LISTENs."""
-    url = make_url(stack.config.database.url)
-    proxy = await TcpProxy.start(url.host or "127.0.0.1", url.port or 5432)
-    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy, proxied = await TcpProxy.before_database(stack.config.database.url)
     engine = make_engine(proxied)
     worker = RoutingWorker(WorkerSettings.from_config(stack.config, new_owner_id("stall")),
                            make_sessionmaker(engine), stack.events, policy_from_config(stack.config),

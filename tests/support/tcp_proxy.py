@@ -2,6 +2,7 @@
 outage of a chosen length without touching the shared server.
 
     proxy = await TcpProxy.start("127.0.0.1", 54329)   # clients connect to proxy.port
+    proxy, proxied_dsn = await TcpProxy.before_database(dsn)   # the same, in front of a DSN's server
     await proxy.cut(0.8)    # every connection reset, new ones refused, for 0.8 s
     proxy.lose_commit_ack(lambda sql: "queued_at" in sql)
         # the next COMMIT of a transaction that ran such a statement reaches PostgreSQL, which
@@ -25,6 +26,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+from sqlalchemy.engine import URL, make_url
 
 SSL_REQUEST, GSS_REQUEST = 80877103, 80877104   # startup-phase requests a StartupMessage follows
 
@@ -58,6 +61,20 @@ class TcpProxy:
         proxy._thread.start()
         await proxy._on_own_loop(proxy._listen())
         return proxy
+
+    @classmethod
+    async def before_database(cls, dsn: str) -> tuple[TcpProxy, str]:
+        """A proxy in front of the PostgreSQL `dsn` names, and `dsn` through it. A DSN through the
+        local server's unix socket ([database].socket_dir) names its port in the query; the proxy
+        reaches that server on loopback TCP, as every DSN it hands out does."""
+        url = make_url(dsn)
+        query = dict(url.query)
+        if url.host is None and "host" in query:
+            del query["host"]
+            url = URL.create(url.drivername, url.username, url.password, "127.0.0.1",
+                             int(str(query.pop("port", 5432))), url.database, query)
+        proxy = await cls.start(url.host or "127.0.0.1", url.port or 5432)
+        return proxy, url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
     async def cut(self, seconds: float) -> None:
         """Reset every open connection and refuse new ones for `seconds`."""
