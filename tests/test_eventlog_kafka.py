@@ -4,10 +4,11 @@ replay and the live tail, a republished terminal event, locating a run by time."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -182,6 +183,48 @@ async def test_a_run_followed_before_its_first_event_streams_without_waiting_for
         await log.append(seq.delta([token], "", 0))
     await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
     assert await reader == list(range(1, 8))
+
+
+async def test_a_run_whose_first_event_the_tail_still_holds_streams_without_waiting_for_the_ledger(log):
+    """A stream opened a moment after its run's first events went by on a partition the tail already
+    follows (a client slow to open it after Submit): served from the tail's recent records."""
+    run_id = str(uuid.uuid4())
+    seq = RunEventSequencer(run_id)
+    never = asyncio.Event()
+
+    async def ledger_never_answers() -> LogPosition | None:
+        await never.wait()
+        return None
+
+    # Another run's stream has the tail follow the partitions (every one: no home partitions here).
+    other = asyncio.create_task(sequences_from_first(log, str(uuid.uuid4()), 0, ledger_never_answers))
+    try:
+        await asyncio.sleep(0.5)
+        tail = log.live_tail
+        assert tail is not None and tail.subscriptions == 1
+        written = [await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))]
+        written += [await log.append(seq.delta([token], "", 0)) for token in range(3)]
+        partition = written[0].partition
+        for _ in range(100):                                # until the tail has fetched them
+            if len(tail.held(run_id, partition)) == len(written):
+                break
+            await asyncio.sleep(0.05)
+        readers = [asyncio.create_task(asyncio.wait_for(
+            sequences_from_first(log, run_id, after, ledger_never_answers), 10)) for after in (0, 2)]
+        await asyncio.sleep(0.2)
+        await log.append(seq.delta([9], "", 0))             # and what follows comes live
+        await log.append(seq.terminal(common_pb2.RUN_STATUS_COMPLETED, DONE, "", 0))
+        assert await readers[0] == [1, 2, 3, 4, 5, 6]
+        assert await readers[1] == [3, 4, 5, 6]
+    finally:
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
+
+
+async def sequences_from_first(log: KafkaEventLog, run_id: str, after: int,
+                               recorded_start: Callable[[], Awaitable[LogPosition | None]]) -> list[int]:
+    return [e.sequence async for e in log.follow_from_first(run_id, after, recorded_start)]
 
 
 async def test_a_run_that_began_before_it_was_followed_replays_from_the_start_the_ledger_gives(log):

@@ -105,8 +105,8 @@ class EventLog(Protocol):
                           first_recorded: Callable[[], Awaitable[object]] | None = None,
                           ) -> AsyncIterator[runs_pb2.RunEvent]:
         """follow() for a run whose start the ledger has not recorded yet. Live events are watched
-        from now on: if the first to arrive is the run's first event (sequence 1), nothing was
-        written before and nothing needs replaying; it is handed over once `first_recorded()` returns
+        from now on, after any the process still holds of the run: if the first of them is the run's
+        first event (sequence 1), nothing needs replaying; it is handed over once `first_recorded()` returns
         (the ledger has committed the transition that event announces). Otherwise `recorded_start()`
         (which waits for the ledger) says where to replay from, None meaning nothing is left to read."""
         ...

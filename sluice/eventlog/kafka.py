@@ -231,6 +231,21 @@ class KafkaEventLog:
         # Where this process's partitioner puts the run (the metadata _ready_tail just read: no second look).
         partition = partitions[partition_of(run_id.encode(), len(partitions))]
         subscription, _ = await self._subscribe(tail, run_id, partition, -1)
+        held = tail.held(run_id, partition)
+        if held and runs_pb2.RunEvent.FromString(held[0]).sequence == 1:
+            # The run's first event went by before this stream subscribed (a client slow to open
+            # the stream after Submit, a replica quick to answer), and the tail still holds every
+            # record of the run since: served from there, as a first event received live is
+            # (once the ledger has committed RUNNING), without waiting for the ledger to record
+            # where the run starts.
+            try:
+                if first_recorded is not None:
+                    await first_recorded()
+                async for event in self._deliver(run_id, None, after, subscription, [], held):
+                    yield event
+            finally:
+                tail.unsubscribe(subscription)
+            return
         first_live = asyncio.ensure_future(subscription.take())
         ledger = asyncio.ensure_future(recorded_start())
         try:

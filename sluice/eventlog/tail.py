@@ -176,6 +176,10 @@ class RecentRecords:
                 del self._by_key[evicted_key]
             self.covered_from = self._order[0][0]
 
+    def held(self, key: bytes) -> list[bytes]:
+        """Every record of the key still held, oldest first."""
+        return [value for _, value in self._by_key.get(key, ())]
+
     def since(self, key: bytes, offset: int) -> list[bytes] | None:
         """The key's records at offsets >= `offset`, or None when they may reach back further than held."""
         if offset < self.covered_from:
@@ -264,6 +268,13 @@ class LiveTail:
         """The subscription's run's recent records from `from_offset` on (those it was handed as well:
         the reader's EventDeduper drops them), or None when the tail no longer holds all of them."""
         return self._recent[subscription.partition].since(subscription.run_key, from_offset)
+
+    def held(self, run_id: str, partition: int) -> list[bytes]:
+        """Every record of the run the tail still holds (of `partition`, none when not followed),
+        oldest first. Records are evicted oldest first, so when the first of these is the run's first
+        event, they are all of the run's records up to where the tail has read."""
+        recent = self._recent.get(partition)
+        return [] if recent is None else recent.held(run_id.encode())
 
     def unsubscribe(self, subscription: Subscription) -> None:
         waiting = self._subscribers.get(subscription.run_key, [])
