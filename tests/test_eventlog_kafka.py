@@ -164,19 +164,17 @@ async def test_many_concurrent_followers_share_the_process_tail_and_one_replay_r
         await log.close()
 
 
+async def ledger_never_answers() -> LogPosition | None:
+    """A ledger that never records the run's start: a stream that needs it waits forever."""
+    await asyncio.Event().wait()
+    return None
+
+
 async def test_a_run_followed_before_its_first_event_streams_without_waiting_for_the_ledger(log):
     run_id = str(uuid.uuid4())
     seq = RunEventSequencer(run_id)
-    never = asyncio.Event()
-
-    async def ledger_never_answers() -> LogPosition | None:
-        await never.wait()
-        return None
-
-    async def read() -> list[int]:
-        return [e.sequence async for e in log.follow_from_first(run_id, 0, ledger_never_answers)]
-
-    reader = asyncio.create_task(asyncio.wait_for(read(), 10))
+    reader = asyncio.create_task(asyncio.wait_for(
+        sequences_from_first(log, run_id, 0, ledger_never_answers), 10))
     await asyncio.sleep(0.5)                              # subscribed before the run's first event
     await log.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
     for token in range(5):
@@ -190,12 +188,6 @@ async def test_a_run_whose_first_event_the_tail_still_holds_streams_without_wait
     follows (a client slow to open it after Submit): served from the tail's recent records."""
     run_id = str(uuid.uuid4())
     seq = RunEventSequencer(run_id)
-    never = asyncio.Event()
-
-    async def ledger_never_answers() -> LogPosition | None:
-        await never.wait()
-        return None
-
     # Another run's stream has the tail follow the partitions (every one: no home partitions here).
     other = asyncio.create_task(sequences_from_first(log, str(uuid.uuid4()), 0, ledger_never_answers))
     try:
