@@ -309,3 +309,43 @@ async def test_the_running_hold_does_not_wait_for_a_notify_heard_before_it_began
     # A run nobody notified waits for its NOTIFY (here: the minute), as before.
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(service._running_recorded(uuid.uuid4(), asyncio.Event()), 1)
+
+
+async def test_a_stream_opened_after_its_runs_first_events_went_by_live_still_waits_for_running(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch):
+    """A stream that subscribes after its run's first events reached the process's live tail is
+    served from the records the tail holds (eventlog/kafka.py follow_from_first), and still hands the
+    first one over only once the ledger has committed RUNNING, written here 1.5 s late."""
+    late_s = 1.5
+    write = SqlRunLedger._mark_running
+
+    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
+        await asyncio.sleep(late_s)
+        return await write(self, marks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
+    runs = await listening_runs_server(stack)
+    metadata = (("x-api-key", stack.tenant.api_key),)
+    async with grpc.aio.insecure_channel(runs.address) as channel:
+        stub = runs_pb2_grpc.RunsStub(channel)
+        # Another run's stream has the tail follow the topic's partitions (every one: no home here).
+        other = await submit(stack, metadata, 1)
+        following = stub.Stream(runs_pb2.StreamRequest(run_id=other.run_id), metadata=metadata)
+        await until(lambda: runs.events.live_tail is not None and runs.events.live_tail.subscriptions == 1)
+        run = await submit(stack, metadata)
+        await stack.start_worker()
+        partition = await runs.events.partition_of(run.run_id)
+        tail = runs.events.live_tail
+        assert tail is not None
+        await until(lambda: len(tail.held(run.run_id, partition)) >= 2)      # STATUS and a DELTA
+        assert (await stack.run_row(run.run_id)).status == RunStatus.QUEUED  # RUNNING not yet written
+        events = []
+        async for event in stub.Stream(runs_pb2.StreamRequest(run_id=run.run_id), metadata=metadata):
+            if not events:
+                told = await stack.run_row(run.run_id)       # read the moment the client is told
+            events.append(event)
+        following.cancel()
+    assert told.status in {RunStatus.RUNNING, RunStatus.COMPLETED}            # not still QUEUED
+    assert [event.sequence for event in events] == list(range(1, len(events) + 1))
+    assert events[0].status == common_pb2.RUN_STATUS_RUNNING
+    assert events[-1].status == common_pb2.RUN_STATUS_COMPLETED and deltas_tokens(events) == TOKENS
