@@ -56,6 +56,17 @@ async def submit(stack: Stack, metadata: tuple[tuple[str, str], ...],
         metadata=metadata)
 
 
+def running_written_late(monkeypatch: pytest.MonkeyPatch, late_s: float) -> None:
+    """Routing workers commit RUNNING `late_s` after they would."""
+    write = SqlRunLedger._mark_running
+
+    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
+        await asyncio.sleep(late_s)
+        return await write(self, marks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
+
+
 @asynccontextmanager
 async def told_first_event_live(stack: Stack, tokens: int = TOKENS) -> AsyncIterator[
         tuple[grpc.aio.UnaryStreamCall[runs_pb2.StreamRequest, runs_pb2.RunEvent], runs_pb2.RunEvent, Run]]:
@@ -110,14 +121,7 @@ async def test_a_stream_hands_over_the_runs_first_event_only_once_the_ledger_has
     run's first event (STATUS RUNNING) is durable in Kafka before the worker commits RUNNING; here the
     worker writes RUNNING a second late, and the stream following the run live must hold its first
     event until then: whoever is told RUNNING then finds it in the ledger (GetRun, finance)."""
-    late_s = 1.0
-    write = SqlRunLedger._mark_running
-
-    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
-        await asyncio.sleep(late_s)
-        return await write(self, marks)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
+    running_written_late(monkeypatch, 1.0)
     async with told_first_event_live(stack) as (stream, first, row):
         told_running = row.status                      # read the moment the client is told
         rest = []
@@ -316,14 +320,7 @@ async def test_a_stream_opened_after_its_runs_first_events_went_by_live_still_wa
     """A stream that subscribes after its run's first events reached the process's live tail is
     served from the records the tail holds (eventlog/kafka.py follow_from_first), and still hands the
     first one over only once the ledger has committed RUNNING, written here 1.5 s late."""
-    late_s = 1.5
-    write = SqlRunLedger._mark_running
-
-    async def late(self: SqlRunLedger, marks: list[object]) -> list[bool]:
-        await asyncio.sleep(late_s)
-        return await write(self, marks)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(SqlRunLedger, "_mark_running", late)
+    running_written_late(monkeypatch, 1.5)
     runs = await listening_runs_server(stack)
     metadata = (("x-api-key", stack.tenant.api_key),)
     async with grpc.aio.insecure_channel(runs.address) as channel:
