@@ -53,6 +53,12 @@ def test_without_a_server_socket_on_the_dsns_port_the_dsn_is_unchanged(tmp_path:
     assert through_local_socket(DSN, str(listening(tmp_path, 5432))) == DSN      # another port's
 
 
+@pytest.mark.parametrize("tls", ["ssl=require", "sslmode=verify-full", "ssl=true"])
+def test_a_dsn_that_asks_for_tls_stays_on_tcp(tmp_path: Path, tls: str):
+    dsn = DSN.replace("ssl=disable", tls)
+    assert through_local_socket(dsn, str(listening(tmp_path, 5433))) == dsn
+
+
 def test_a_remote_host_or_no_socket_dir_leaves_the_dsn_unchanged(tmp_path: Path):
     directory = str(listening(tmp_path, 5433))
     remote = DSN.replace("127.0.0.1", "db.internal")
