@@ -80,8 +80,9 @@ CONF
 
 # The app role logs in with its password on the unix socket too (initdb's `local all all peer` would
 # ask for an OS user of its name): services on this machine connect through the socket, where a
-# statement costs ~35% less CPU than on loopback TCP, on both sides ([database].socket_dir). Run on
-# every start, before the server starts or (a cluster created before this line) followed by a reload.
+# statement's transport costs less CPU than on loopback TCP ([database].socket_dir; README, issue 9,
+# for what it measured). Run on every start, before the server starts or (a cluster created before
+# this line) followed by a reload.
 HBA_SOCKET_LINE="local   all             $DB_USER                                  scram-sha-256"
 
 allow_password_on_socket() {
