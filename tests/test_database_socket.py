@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from sluice.config import load_settings
-from sluice.config.settings import through_local_socket
+from sluice.config.settings import PathsSection, Settings, through_local_socket
 from tests.support.db import asyncpg_dsn
 
 pytest_plugins = ["tests.support.db"]
@@ -77,6 +77,11 @@ def test_the_socket_dir_defaults_to_the_one_the_project_runs_its_server_with(tmp
     tcp = load_settings(environ={"SLUICE_PATHS__DATA_DIR": str(tmp_path), "SLUICE_DATABASE__DSN": dsn,
                                  "SLUICE_DATABASE__SOCKET_DIR": ""})
     assert tcp.database.url == dsn
+
+
+def test_the_socket_dir_default_follows_a_paths_section_given_built(tmp_path: Path):
+    settings = Settings(paths=PathsSection(data_dir=str(tmp_path)))
+    assert settings.database.socket_dir == str(tmp_path / "pg" / "run")
 
 
 async def client_address(dsn: str) -> str | None:

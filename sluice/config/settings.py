@@ -434,8 +434,10 @@ class Settings(BaseSettings):
         database, paths = values.get("database", {}), values.get("paths", {})
         if not isinstance(database, Mapping) or "socket_dir" in database:
             return values
-        data_dir = paths.get("data_dir", PathsSection().data_dir) if isinstance(paths, Mapping) \
-            else PathsSection().data_dir
+        # [paths] as a table or as a section already built (Settings(paths=PathsSection(...))).
+        data_dir = paths.get("data_dir") if isinstance(paths, Mapping) else getattr(paths, "data_dir", None)
+        if data_dir is None:
+            data_dir = PathsSection().data_dir
         return {**values, "database": {**database, "socket_dir": str(Path(data_dir) / "pg" / "run")}}
 
     def updated(self, **changes: Any) -> Settings:
