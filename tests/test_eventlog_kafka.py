@@ -201,6 +201,8 @@ async def test_a_run_whose_first_event_the_tail_still_holds_streams_without_wait
             if len(tail.held(run_id, partition)) == len(written):
                 break
             await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the live tail never fetched the run's first records")
         readers = [asyncio.create_task(asyncio.wait_for(
             sequences_from_first(log, run_id, after, ledger_never_answers), 10)) for after in (0, 2)]
         await asyncio.sleep(0.2)
