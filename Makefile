@@ -3,7 +3,7 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 
-.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-platform-seed bench-http bench-routing bench-autoscaler bench-traffic bench-host-tier sim plan clean
+.PHONY: setup protos infra-up infra-down migrate seed demo test test-unit test-packaging fuzz chaos lint bench bench-platform bench-platform-seed bench-hops bench-http bench-routing bench-autoscaler bench-traffic bench-host-tier sim plan clean
 
 setup:                       ## venv + pinned packages + gRPC stubs + Kafka jars + PostgreSQL server
 	infra/setup.sh
@@ -53,6 +53,9 @@ bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, T
 
 bench-platform-seed: infra-up  ## the same at seed 002's ~117 tokens/s per stream: wire replicas (bench/wire_replica.py) at 8.5 ms/token
 	$(PY) -m bench.bench_platform --wire-replicas --token-delay-ms 8.5 $(if $(QUICK),--quick,) $(if $(PHASES),--phases $(PHASES),)
+
+bench-hops: infra-up           ## one process hop (pipe, PostgreSQL, Kafka) by how long it was idle: the VM's wake-up cost in TTFT
+	$(PY) -m bench.bench_hops
 
 bench-http: infra-up         ## HTTP edge vs gRPC, the same requests side by side: added p50/p95 (issue 11: <= 3 ms p95)
 	$(PY) -m bench.bench_http_edge
