@@ -45,6 +45,7 @@ from sluice.services.finish import Ending, TerminalRecord
 from sluice.services.replica_client import ReplicaError, TokenChunk
 from sluice.services.routes import route_message
 from sluice.services.routing.claims import ClaimedRun
+from sluice.services.routing.early_call import EarlyCall, OnChunk
 from sluice.services.routing.leases import Lease
 from sluice.services.routing.monitor import Silence
 from sluice.services.routing.observability import (
@@ -117,6 +118,15 @@ class _ModuleReplicaClient:
 
 
 TRITON = _ModuleReplicaClient()
+
+
+def call_replica(replicas: ReplicaClient, address: str, claim: ClaimedRun, salted: bool,
+                 on_chunk: OnChunk) -> Awaitable[None]:
+    """The run's generation on the replica at `address`, each chunk handed to `on_chunk`. `salted`: the
+    replica takes the run's trust scope as its cache_salt_id (else 0: the replica's default)."""
+    return replicas.generate(address, claim.run_id, claim.prompt_token_ids, claim.max_output_tokens,
+                             claim.end_id, cache_salt=claim.cache_salt if salted else 0,
+                             sampling=claim.sampling, on_chunk=on_chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +290,7 @@ class RunDriver:
     on_replica_lost: Callable[[str], None] = lambda name: None
     reroute: Reroute = _nowhere
     clock: WindowClock | None = None   # closes the DELTA windows (the worker's, shared; None: its own)
+    early: EarlyCall | None = None     # the call to `address` sent while the claim committed (first attempt)
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
     last_sequence: int = 0       # last event durable in the log
     output_tokens: int = 0       # tokens in durable DELTA events
@@ -379,6 +390,9 @@ class RunDriver:
             log.warning("run %s: lease lost (%s), leaving it to the reaper", self.run_id, lost)
             return None
         finally:
+            if self.early is not None:      # the run ended before its first attempt took the call
+                self.early.cancel()
+                self.early = None
             if self._horizon is not None:
                 self._horizon.cancel()
             for ack, _, _ in self._in_flight:
@@ -424,12 +438,16 @@ class RunDriver:
         loop = asyncio.get_running_loop()
         if self.clock is None:
             self.clock = WindowClock(loop)
+        early, self.early = self.early, None
+        if early is not None and early.address != self.address:
+            early.cancel()
+            early = None
         pump = _Pump(DeltaCoalescer(self.settings.coalesce_ms, self.settings.coalesce_max_tokens,
                                     aligned=self.settings.coalesce_aligned), self._wake,
-                     time.monotonic(), self.claim.max_output_tokens, self.clock, self._window_closed,
-                     loop=loop)
+                     time.monotonic() if early is None else early.sent_at, self.claim.max_output_tokens,
+                     self.clock, self._window_closed, loop=loop)
         self._pump, self._hung = pump, None
-        task = asyncio.create_task(self._read(pump), name=f"pump-{self.run_id}-{len(self.tried)}")
+        task = asyncio.create_task(self._read(pump, early), name=f"pump-{self.run_id}-{len(self.tried)}")
         stop: Stop | None = None
         try:
             while True:
@@ -561,13 +579,13 @@ class RunDriver:
         self._horizon = None
         self._wake.set()
 
-    async def _read(self, pump: _Pump) -> None:
-        claim = self.claim
-        salt = claim.cache_salt if self.settings.cache_salt_id else 0
+    async def _read(self, pump: _Pump, early: EarlyCall | None) -> None:
         try:
-            await self.replicas.generate(self.address, claim.run_id, claim.prompt_token_ids,
-                                         claim.max_output_tokens, claim.end_id, cache_salt=salt,
-                                         sampling=claim.sampling, on_chunk=pump.take)
+            if early is not None:
+                await early.deliver(pump.take)
+            else:
+                await call_replica(self.replicas, self.address, self.claim, self.settings.cache_salt_id,
+                                   pump.take)
         except Exception as exc:  # the outcome is decided by outcome.decide
             pump.error = exc
         finally:

@@ -38,7 +38,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
@@ -71,7 +71,16 @@ from sluice.services.routing.claims import (
     take_unpublished_terminals,
     within_kv_budgets,
 )
-from sluice.services.routing.driver import TRITON, DriverSettings, ReplicaClient, RunDriver, Target, Wake
+from sluice.services.routing.driver import (
+    TRITON,
+    DriverSettings,
+    ReplicaClient,
+    RunDriver,
+    Target,
+    Wake,
+    call_replica,
+)
+from sluice.services.routing.early_call import EarlyCall
 from sluice.services.routing.leases import Lease, LeaseKeeper
 from sluice.services.routing.monitor import JUDGED_FROM_S, MONITOR_TICK_S, StallGuard, hung
 from sluice.services.routing.observability import (
@@ -183,6 +192,9 @@ class WorkerSettings:
 @dataclass(slots=True)
 class _Pass:
     locked: bool = False         # the pass has sent its lock (its snapshot of ACCEPTED runs is taken)
+    # Each routed run's replica call, sent at once while the claim is written (early_call.py), until
+    # its driver takes it; one left when the pass ends (its claim failed) is cancelled.
+    early: dict[str, EarlyCall] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +415,8 @@ class RoutingWorker:
         try:
             return await self._claim(claim, free, hinted)
         finally:
+            for call in claim.early.values():
+                call.cancel()
             self._claiming -= free
             if not claim.locked:
                 self._unlocked -= 1
@@ -432,6 +446,7 @@ class RoutingWorker:
         decided: list[tuple[AcceptedRun, RouteRequest, RouteDecision]] = []
         routed: list[_Routed] = []
         expired: list[TerminalRecord] = []
+        claims: dict[uuid.UUID, ClaimedRun] = {}
         try:
             async with self.pool.connection() as connection, connection.transaction():
                 self._locking(claim)
@@ -467,11 +482,13 @@ class RoutingWorker:
                         decided.append((run, *choice))
                         # Counted at once, so the batch's next decisions see this run's load.
                         self.loads.on_sent(choice[1].replica)
+                        claims[run.id] = self._unqueued(run, *choice)
+                        claim.early[str(run.id)] = self._call_early(claims[run.id])
                 if decided:
                     queued = await queue_runs(connection, {run.id: decision.replica
                                                            for run, _, decision in decided},
                                               self.settings.owner, self.settings.lease_seconds)
-                    routed = [self._claimed(run, request, decision, queued, claim_started)
+                    routed = [self._claimed(claims[run.id], request, decision, queued, claim_started)
                               for run, request, decision in decided]
         except Exception as error:
             # The claim failed, perhaps only its COMMIT's acknowledgment (connection lost after the
@@ -502,7 +519,7 @@ class RoutingWorker:
                                                  start_time=started_ns, links=[link],
                                                  attributes=claim_attributes(item.claim, item.decision))
                 claim_span.end(end_time=claimed_ns)
-            self._start_driver(item, link if traced else None)
+            self._start_driver(item, link if traced else None, claim.early.pop(item.claim.run_id, None))
         for record in expired:
             await publish_terminal(self.events, self.sessions, record)
         # Claim again at once only if the batch was full of runs taken; runs left ACCEPTED for want
@@ -552,19 +569,32 @@ class RoutingWorker:
         return None if decision is None else (request, decision)
 
     @staticmethod
-    def _claimed(run: AcceptedRun, request: RouteRequest, decision: RouteDecision,
-                 queued: dict[uuid.UUID, tuple[dt.datetime, int]], claim_started: float) -> _Routed:
-        assert run.id in queued, f"run {run.id} was locked as ACCEPTED yet could not be queued"
-        queued_at, epoch = queued[run.id]
-        claim = ClaimedRun(
+    def _unqueued(run: AcceptedRun, request: RouteRequest, decision: RouteDecision) -> ClaimedRun:
+        """The run as routed, before its claim is written (no queued_at, no epoch yet)."""
+        return ClaimedRun(
             run_id=str(run.id), tenant_id=run.tenant_id, model_version=run.model_version,
             worker_pool=run.worker_pool, tokenizer=run.tokenizer, end_id=run.end_id,
             prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
-            deadline_at=run.deadline_at, replica=decision.replica, queued_at=queued_at,
-            created_at=run.created_at, cache_salt=request.cache_salt, epoch=epoch,
+            deadline_at=run.deadline_at, replica=decision.replica, queued_at=None,
+            created_at=run.created_at, cache_salt=request.cache_salt,
             sampling=Sampling.from_json(run.sampling), route=run.route, traceparent=run.traceparent)
-        return _Routed(claim, request, decision, claim_started)
+
+    @staticmethod
+    def _claimed(claim: ClaimedRun, request: RouteRequest, decision: RouteDecision,
+                 queued: dict[uuid.UUID, tuple[dt.datetime, int]], claim_started: float) -> _Routed:
+        run_id = uuid.UUID(claim.run_id)
+        assert run_id in queued, f"run {run_id} was locked as ACCEPTED yet could not be queued"
+        queued_at, epoch = queued[run_id]
+        return _Routed(dataclasses.replace(claim, queued_at=queued_at, epoch=epoch), request, decision,
+                       claim_started)
+
+    def _call_early(self, claim: ClaimedRun) -> EarlyCall:
+        """The routed run's replica call, sent before its claim commits (early_call.py)."""
+        assert claim.replica is not None
+        target = self._target_of(claim.replica)
+        return EarlyCall(target.address, lambda take: call_replica(self.replicas, target.address, claim,
+                                                                    target.cache_salt_id, take))
 
     def _has_headroom(self, pool: str, now: float) -> bool:
         """Is the pool below every batch threshold (sluice/traffic/priority.py), as last scraped plus
@@ -607,11 +637,14 @@ class RoutingWorker:
         return Target(spec.name, spec.grpc_address, self.loads.load(spec.name).block_size or spec.block_size,
                       spec.cache_salt_id)
 
-    def _start_driver(self, item: _Routed,
-                      claim_span: trace.Link | None = None) -> None:
-        entry = self.registry.get(item.decision.replica)
-        assert entry is not None, f"policy chose {item.decision.replica}, which is not registered"
-        target = self._target(entry)
+    def _target_of(self, replica: str) -> Target:
+        entry = self.registry.get(replica)
+        assert entry is not None, f"policy chose {replica}, which is not registered"
+        return self._target(entry)
+
+    def _start_driver(self, item: _Routed, claim_span: trace.Link | None = None,
+                      early: EarlyCall | None = None) -> None:
+        target = self._target_of(item.decision.replica)
         settings = dataclasses.replace(self.settings.driver(), block_size=target.block_size,
                                        cache_salt_id=target.cache_salt_id)
         run_id = item.claim.run_id
@@ -620,7 +653,8 @@ class RoutingWorker:
             self._windows = WindowClock(asyncio.get_running_loop())
         driver = RunDriver(claim=item.claim, address=target.address, settings=settings, events=self.events,
                            ledger=self.ledger, lease=lease, replicas=self.replicas,
-                           on_replica_lost=self._replica_failed, reroute=self._reroute, clock=self._windows)
+                           on_replica_lost=self._replica_failed, reroute=self._reroute, clock=self._windows,
+                           early=early)
         self.keeper.hold(lease, driver.revoke_lease, driver.request_cancel)
         self.drivers[run_id] = driver
         self._requests[run_id] = item
