@@ -66,9 +66,22 @@ _START_SET = """
        last_sequence = GREATEST(r.last_sequence, p.last_sequence)
   FROM unnest(CAST(:run_ids AS uuid[]), CAST(:epochs AS bigint[]), CAST(:partitions AS integer[]),
               CAST(:first_offsets AS bigint[]), CAST(:last_sequences AS bigint[]))
-       AS p(run_id, epoch, partition, first_offset, last_sequence)
- WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.lease_epoch = p.epoch"""
-_MARK_RUNNING_MANY = Statement.of(f"""
+       AS p(run_id, epoch, partition, first_offset, last_sequence), locked
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.id = locked.id
+   AND r.lease_epoch = p.epoch"""
+# Every batched write locks its runs in id order before it changes them, as the settlement does
+# (ledger/settlement.py: ORDER BY r.id FOR UPDATE OF r): two batches that share runs then queue at
+# the first one they share, never each holding a run the other waits for. The UPDATE's own join
+# meets the rows in whatever order its plan gives (the batch's, the index's): a batched start record
+# and a batched settlement deadlocked so under load, and the settlement's driver gave its run up
+# INTERRUPTED (bench-platform's run-cost phase, 3 runs of 600). NO KEY UPDATE is what the UPDATE
+# takes anyway (an insert referencing the run still gets its key-share lock). Read by the join, the
+# CTE is run (and its locks taken) in id order whichever side of the join it is on.
+_LOCKED_IN_ID_ORDER = """
+WITH locked AS MATERIALIZED (
+    SELECT id FROM runs WHERE id = ANY(CAST(:run_ids AS uuid[])) ORDER BY id FOR NO KEY UPDATE
+)"""
+_MARK_RUNNING_MANY = Statement.of(f"""{_LOCKED_IN_ID_ORDER}
 UPDATE runs AS r
    SET status = 'RUNNING', started_at = COALESCE(r.started_at, now()),{_START_SET}
    AND r.status IN ('QUEUED', 'RUNNING')
@@ -77,13 +90,13 @@ RETURNING r.id, pg_notify(:channel, CAST(r.id AS text))
 
 # Where RUNNING runs' events start (each under its driver's epoch), without a NOTIFY: their Streams
 # were told RUNNING by mark_running's, and one that needs the start re-reads it (services/runs.py).
-_RECORD_STARTS = Statement.of(f"""
+_RECORD_STARTS = Statement.of(f"""{_LOCKED_IN_ID_ORDER}
 UPDATE runs AS r
    SET {_START_SET.lstrip()}
 RETURNING r.id
 """)
 
-_MARK_PUBLISHED_MANY = Statement.of("""
+_MARK_PUBLISHED_MANY = Statement.of(f"""{_LOCKED_IN_ID_ORDER}
 UPDATE runs AS r
    SET terminal_published = true, lease_expires_at = NULL,
        last_sequence = GREATEST(r.last_sequence, p.sequence),
@@ -91,8 +104,8 @@ UPDATE runs AS r
        event_first_offset = COALESCE(r.event_first_offset, p.first_offset)
   FROM unnest(CAST(:run_ids AS uuid[]), CAST(:sequences AS bigint[]), CAST(:partitions AS integer[]),
               CAST(:first_offsets AS bigint[]))
-       AS p(run_id, sequence, partition, first_offset)
- WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id
+       AS p(run_id, sequence, partition, first_offset), locked
+ WHERE r.id = ANY(CAST(:run_ids AS uuid[])) AND r.id = p.run_id AND r.id = locked.id
 RETURNING CASE WHEN r.started_at IS NULL THEN pg_notify(:channel, CAST(r.id AS text)) END
 """)
 

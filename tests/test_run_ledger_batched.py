@@ -10,12 +10,20 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 import pytest
+from sluice.ledger.channels import EVENTS_CHANNEL
 from sluice.ledger.models import Model, Run, RunStatus
-from sluice.ledger.pg import HotPool
+from sluice.ledger.pg import HotPool, asyncpg_dsn
+from sluice.ledger.runs_sql import (
+    PublishedMark,
+    RunningMark,
+    mark_published_many,
+    mark_running_many,
+    record_starts,
+)
 from sluice.services.finish import Ending
 from sluice.services.routing.claims import mark_queued
 from sluice.services.routing.leases import Lease
@@ -134,3 +142,57 @@ async def test_runs_that_end_together_settle_in_one_statement_and_their_publishe
     await asyncio.sleep(LINGER_S + 0.3)
     assert await rows(api, leases) == [("COMPLETED", True), ("COMPLETED", True), ("FAILED", True)]
     assert pool.checkouts - before == 2          # both lingering marks in one statement
+
+
+# The batched writes of runs, each given its runs highest id first (a batch is in arrival order).
+BATCHED_WRITES: dict[str, Callable[[asyncpg.Connection, list[Lease]], Awaitable[object]]] = {
+    "RUNNING marks": lambda connection, leases: mark_running_many(
+        connection, [RunningMark(lease.run_id, lease.epoch, LogPosition(0, 1), 1) for lease in leases],
+        EVENTS_CHANNEL),
+    "start records": lambda connection, leases: record_starts(
+        connection, [RunningMark(lease.run_id, lease.epoch, LogPosition(0, 1), 1) for lease in leases]),
+    "published marks": lambda connection, leases: mark_published_many(
+        connection, [PublishedMark(lease.run_id, 3, LogPosition(0, 3)) for lease in leases], EVENTS_CHANNEL),
+}
+
+
+@pytest.mark.parametrize("write", list(BATCHED_WRITES))
+async def test_a_batched_write_locks_its_runs_in_id_order_whatever_the_order_of_its_batch(
+        api: Services, database_dsn: str, write: str):
+    """Two writers that lock shared rows in different orders can each hold one the other waits for:
+    a batched start record and a batched settlement (which locks in id order) deadlocked so, and the
+    settlement's run was given up INTERRUPTED. Here the lower run is held elsewhere while the write
+    runs: in id order it waits there having locked nothing, so the higher run is still free."""
+    leases = sorted(await leased(api, 2), key=lambda lease: uuid.UUID(lease.run_id))
+    low, high = (uuid.UUID(lease.run_id) for lease in leases)
+    dsn = asyncpg_dsn(database_dsn)
+    holder, writer, prober = [await asyncpg.connect(dsn) for _ in range(3)]
+    try:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT id FROM runs WHERE id = $1 FOR UPDATE", low)
+        writing = asyncio.create_task(BATCHED_WRITES[write](writer, leases[::-1]))
+        await wait_for_lock_wait(prober, writer.get_server_pid())
+        probing = prober.transaction()
+        await probing.start()
+        try:
+            higher_free = await prober.fetchval(
+                "SELECT id FROM runs WHERE id = $1 FOR UPDATE NOWAIT", high) == high
+        except asyncpg.exceptions.LockNotAvailableError:
+            higher_free = False
+        await probing.rollback()
+        await holding.rollback()
+        await asyncio.wait_for(writing, 10)
+    finally:
+        for connection in (holder, writer, prober):
+            await connection.close()
+    assert higher_free
+
+
+async def wait_for_lock_wait(connection: asyncpg.Connection, pid: int, timeout_s: float = 10.0) -> None:
+    """Until the backend `pid` waits for a lock."""
+    deadline = time.monotonic() + timeout_s
+    waiting = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1"
+    while await connection.fetchval(waiting, pid) != "Lock":
+        assert time.monotonic() < deadline, f"backend {pid} never waited for a lock"
+        await asyncio.sleep(0.02)

@@ -1,9 +1,11 @@
 """The ledger writes of one run's driver, behind a Protocol so the driver can be tested in memory.
 
 Each write is one short transaction conditioned on the driver's lease epoch (claims.py). A
-transient database error (connection lost, PostgreSQL restarting, a failover) is retried until
-the lease runs out: a blip shorter than the lease interrupts nothing. Every write is idempotent
-under its epoch, so a retry after a commit whose acknowledgment was lost changes nothing.
+transient database error (connection lost, PostgreSQL restarting, a failover) or a transaction
+rolled back for losing a race (a deadlock) is retried until the lease runs out: a blip shorter than
+the lease interrupts nothing. Every write is idempotent under its epoch, so a retry after a commit
+whose acknowledgment was lost changes nothing. The batched writes lock their runs in id order, as
+the settlement does, so that two of them never wait on each other in a cycle (ledger/runs_sql.py).
 
 The process's drivers share their writes of one kind (ledger/batching.py): RUNNING marks, the
 starts recorded after them, and settlements that arrive while one of their kind is being written go
@@ -35,7 +37,7 @@ from sluice.ledger.runs_sql import (
     record_starts,
 )
 from sluice.ledger.settlement import OwnedSettled, OwnedSettlement, settle_owned_many
-from sluice.ledger.transient import transient
+from sluice.ledger.transient import retryable
 from sluice.services.finish import (
     Ending,
     TerminalRecord,
@@ -206,7 +208,7 @@ class SqlRunLedger:
             except Exception as error:
                 now = time.monotonic()
                 pending = [item for item in pending if now < item.until]
-                if not transient(error) or not pending:
+                if not retryable(error) or not pending:
                     log.warning("%d terminal-published marks not written (%r): the reaper republishes"
                                 " their terminal events", len(marks), error)
                     return [None] * len(marks)
@@ -223,12 +225,12 @@ def _start_recorded(task: asyncio.Future[bool]) -> None:
 
 
 async def _retried(run_id: str, write: Callable[[], Awaitable[T]], may_retry: Callable[[], bool]) -> T:
-    """`write()`, again after each transient database error while `may_retry()`."""
+    """`write()`, again after each retryable database error (ledger/transient.py) while `may_retry()`."""
     while True:
         try:
             return await write()
         except Exception as error:
-            if not transient(error) or not may_retry():
+            if not retryable(error) or not may_retry():
                 raise
             log.warning("run %s: ledger write failed (%r); retrying within the lease", run_id, error)
             await asyncio.sleep(RETRY_S)
