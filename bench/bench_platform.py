@@ -25,7 +25,12 @@ this client are reported apart, never in the platform figure):
   ttft       TTFT added over calling a Triton replica directly, measured side by side: each
              round calls the replica (services.replica_client.stream_generate, same prompt
              length, 4 tokens) and the platform (Submit → first DELTA over Stream), one at a
-             time, then 16 of each concurrently
+             time, then 16 of each concurrently. The platform is called through the direct
+             call's own client (bench/lean_client.py: replica_conn's HTTP/2) and, in the same
+             rounds, through grpc.aio (the SDK's transport); the headline is the former, the same
+             client on both sides. For each, from a round's start to its last first token: how
+             busy the box's CPUs were, how long runnable tasks waited for one
+             (/proc/pressure/cpu) and the box's CPU per run (is the burst short of CPU?)
   run-cost   platform CPU per run of 2 output tokens (concurrency 16)
   stream-64  platform CPU per delivered token, 64 concurrent 300-token streams
   stream-256 the same at 256
@@ -68,7 +73,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -81,6 +86,7 @@ from sluice.services.notify import asyncpg_dsn
 from sluice.services.tokenization import encode
 
 from bench.bench_submit import _claim_backlog
+from bench.lean_client import CallFailed, LeanClient
 from bench.platform_stack import (
     CLOCK_TICKS,
     COMPONENTS,
@@ -118,7 +124,7 @@ class Plan:
     submit_seconds: float
 
 
-FULL = Plan(ttft_serial=40, ttft_rounds=5, cost_runs=200, stream_tokens=300, stream_runs_64=64,
+FULL = Plan(ttft_serial=40, ttft_rounds=10, cost_runs=200, stream_tokens=300, stream_runs_64=64,
             stream_runs_256=256, interrupt_runs=1000, interrupt_tokens=100, submit_seconds=10.0)
 QUICK = Plan(ttft_serial=12, ttft_rounds=2, cost_runs=48, stream_tokens=100, stream_runs_64=64,
              stream_runs_256=256, interrupt_runs=256, interrupt_tokens=40, submit_seconds=3.0)
@@ -151,15 +157,18 @@ class RunOutcome:
 
 
 class Client:
-    """Raw stubs on one channel per gateway; tenant i's calls carry tenant i's key."""
+    """Raw stubs on one channel per gateway; tenant i's calls carry tenant i's key. `run(lean=True)`
+    calls through bench/lean_client.py instead of grpc.aio (the TTFT phase: the direct call's client)."""
 
     def __init__(self, addresses: Sequence[str]) -> None:
         self.channels = [grpc.aio.insecure_channel(address) for address in addresses]
         self.admission = [admission_pb2_grpc.AdmissionStub(c) for c in self.channels]
         self.runs = [runs_pb2_grpc.RunsStub(c) for c in self.channels]
+        self.lean = LeanClient(addresses)
         self._next = 0
 
     async def close(self) -> None:
+        self.lean.close()
         for channel in self.channels:
             await channel.close()
 
@@ -168,14 +177,30 @@ class Client:
         self._next += 1
         return self._next % len(self.channels), self._next % TENANTS
 
+    @staticmethod
+    def _request(tokens: int) -> admission_pb2.SubmitRequest:
+        return admission_pb2.SubmitRequest(model="chat", input=PROMPT.encode(), max_output_tokens=tokens,
+                                           request_key=uuid.uuid4().hex)
+
     async def submit(self, gateway: int, tenant: int, tokens: int) -> str:
-        request = admission_pb2.SubmitRequest(model="chat", input=PROMPT.encode(), max_output_tokens=tokens,
-                                              request_key=uuid.uuid4().hex)
         metadata = (("x-api-key", tenant_key(tenant)),)
-        response = await self.admission[gateway].Submit(request, metadata=metadata)
+        response = await self.admission[gateway].Submit(self._request(tokens), metadata=metadata)
         return str(response.run_id)
 
-    async def run(self, tokens: int) -> RunOutcome:
+    async def _submitted(self, gateway: int, tenant: int, tokens: int, lean: bool) -> tuple[
+            str, AsyncIterator[runs_pb2.RunEvent]]:
+        """Submit, then open the run's Stream: (run id, its events)."""
+        key = tenant_key(tenant)
+        if lean:
+            run_id = str((await self.lean.submit(gateway, key, self._request(tokens))).run_id)
+            return run_id, self.lean.stream(gateway, key, runs_pb2.StreamRequest(run_id=run_id, after=0))
+        run_id = await self.submit(gateway, tenant, tokens)
+        return run_id, self.runs[gateway].Stream(runs_pb2.StreamRequest(run_id=run_id, after=0),
+                                                 metadata=(("x-api-key", key),))
+
+    async def run(self, tokens: int, on_first: Callable[[], None] | None = None,
+                  lean: bool = False) -> RunOutcome:
+        """One run read to its terminal event; `on_first` is called as its first DELTA arrives."""
         gateway, tenant = self.pick()
         submitted_at, first_at, run_id = time.time(), 0.0, ""
         answered_at, first_published_ms = 0.0, 0
@@ -185,17 +210,17 @@ class Client:
         delivery: list[float] = []
         status, detail = "NO TERMINAL", ""
         try:
-            run_id = await self.submit(gateway, tenant, tokens)
+            run_id, stream = await self._submitted(gateway, tenant, tokens, lean)
             answered_at = time.time()
-            call = self.runs[gateway].Stream(runs_pb2.StreamRequest(run_id=run_id, after=0),
-                                             metadata=(("x-api-key", tenant_key(tenant)),))
-            async for event in call:
+            async for event in stream:
                 events += 1
                 if event.type == runs_pb2.EVENT_TYPE_DELTA:
                     if received == 0:
                         first = time.perf_counter() - started
                         first_at = time.time()
                         first_published_ms = event.time_ms
+                        if on_first is not None:
+                            on_first()
                     else:
                         delivery.append(time.time() * 1000 - event.time_ms)
                     received += len(event.token_ids)
@@ -204,6 +229,8 @@ class Client:
                     detail = event.detail
         except grpc.aio.AioRpcError as error:
             status, detail = f"ERROR {error.code().name}", error.details() or ""
+        except CallFailed as error:
+            status, detail = f"ERROR {error.code}", error.details
         return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at,
                           tuple(delivery), answered_at, first_published_ms)
 
@@ -382,29 +409,61 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
                 first = time.perf_counter() - started
         return float("nan") if first is None else first
 
-    outcomes: list[RunOutcome] = []
+    outcomes: dict[bool, list[RunOutcome]] = {True: [], False: []}
 
-    async def platform() -> float:
-        outcome = await client.run(4)
-        outcomes.append(outcome)
+    async def platform(pressure: Pressure, lean: bool) -> float:
+        outcome = await client.run(4, pressure.first, lean=lean)
+        outcomes[lean].append(outcome)
         return outcome.ttft_s
+
+    def added(times: list[float], direct_s: list[float]) -> str:
+        d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
+        p50, p95 = pct(times, 50) * 1e3, pct(times, 95) * 1e3
+        return (f"platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
+                f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
 
     lines = []
     levels = (("one at a time", 1, plan.ttft_serial), ("16 concurrent", 16, plan.ttft_rounds))
     for label, width, rounds in levels:
         direct_s: list[float] = []
-        platform_s: list[float] = []
+        platform_s: dict[bool, list[float]] = {True: [], False: []}
+        direct_pressure = Pressure()
+        platform_pressure = {True: Pressure(), False: Pressure()}
         for round_index in range(rounds):
-            direct_s += await asyncio.gather(*(direct(round_index * width + i) for i in range(width)))
-            platform_s += await asyncio.gather(*(platform() for _ in range(width)))
+            direct_s += await direct_pressure.over(asyncio.gather(
+                *(direct(round_index * width + i) for i in range(width))))
+            # Both clients every round, in alternating order (the box's drift falls on both alike), each
+            # after direct calls (what a platform round leaves running, its runs' settlement, does not
+            # fall on the other).
+            for lean in (True, False) if round_index % 2 == 0 else (False, True):
+                if lean != (round_index % 2 == 0):
+                    direct_s += await direct_pressure.over(asyncio.gather(
+                        *(direct(round_index * width + i) for i in range(width))))
+                pressure = platform_pressure[lean]
+                platform_s[lean] += await pressure.over(
+                    asyncio.gather(*(platform(pressure, lean) for _ in range(width))), firsts=width)
         d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
-        p50, p95 = pct(platform_s, 50) * 1e3, pct(platform_s, 95) * 1e3
-        lines.append(f"TTFT {label} ({len(platform_s)} each): direct p50 {d50:.1f} / p95 {d95:.1f} ms;"
-                     f" platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
-                     f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
-        lines.append(f"  where the platform's time goes: {await ttft_split(dsn, outcomes)}")
-        lines.append(f"  stages: {await ttft_stages(dsn, outcomes)}")
-        outcomes.clear()
+        lines.append(f"TTFT {label} ({len(platform_s[True])} runs per client, {len(direct_s)} direct calls):"
+                     f" direct p50 {d50:.1f} / p95 {d95:.1f} ms;"
+                     f" {added(platform_s[True], direct_s)} (the direct call's client, bench/lean_client.py)")
+        lines.append(f"  through grpc.aio (the SDK's transport) in the same rounds:"
+                     f" {added(platform_s[False], direct_s)}")
+        lines.append(f"  where the platform's time goes: {await ttft_split(dsn, outcomes[True])}")
+        lines.append(f"  stages: {await ttft_stages(dsn, outcomes[True])}")
+        # Whether the rounds were short of CPU: from a platform round's start to its last first token,
+        # how busy the box's CPUs were, how long runnable tasks waited for one, and the box's CPU
+        # (every process: platform, replicas, this client) spent per run until then.
+        for lean, name in ((True, "lean client"), (False, "grpc.aio")):
+            pressure = platform_pressure[lean]
+            per_run_ms = pressure.busy_s / max(1, len(platform_s[lean])) * 1e3
+            lines.append(f"  CPU until a round's last first token ({name}): box busy {pressure.busy()}, some"
+                         f" task waiting for a CPU {pressure.waited()} of the time, {per_run_ms:.1f} ms of"
+                         f" box"
+                         f" CPU per run")
+        lines.append(f"  (direct rounds, start to end: box busy {direct_pressure.busy()},"
+                     f" some task waiting {direct_pressure.waited()})")
+        outcomes[True].clear()
+        outcomes[False].clear()
     return lines
 
 
@@ -479,6 +538,76 @@ def stream_lines(label: str, outcomes: list[RunOutcome], spent: Spent, backgroun
             f"  (Kafka net of its background: {kafka_net / max(tokens, 1) * 1e6:.1f} us/token)",
             f"  net of the idle stack's rate over the phase: {sum(net.values()) / max(tokens, 1) * 1e6:.1f}"
             f" us/token ({net_parts})"]
+
+
+def cpu_waited_us() -> int | None:
+    """Microseconds during which some runnable task on the box waited for a CPU (pressure stall
+    information, /proc/pressure/cpu "some" total; None where the kernel does not keep it)."""
+    try:
+        with open("/proc/pressure/cpu", encoding="ascii") as pressure:
+            some = pressure.readline().split()
+    except OSError:
+        return None
+    return int(some[-1].removeprefix("total=")) if some and some[0] == "some" else None
+
+
+def box_not_running_s() -> float:
+    """CPU-seconds the box's CPUs have not run its tasks since boot (/proc/stat): idle + iowait, and
+    steal (the hypervisor ran someone else). The kernel keeps idle time exactly (a tickless CPU's
+    sleep is timed); busy time is sampled by the tick and over-counts short bursts between sleeps, so
+    busy is reckoned as wall x CPUs - this. Printed in clock ticks (10 ms): fine enough summed over
+    several rounds."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = stat.readline().split()
+    return (int(fields[4]) + int(fields[5]) + int(fields[8])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(slots=True)
+class Pressure:
+    """Over some rounds: the share of their wall time when runnable tasks waited for a CPU (the box
+    had more work than cores; 0: every task ran as soon as it could), and the box's CPU spent. A
+    round counts from its start to its last first token (`firsts` of them), or to its end."""
+    waited_us: int = 0
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    known: bool = True
+    _round: tuple[int | None, float, float, int] | None = None  # (waited, idle, start, firsts awaited)
+
+    async def over(self, work: Awaitable[T], firsts: int = 0) -> T:
+        self._round = (cpu_waited_us(), box_not_running_s(), time.perf_counter(), firsts)
+        result = await work
+        self._close()
+        return result
+
+    def first(self) -> None:
+        """A first token arrived: the round's window ends with the last one."""
+        if self._round is not None:
+            waited, busy, started, left = self._round
+            self._round = (waited, busy, started, left - 1)
+            if left - 1 <= 0:
+                self._close()
+
+    def _close(self) -> None:
+        if self._round is None:
+            return
+        (waited_before, idle_before, started, _), self._round = self._round, None
+        waited_after = cpu_waited_us()
+        wall_s = time.perf_counter() - started
+        self.busy_s += wall_s * (os.cpu_count() or 1) - (box_not_running_s() - idle_before)
+        self.wall_s += wall_s
+        if waited_before is None or waited_after is None:
+            self.known = False
+        else:
+            self.waited_us += waited_after - waited_before
+
+    def waited(self) -> str:
+        if not self.known or self.wall_s <= 0:
+            return "unknown (no /proc/pressure/cpu)"
+        return f"{min(1.0, self.waited_us / 1e6 / self.wall_s) * 100:.0f}%"
+
+    def busy(self) -> str:
+        cpus = os.cpu_count() or 1
+        return f"{min(1.0, self.busy_s / self.wall_s / cpus) * 100:.0f}%" if self.wall_s > 0 else "-"
 
 
 def load() -> str:

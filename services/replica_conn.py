@@ -97,7 +97,8 @@ class ReplicaConnection(asyncio.Protocol):
         self._streams: dict[int, _Stream] = {}
         self._next_id = 1
         self._encoder = hpack.Encoder()
-        self._request_blocks: dict[str, bytes] = {}    # path -> request headers (_request_block)
+        # (path, metadata) -> request headers (_request_block)
+        self._request_blocks: dict[tuple[str, tuple[tuple[str, str], ...]], bytes] = {}
         self._out: list[bytes] = []                # written this loop pass, sent at its end (_write)
         self._loop = asyncio.get_running_loop()    # made on the loop it serves (connect)
         self._table_shrunk = False                 # the peer's header table is below the default
@@ -180,16 +181,17 @@ class ReplicaConnection(asyncio.Protocol):
     def open_streams(self) -> int:
         return len(self._streams)
 
-    def start(self, path: str, sink: StreamSink) -> int:
-        """Open a stream of the RPC at `path` (its HEADERS go out now) and return its id; the sink
-        hears every message and the end. Raises ConnectionError if the connection is unusable."""
+    def start(self, path: str, sink: StreamSink, metadata: tuple[tuple[str, str], ...] = ()) -> int:
+        """Open a stream of the RPC at `path` (its HEADERS go out now, with `metadata`: lowercase
+        names, as gRPC's) and return its id; the sink hears every message and the end. Raises
+        ConnectionError if the connection is unusable."""
         if not self.usable or self._transport is None:
             raise ConnectionError(self._lost or ERR_CLOSED)
         stream_id = self._next_id
         self._next_id += 2
         if self._next_id > MAX_STREAM_ID:
             self.usable = False             # ids run out: the next stream opens a new connection
-        block = self._request_blocks.get(path) or self._request_block(path)
+        block = self._request_blocks.get((path, metadata)) or self._request_block(path, metadata)
         self._streams[stream_id] = _Stream(sink, h2.MessageReader(), self._peer_initial)
         self._write(h2.frame(h2.HEADERS, h2.END_HEADERS, stream_id, block))
         return stream_id
@@ -243,17 +245,17 @@ class ReplicaConnection(asyncio.Protocol):
         if out and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(out))
 
-    def _request_block(self, path: str) -> bytes:
+    def _request_block(self, path: str, metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
         """A stream's request headers. Written as literals that reference only HPACK's static table
-        (never indexed), they add nothing to the peer's dynamic table, so one block per path serves
-        every stream of the connection (encoding them per stream cost ~60 us). Once the peer shrinks
-        its table below the default, which this side must acknowledge in its next block, the encoder
-        takes over."""
+        (never indexed), they add nothing to the peer's dynamic table, so one block per path (and
+        metadata) serves every stream of the connection (encoding them per stream cost ~60 us). Once
+        the peer shrinks its table below the default, which this side must acknowledge in its next
+        block, the encoder takes over."""
         headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self.address),
-                   ("content-type", "application/grpc"), ("te", "trailers")]
+                   ("content-type", "application/grpc"), ("te", "trailers"), *metadata]
         if self._table_shrunk:
             return bytes(self._encoder.encode(headers))
-        block = self._request_blocks[path] = bytes(hpack.Encoder().encode(
+        block = self._request_blocks[(path, metadata)] = bytes(hpack.Encoder().encode(
             [hpack.NeverIndexedHeaderTuple(name, value) for name, value in headers]))
         return block
 

@@ -16,7 +16,7 @@ import hpack
 import pytest
 from sluice.services import grpc_wire as wire
 from sluice.services import h2frames as h2
-from sluice.services import h2server
+from sluice.services import h2server, replica_conn
 from sluice.services.h2server import (
     ERR_UNIMPLEMENTED,
     MAX_RECEIVE_BYTES,
@@ -168,6 +168,42 @@ async def test_a_unary_call_hands_the_callers_metadata_over_and_answers_its_resp
     seen = dict(probe.metadata)
     assert seen["authorization"] == "Bearer sk-test-1"
     assert seen["trace-bin"] == b"\x01\x02\xff"
+
+
+class Answer:
+    """A replica_conn sink of one unary call."""
+
+    def __init__(self) -> None:
+        self.body = b""
+        self.done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+    def message(self, body: bytes) -> None:
+        self.body = body
+
+    def closed(self, code: str | None, details: str) -> None:
+        self.done.set_result(code)
+
+
+async def test_the_lean_clients_calls_carry_each_their_own_metadata_on_one_connection():
+    """services/replica_conn.py keeps one request header block per (path, metadata): calls with
+    other metadata on the same connection must not reuse another's."""
+    probe = Probe()
+    async with serving(probe) as (_, address):
+        connection = await replica_conn.connect(address)
+        try:
+            seen = []
+            for key in ("sk-a", "sk-b", "sk-a"):
+                answer = Answer()
+                stream_id = connection.start(f"/{SERVICE}/Echo", answer, (("x-api-key", key),))
+                await connection.send(stream_id, key.encode(), last=True)
+                assert await answer.done is None and answer.body == key.encode()
+                seen.append(dict(probe.metadata)["x-api-key"])
+            answer = Answer()
+            await connection.send(connection.start(f"/{SERVICE}/Echo", answer), b"none", last=True)
+            assert await answer.done is None and "x-api-key" not in dict(probe.metadata)
+        finally:
+            connection.close()
+    assert seen == ["sk-a", "sk-b", "sk-a"]
 
 
 async def test_an_abort_reaches_the_client_with_its_code_details_and_trailing_metadata():
