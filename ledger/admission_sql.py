@@ -1,4 +1,5 @@
-"""Submit's hot path in two statements, each its own autocommit round trip.
+"""Submit's hot path in two statements, each its own autocommit round trip (one, the write with its
+checks, when the gateway decided on a context it read a moment ago: _WRITE_HELD below).
 
     read   API key → caller (key, scope, tenant), alias/version → model, its backlog  (one SELECT)
            ... the caller checks, tokenizes and prices outside any transaction ...
@@ -55,6 +56,8 @@ SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, 
        m.version, m.alias, m.tokenizer, m.context_limit, m.worker_pool, m.quality_tier, m.end_id,
        m.price_input_per_m_micros, m.price_cached_input_per_m_micros, m.price_output_per_m_micros,
        m.price_card_id, m.canary_share_bp, m.canary_baseline,
+       CAST(t.xmin AS text) AS tenant_row, m.model_row,
+       EXISTS (SELECT 1 FROM canaries ca WHERE ca.alias = :name AND ca.state = 'active') AS canary_active,
        (SELECT count(*) FROM (SELECT 1 FROM runs r
                               WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
                                 AND {unclaimed("r.")} AND r.priority = 'interactive'
@@ -68,7 +71,8 @@ LEFT JOIN tenants t ON t.id = k.tenant_id
 LEFT JOIN LATERAL (
     -- An exact version wins over an alias of the same spelling; an alias with an active canary
     -- whose share covers this run's split point resolves to the candidate, else to its holder.
-    SELECT mv.*, c.share_bp AS canary_share_bp, c.baseline_version AS canary_baseline
+    SELECT mv.*, CAST(mv.xmin AS text) AS model_row, c.share_bp AS canary_share_bp,
+           c.baseline_version AS canary_baseline
     FROM models mv
     LEFT JOIN canaries c ON c.alias = :name AND c.state = 'active' AND c.candidate_version = mv.version
                         AND :split_point < c.share_bp
@@ -81,15 +85,17 @@ WHERE ((k.key_hash = :key_hash AND k.key_salt IS NULL)
   AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
 """)
 
-_WRITE = Statement.of(f"""
-WITH reserved AS (
+# Reserve on the budget row AND insert the run: the reservation only where it fits ({held}: a further
+# condition, the cached context's check below), the run only with a reservation.
+_RESERVE_AND_INSERT = f"""
+reserved AS (
     UPDATE budgets
        SET reserved_tokens = reserved_tokens + :reserved_tokens,
            reserved_cost_micros = reserved_cost_micros + :reserved_cost_micros
      WHERE tenant_id = :tenant_id
        AND period_start = CAST(date_trunc('month', timezone('UTC', now())) AS date)
        AND reserved_tokens + used_tokens + :reserved_tokens <= token_budget
-       AND reserved_cost_micros + used_cost_micros + :reserved_cost_micros <= cost_budget_micros
+       AND reserved_cost_micros + used_cost_micros + :reserved_cost_micros <= cost_budget_micros{{held}}
     RETURNING tenant_id, token_budget - reserved_tokens - used_tokens AS tokens_left,
               cost_budget_micros - reserved_cost_micros - used_cost_micros AS cost_left_micros
 ), inserted AS (
@@ -106,9 +112,53 @@ WITH reserved AS (
            :traceparent, :priority
     FROM reserved
     RETURNING id, pg_notify(:channel, :pool)
-)
+)"""
+
+_WRITE = Statement.of(f"""
+WITH {_RESERVE_AND_INSERT.format(held="")}
 SELECT inserted.id, reserved.tokens_left, reserved.cost_left_micros FROM inserted CROSS JOIN reserved
 """)
+
+# The write of a Submit decided on a cached context (services/submit_contexts.py) instead of a read:
+# it first checks, in its own snapshot, everything the decision took from the cache, and writes only
+# if all of it still holds. The key: still this tenant's, of this scope, not revoked, not expired. The
+# tenant and the model version: the very row versions read (xmin: any admin change to a row makes a
+# new one). The name: still resolves to that version, with no canary on it. The backlogs: within the
+# bounds under which the decision is the same (services/admission_rules.backlog_bounds). `held` false:
+# nothing was written and the caller decides again on a fresh read; true with no id: as for _WRITE.
+_WRITE_HELD = Statement.of(f"""
+WITH counted AS (
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM runs r
+                                  WHERE r.model_version = :model_version
+                                    AND r.status = '{RunStatus.ACCEPTED.value}'
+                                    AND {unclaimed("r.")} AND r.priority = 'interactive'
+                                  LIMIT :backlog_bound + 1) AS waiting) AS backlog,
+           (SELECT count(*) FROM (SELECT 1 FROM runs r
+                                  WHERE r.model_version = :model_version
+                                    AND r.status = '{RunStatus.ACCEPTED.value}'
+                                    AND {unclaimed("r.")} AND r.priority = 'batch'
+                                  LIMIT :batch_count_limit) AS waiting) AS batch_backlog
+), held AS (
+    SELECT backlog FROM counted
+     WHERE backlog <= :backlog_bound AND batch_backlog <= :batch_backlog_bound
+       AND backlog + batch_backlog <= :waiting_bound
+       AND EXISTS (SELECT 1 FROM api_keys k
+                    WHERE k.id = :api_key_id AND k.tenant_id = :tenant_id AND k.scope = :scope
+                      AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now()))
+       AND EXISTS (SELECT 1 FROM tenants t WHERE t.id = :tenant_id AND CAST(t.xmin AS text) = :tenant_row)
+       AND NOT EXISTS (SELECT 1 FROM canaries ca WHERE ca.alias = :requested_model AND ca.state = 'active')
+       AND EXISTS (SELECT 1 FROM (SELECT mv.version, mv.xmin FROM models mv
+                                   WHERE (mv.version = :requested_model OR mv.alias = :requested_model)
+                                     AND mv.retired_at IS NULL
+                                   ORDER BY mv.version = :requested_model DESC
+                                   LIMIT 1) AS resolved
+                    WHERE resolved.version = :model_version AND CAST(resolved.xmin AS text) = :model_row)
+), {_RESERVE_AND_INSERT.format(held=" AND EXISTS (SELECT 1 FROM held)")}
+SELECT (SELECT id FROM inserted) AS id, (SELECT tokens_left FROM reserved) AS tokens_left,
+       (SELECT cost_left_micros FROM reserved) AS cost_left_micros,
+       (SELECT backlog FROM held) AS held_backlog
+""")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +171,36 @@ class SubmitContext:
     reason: RouteReason = RouteReason.REQUESTED   # how the name resolved to `model`
     canary: str = ""                 # CANARY: the split, for the run's route detail
     batch_backlog: int = 0           # its batch ACCEPTED runs, counted up to the batch limit asked
+    versions: RowVersions | None = None   # the tenant and model rows read (None: no model)
+    canary_active: bool = False      # an active canary splits the name asked for
+
+
+@dataclass(frozen=True, slots=True)
+class RowVersions:
+    """Which versions of the tenant's and the model's rows a context was read from (their xmin: an
+    UPDATE makes a new row version, so any admin change to either shows as a new value)."""
+
+    tenant: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogBounds:
+    """The backlogs under which a submit decided at no backlog is decided the same way."""
+
+    backlog: int                     # interactive ACCEPTED runs of the model, at most
+    batch: int                       # batch ACCEPTED runs, at most (counted only if count_batch)
+    waiting: int                     # the two together, at most
+    count_batch: bool                # False: the batch backlog does not matter (counted as 0)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldWrite:
+    """What the write of a Submit decided on a cached context did."""
+
+    held: bool                       # False: what the decision took from the cache changed; nothing written
+    reserved: Reserved | None        # the run written (None, held: as insert_reserving's None)
+    backlog: int = 0                 # the model's interactive backlog, as the write counted it
 
 
 async def read_submit_context(connection: asyncpg.Connection, key: str, model_name: str,
@@ -141,13 +221,17 @@ async def read_submit_context(connection: asyncpg.Connection, key: str, model_na
         return SubmitContext(caller, None, 0)
     model = model_info_of(row)
     backlog, batch = int(row.backlog), int(row.batch_backlog)
+    versions, canary_active = RowVersions(row.tenant_row or "", row.model_row), bool(row.canary_active)
     if row.version == model_name:
-        return SubmitContext(caller, model, backlog, RouteReason.REQUESTED, batch_backlog=batch)
+        return SubmitContext(caller, model, backlog, RouteReason.REQUESTED, batch_backlog=batch,
+                             versions=versions, canary_active=canary_active)
     if row.canary_share_bp is None:
-        return SubmitContext(caller, model, backlog, RouteReason.ALIAS, batch_backlog=batch)
+        return SubmitContext(caller, model, backlog, RouteReason.ALIAS, batch_backlog=batch,
+                             versions=versions, canary_active=canary_active)
     split = (f"canary of {model_name}: {row.canary_share_bp / 100:g}% of new runs to {row.version}"
              f" (baseline {row.canary_baseline})")
-    return SubmitContext(caller, model, backlog, RouteReason.CANARY, split, batch_backlog=batch)
+    return SubmitContext(caller, model, backlog, RouteReason.CANARY, split, batch_backlog=batch,
+                         versions=versions, canary_active=canary_active)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,3 +295,28 @@ async def insert_reserving(connection: asyncpg.Connection, run: Mapping[str, Any
     except asyncpg.IntegrityConstraintViolationError:
         return None
     return None if row is None else Reserved(row["id"], int(row["tokens_left"]), int(row["cost_left_micros"]))
+
+
+async def insert_reserving_if_held(connection: asyncpg.Connection, run: Mapping[str, Any], deadline_ms: int,
+                                   notify: tuple[str, str], *, scope: str, versions: RowVersions,
+                                   bounds: BacklogBounds) -> HeldWrite:
+    """insert_reserving for a submit decided on a cached context: written only if, in the statement's
+    own snapshot, the key (`run["api_key_id"]`, of `scope`) is still good, the tenant and model rows
+    are still at `versions`, the name asked for still resolves to the model with no canary, and the
+    backlogs are within `bounds`. A request key already taken counts as not held (the caller's fresh
+    read then authenticates the key before the idempotent answer is given)."""
+    channel, pool = notify
+    try:
+        row = await rows_of(connection).row(_WRITE_HELD, {
+            **run, "deadline_ms": deadline_ms, "channel": channel, "pool": pool, "scope": scope,
+            "tenant_row": versions.tenant, "model_row": versions.model,
+            "backlog_bound": bounds.backlog, "batch_backlog_bound": bounds.batch,
+            "batch_count_limit": bounds.batch + 1 if bounds.count_batch else 0,
+            "waiting_bound": bounds.waiting})
+    except asyncpg.IntegrityConstraintViolationError:
+        return HeldWrite(False, None)
+    if row is None or row["held_backlog"] is None:
+        return HeldWrite(False, None)
+    reserved = None if row["id"] is None else \
+        Reserved(row["id"], int(row["tokens_left"]), int(row["cost_left_micros"]))
+    return HeldWrite(True, reserved, int(row["held_backlog"]))

@@ -1,6 +1,10 @@
 """Admission: the only way work enters Sluice (protos/sluice/v1/admission.proto).
 
-A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py), on one checkout:
+A Submit is two autocommit round trips on the hot path (ledger/admission_sql.py), on one checkout,
+and one once this process has read the caller's context (services/submit_contexts.py: the READ is
+skipped, the checks below run on the context kept with nothing waiting, and the WRITE checks in its
+own snapshot that the key, the tenant's and model's rows, the name's resolution and the backlogs
+still allow the same decision; if not, nothing is written and the Submit is decided on a fresh READ):
 
     API key from metadata (pure)             missing → UNAUTHENTICATED
     READ   key → tenant, alias/version → model + its backlog (ACCEPTED runs), one SELECT
@@ -71,7 +75,14 @@ from typing import Any, cast
 import asyncpg
 import grpc.aio
 from opentelemetry import trace
-from sluice.ledger.admission_sql import SubmitContext, drained_runs, insert_reserving, read_submit_context
+from sluice.ledger.admission_sql import (
+    Reserved,
+    SubmitContext,
+    drained_runs,
+    insert_reserving,
+    insert_reserving_if_held,
+    read_submit_context,
+)
 from sluice.ledger.channels import RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.db import autocommit_engine, dsn_of
 from sluice.ledger.fallbacks import read_candidates, read_rules
@@ -97,6 +108,7 @@ from sluice.services.admission_rules import (
     check_storable,
     deadline_floor,
     largest_cap_that_fits,
+    largest_waiting_within,
     limit_advice,
     normalize_float,
     payload_hash,
@@ -129,11 +141,13 @@ from sluice.services.errors import (
 )
 from sluice.services.gateway_metrics import GatewayMetrics, submit_span_attributes
 from sluice.services.routes import route_message
+from sluice.services.submit_contexts import SubmitContexts
 from sluice.services.telemetry import traceparent, tracer
 from sluice.services.traffic import (
     DEFAULT_TRAFFIC,
     LadderMetrics,
     TrafficSettings,
+    backlog_bounds,
     check_kv_budget,
     check_ladder,
     check_priority_permitted,
@@ -224,8 +238,10 @@ class AdmissionService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: AdmissionSettings,
                  metrics: GatewayMetrics | None = None, ladder_metrics: LadderMetrics | None = None,
                  hot: HotPool | None = None, run_ids: Callable[[], uuid.UUID] = uuid.uuid4,
-                 recent: RecentAdmissions | None = None) -> None:
+                 recent: RecentAdmissions | None = None, contexts: SubmitContexts | None = None) -> None:
         self._sessionmaker = sessionmaker
+        # Contexts read a moment ago, so that a Submit is one round trip (services/submit_contexts.py).
+        self._contexts = contexts if contexts is not None else SubmitContexts()
         # New runs admitted here, for the Stream that follows their Submit (services/admitted_here.py).
         self._recent = recent
         # A new run's id: random; in a gateway, drawn to land its events on a partition this process's
@@ -276,10 +292,22 @@ class AdmissionService:
         # through the checks and tokenization between them, which take well under a millisecond
         # for prompts below tokenization.OFF_LOOP_MIN_CHARS.
         async with self.hot.connection() as connection:
+            key = api_key_from_metadata(metadata)
+            known = self._contexts.get(key, intent.model)
+            if known is not None:
+                # Decided on the context read a moment ago, the write checking it still holds. Anything
+                # but a plain admission (a refusal, a fallback, a context that changed) is decided
+                # again on a fresh read: nothing is refused or rerouted on what is only remembered.
+                try:
+                    return await self._admit_on(connection, metadata, intent, span, known)
+                except (_NotHeld, SluiceError):
+                    self._contexts.forget(key, intent.model)
             return await self._admit_on(connection, metadata, intent, span)
 
     async def _admit_on(self, connection: asyncpg.Connection, metadata: Metadata, intent: SubmitIntent,
-                        span: trace.Span) -> Admitted:
+                        span: trace.Span, known: SubmitContext | None = None) -> Admitted:
+        """Admit on a fresh read, or (`known`) on a cached context: no backlog, and the write checks
+        that what the decision used still holds (_NotHeld when it does not)."""
         key = api_key_from_metadata(metadata)
         # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
         # the config sets is refused before the first query reads a field.
@@ -288,8 +316,10 @@ class AdmissionService:
         pace, traffic = self._settings.pace, self._settings.traffic
         # Sticky per conversation: every run of one conversation lands on the same side of a split.
         point = split_point(intent.model, intent.conversation_id or intent.request_key)
-        context = await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
-                                            traffic.max_batch_backlog)
+        context = known or await read_submit_context(connection, key, intent.model, pace.max_backlog, point,
+                                                     traffic.max_batch_backlog)
+        if known is None:
+            self._contexts.put(key, intent.model, context)
         if context.caller is None:
             raise Unauthenticated(UNKNOWN_API_KEY)
         tenant = check_submitter(context.caller)
@@ -304,7 +334,8 @@ class AdmissionService:
         # The degradation ladder (sluice/traffic/ladder.py): batch is shed first; interactive runs
         # that permit a fallback go there from step 3; interactive is shed at step 4 unless a
         # permitted fallback takes it. Batch never falls back: it waits or is shed.
-        rung = await self._climb_ladder(model, priority, context)
+        # On a cached context the ladder's step is counted once the write has counted the backlog.
+        rung = await self._climb_ladder(model, priority, context, counted=known is None)
         fallback: _Prepared | None = None
         try:
             retry = await self._unless_a_retry(tenant, intent, lambda: self._check_ladder(
@@ -343,10 +374,15 @@ class AdmissionService:
                     tenant, intent, text, deadline_ms, model, Condition.DEADLINE,
                     f"queue wait {floor.queue_ms} ms + run {floor.prefill_ms + floor.decode_ms} ms"
                     f" > deadline {deadline_ms} ms", refusal)
+        plain = not (retry or tenant.has_rate_limits or prepared.route.reason is RouteReason.FALLBACK)
+        if known is not None and not plain:
+            raise _NOT_HELD            # more than a plain write: decided again on a fresh read, counted then
         if prepared.route.reason is RouteReason.FALLBACK:
             self.ladder_metrics.acted(model.worker_pool, Step.FALLBACK)
         admitted = None
-        if not retry and not tenant.has_rate_limits:
+        if known is not None:
+            admitted = await self._insert_reserving_if_held(connection, prepared, known)
+        elif not retry and not tenant.has_rate_limits:
             admitted = await self._insert_reserving(connection, prepared)
         if admitted is None:
             async with self._sessionmaker() as session, session.begin():
@@ -411,16 +447,19 @@ class AdmissionService:
         if deadline_ms < deadline_floor(backlog, len(token_ids), cap, self._settings.pace).total_ms:
             return Unusable.DEADLINE
         return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
-    async def _climb_ladder(self, model: ModelInfo, priority: Priority, context: SubmitContext) -> Rung:
-        """The degradation ladder's step for the model's pool. The drain rate is measured (one indexed
-        count) only when the ladder could refuse this submit: the hot path never pays for it."""
+    async def _climb_ladder(self, model: ModelInfo, priority: Priority, context: SubmitContext,
+                            counted: bool = True) -> Rung:
+        """The degradation ladder's step for the model's pool (counted in its metric unless not
+        `counted`). The drain rate is measured (one indexed count) only when the ladder could refuse
+        this submit: the hot path never pays for it."""
         traffic = self._settings.traffic
         drained = 0
         if may_refuse(priority, context.backlog, context.batch_backlog, traffic):
             async with self._autocommit.connect() as connection:
                 drained = await drained_runs(connection, model.version, traffic.drain_window_s)
         rung = rung_for(context.backlog, drained, traffic)
-        self.ladder_metrics.decided(model.worker_pool, rung.step)
+        if counted:
+            self.ladder_metrics.decided(model.worker_pool, rung.step)
         return rung
 
     def _check_ladder(self, model: ModelInfo, priority: Priority, rung: Rung, context: SubmitContext) -> None:
@@ -452,6 +491,10 @@ class AdmissionService:
                                           (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool))
         if reserved is None:
             return None          # the transactional path tells why (key taken, no fit, no period) and answers
+        return self._admitted(prepared, reserved)
+
+    def _admitted(self, prepared: _Prepared, reserved: Reserved) -> Admitted:
+        """The answer for a run the one-statement write inserted."""
         self.metrics.budget_left(prepared.tenant.name, reserved.tokens_left, reserved.cost_left_micros)
         return Admitted(run_id=reserved.run_id, status=RunStatus.ACCEPTED,
                         model_version=prepared.model.version,
@@ -459,6 +502,28 @@ class AdmissionService:
                         max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False,
                         route=prepared.route,
                         priority=prepared.intent.priority)
+
+    async def _insert_reserving_if_held(self, connection: asyncpg.Connection, prepared: _Prepared,
+                                        known: SubmitContext) -> Admitted | None:
+        """_insert_reserving for a submit decided on a cached context (no backlog): written only if
+        that context still holds and the backlogs are within the bounds where the decision is the same;
+        raises _NotHeld (nothing written) otherwise."""
+        intent, settings = prepared.intent, self._settings
+        waiting = largest_waiting_within(prepared.deadline_ms, len(prepared.prompt_token_ids),
+                                         intent.max_output_tokens, settings.pace)
+        bounds = backlog_bounds(intent.priority, waiting, settings.traffic)
+        caller = known.caller
+        if bounds is None or caller is None or known.versions is None:
+            raise _NOT_HELD
+        written = await insert_reserving_if_held(
+            connection, self._written_values(prepared), prepared.deadline_ms,
+            (RUNS_ACCEPTED_CHANNEL, prepared.model.worker_pool), scope=caller.scope.value,
+            versions=known.versions, bounds=bounds)
+        if not written.held:
+            raise _NOT_HELD
+        self.ladder_metrics.decided(prepared.model.worker_pool,
+                                    rung_for(written.backlog, 0, settings.traffic).step)
+        return None if written.reserved is None else self._admitted(prepared, written.reserved)
 
     @staticmethod
     async def _prepare(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
@@ -558,6 +623,14 @@ class AdmissionService:
         if await budgets.try_reserve(tenant_id, tokens, cost):
             return
         raise await _budget_refusal(budgets, prepared)
+
+
+class _NotHeld(Exception):
+    """A submit decided on a cached context found it changed (or needing more than a plain write):
+    nothing was written; it is decided again on a fresh read."""
+
+
+_NOT_HELD = _NotHeld()
 
 
 class _NoFallback(SluiceError):

@@ -267,6 +267,21 @@ def deadline_floor(backlog: int, prompt_tokens: int, cap: int, pace: PoolPace) -
     )
 
 
+def largest_waiting_within(deadline_ms: int, prompt_tokens: int, cap: int, pace: PoolPace) -> int:
+    """The most runs that may wait ahead of this one for check_deadline still to pass (the floor's
+    queue wait grows with them); -1 when it fails with none waiting."""
+    floor = deadline_floor(0, prompt_tokens, cap, pace)
+    room_ms = deadline_ms - floor.prefill_ms - floor.decode_ms
+    if room_ms < 0:
+        return -1
+    waiting = math.floor(room_ms * pace.drain_runs_per_s / 1000)
+    while pace.queue_wait_ms(waiting + 1) <= room_ms:      # float rounding at the edge, either way
+        waiting += 1
+    while waiting > 0 and pace.queue_wait_ms(waiting) > room_ms:
+        waiting -= 1
+    return waiting
+
+
 def largest_cap_within(time_left_ms: int, ms_per_output_token: float) -> int:
     """The largest output cap whose decode time (rounded up) fits `time_left_ms`; <= 0: none."""
     if time_left_ms <= 0:

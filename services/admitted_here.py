@@ -37,7 +37,8 @@ class Admission:
     at: float
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
+    """What a process keeps of an API key to recognise it again: a digest, never the key."""
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
@@ -63,7 +64,7 @@ class RecentAdmissions:
             if len(entries) < self.limit and now - entries[oldest].at < self.fresh_s:
                 break
             del entries[oldest]
-        entries[run_id] = Admission(_digest(key), traceparent, now)
+        entries[run_id] = Admission(key_digest(key), traceparent, now)
 
     def take(self, run_id: uuid.UUID, key: str) -> Admission | None:
         """The run's admission, if this process made it within FRESH_S with this very key; forgotten
@@ -71,4 +72,4 @@ class RecentAdmissions:
         found = self._entries.pop(run_id, None)
         if found is None or self._clock() - found.at >= self.fresh_s:
             return None
-        return found if hmac.compare_digest(found.key_digest, _digest(key)) else None
+        return found if hmac.compare_digest(found.key_digest, key_digest(key)) else None

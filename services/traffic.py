@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from sluice.ledger.admission_sql import BacklogBounds
 from sluice.ledger.repositories import TenantInfo
 from sluice.services.errors import (
     BATCH_BACKLOG_FULL,
@@ -103,6 +104,23 @@ def may_refuse(priority: Priority, backlog: int, batch_backlog: int, settings: T
     if priority is Priority.BATCH:
         return backlog >= settings.ladder.shed_batch_backlog or batch_backlog >= settings.max_batch_backlog
     return backlog >= settings.ladder.fallback_backlog
+
+
+def backlog_bounds(priority: Priority, waiting_within: int,
+                   settings: TrafficSettings) -> BacklogBounds | None:
+    """The backlogs under which a submit that passed every load check with nothing waiting passes
+    them all the same (a Submit decided on a cached context: services/submit_contexts.py). Below the
+    first ladder step that acts on its class's admission (interactive: fallbacks, then shedding;
+    batch: shedding by the interactive backlog or by its own), and with no more runs ahead of it than
+    its deadline allows (`waiting_within`: admission_rules.largest_waiting_within; an interactive run
+    waits behind interactive runs, a batch run behind both). None: no backlog at all would do."""
+    if priority is Priority.BATCH:
+        bounds = BacklogBounds(backlog=settings.ladder.shed_batch_backlog - 1,
+                               batch=settings.max_batch_backlog - 1, waiting=waiting_within, count_batch=True)
+    else:
+        backlog = min(settings.ladder.fallback_backlog - 1, waiting_within)
+        bounds = BacklogBounds(backlog=backlog, batch=0, waiting=backlog, count_batch=False)
+    return bounds if min(bounds.backlog, bounds.batch, bounds.waiting) >= 0 else None
 
 
 def rung_for(backlog: int, drained_runs: int, settings: TrafficSettings) -> Rung:

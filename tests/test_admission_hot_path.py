@@ -76,14 +76,18 @@ async def setup(api: Services, **tenant: Any):  # type: ignore[no-untyped-def]
         return await add_tenant(session, "acme", **tenant)
 
 
-async def test_a_submit_without_tenant_limits_is_two_statements_on_the_raw_pool(api: Services,
-                                                                                engine: AsyncEngine):
+async def test_a_submit_without_tenant_limits_is_two_statements_then_one_on_the_raw_pool(api: Services,
+                                                                                         engine: AsyncEngine):
+    """The first Submit of a key to a model reads its context and writes; the next ones are decided on
+    that context (services/submit_contexts.py) and only write, the write checking it still holds."""
     tenant = await setup(api)
-    await api.submit(tenant, prompt_of(10), 5)           # warm: pool, prepared statements, type codecs
     orm = record_statements(engine)
     hot = record_hot_statements(api)
     await api.submit(tenant, prompt_of(10), 5)
     assert hot.seen == ["SELECT t.id", "WITH reserved"]   # no BEGIN/COMMIT: each is its own transaction
+    hot.seen.clear()
+    await api.submit(tenant, prompt_of(10), 5)
+    assert hot.seen == ["WITH counted"]                   # the held write alone
     assert orm == []
     budget = await budget_row(api.sessionmaker, tenant.id)
     assert budget.reserved_tokens == 2 * (10 + 5)
@@ -97,7 +101,9 @@ async def test_a_retry_of_an_accepted_submit_falls_back_to_the_transaction_and_r
     hot = record_hot_statements(api)
     again = await api.submit(tenant, prompt_of(10), 5, request_key="k1")
     assert again.run_id == first.run_id and again.deduplicated
-    assert hot.seen == ["SELECT t.id", "WITH reserved"]   # tried, refused by the unique index, rolled back
+    # The held write is refused by the unique index (rolled back whole); the key is then authenticated
+    # by a fresh read before the idempotent answer: the write tried again, refused again, rolled back.
+    assert hot.seen == ["WITH counted", "SELECT t.id", "WITH reserved"]
     assert orm and all(isolation is None for _, isolation in orm)   # then the transactional path
     assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 10 + 5
 
