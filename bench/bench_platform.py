@@ -182,7 +182,9 @@ class Client:
         return admission_pb2.SubmitRequest(model="chat", input=PROMPT.encode(), max_output_tokens=tokens,
                                            request_key=uuid.uuid4().hex)
 
-    async def submit(self, gateway: int, tenant: int, tokens: int) -> str:
+    async def submit(self, gateway: int, tenant: int, tokens: int, lean: bool = False) -> str:
+        if lean:
+            return str((await self.lean.submit(gateway, tenant_key(tenant), self._request(tokens))).run_id)
         metadata = (("x-api-key", tenant_key(tenant)),)
         response = await self.admission[gateway].Submit(self._request(tokens), metadata=metadata)
         return str(response.run_id)
@@ -191,10 +193,9 @@ class Client:
             str, AsyncIterator[runs_pb2.RunEvent]]:
         """Submit, then open the run's Stream: (run id, its events)."""
         key = tenant_key(tenant)
+        run_id = await self.submit(gateway, tenant, tokens, lean)
         if lean:
-            run_id = str((await self.lean.submit(gateway, key, self._request(tokens))).run_id)
             return run_id, self.lean.stream(gateway, key, runs_pb2.StreamRequest(run_id=run_id, after=0))
-        run_id = await self.submit(gateway, tenant, tokens)
         return run_id, self.runs[gateway].Stream(runs_pb2.StreamRequest(run_id=run_id, after=0),
                                                  metadata=(("x-api-key", key),))
 
@@ -473,8 +474,10 @@ async def phase_runs(meter: CpuMeter, client: Client, runs: int, concurrency: in
 
 
 async def phase_submit(meter: CpuMeter, client: Client, dsn: str, rate: float,
-                       seconds: float) -> tuple[list[str], Spent]:
-    """Open loop: Submit i is sent at start + i / rate whether or not earlier ones returned."""
+                       seconds: float, lean: bool = True) -> tuple[list[str], Spent]:
+    """Open loop: Submit i is sent at start + i / rate whether or not earlier ones returned. `lean`:
+    sent by bench/lean_client.py, else by grpc.aio (which spent ~0.8 ms of the box's 2 CPUs per
+    Submit, ~40% of one at 500/s, beside the gateways it loads)."""
     count = int(rate * seconds)
     latencies: list[float] = []
     errors: list[str] = []
@@ -485,10 +488,12 @@ async def phase_submit(meter: CpuMeter, client: Client, dsn: str, rate: float,
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         gateway, tenant = index % len(client.channels), index % TENANTS
         try:
-            await client.submit(gateway, tenant, 16)
+            await client.submit(gateway, tenant, 16, lean)
             latencies.append(time.perf_counter() - due)
         except grpc.aio.AioRpcError as error:
             errors.append(f"{error.code().name}: {(error.details() or '')[:60]}")
+        except CallFailed as error:
+            errors.append(f"{error.code}: {error.details[:60]}")
 
     async def offered() -> None:
         start = time.perf_counter() + 0.2
@@ -500,7 +505,8 @@ async def phase_submit(meter: CpuMeter, client: Client, dsn: str, rate: float,
         stop_claiming.set()
         await claimer
     lines = [f"Submit at {rate:.0f}/s offered open-loop for {seconds:.0f} s ({count} submits,"
-             f" {TENANTS} tenants, {len(client.channels)} gateway processes):"
+             f" {TENANTS} tenants, {len(client.channels)} gateway processes,"
+             f" {'bench/lean_client.py' if lean else 'grpc.aio'} sending):"
              f" p50 {pct(latencies, 50) * 1e3:.2f} ms,"
              f" p95 {pct(latencies, 95) * 1e3:.2f} ms, p99 {pct(latencies, 99) * 1e3:.2f} ms;"
              f" achieved {len(latencies) / spent.wall_s:.0f}/s; errors {len(errors)}"
@@ -863,7 +869,8 @@ async def bench(args: argparse.Namespace) -> None:
             profiles = start_profiles(stack, args.py_spy, log_dir, workers=False, native=args.py_spy_native,
                                       rate=args.py_spy_rate) \
                 if args.py_spy and args.py_spy_phase == "submit" else []
-            lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds)
+            lines, _ = await phase_submit(meter, client, dsn, args.submit_rate, plan.submit_seconds,
+                                          lean=args.submit_client == "lean")
             for line in lines:
                 print(line, flush=True)
             await print_profiles(profiles, f"{args.py_spy} s of the submit phase")
@@ -902,6 +909,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --py-spy: sample C and Cython frames too (grpc, uvloop, asyncpg)")
     parser.add_argument("--idle-s", type=float, default=3.0, metavar="SECONDS",
                         help="how long the idle stack is measured (the idle line; longer: steadier)")
+    parser.add_argument("--submit-client", choices=("lean", "grpc.aio"), default="lean",
+                        help="what sends the submit phase's Submits: bench/lean_client.py (default, the"
+                             " lighter load on the shared box) or grpc.aio")
     parser.add_argument("--cost-runs", type=int, default=0,
                         help="runs in the run-cost phase (default: the plan's, 48 quick, 200 full)")
     parser.add_argument("--interrupt-runs", type=int, default=0,
