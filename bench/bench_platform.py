@@ -394,7 +394,8 @@ async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
                      for leg, values in legs.items()) + " ms (p50/p95)"
 
 
-async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str) -> list[str]:
+async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str,
+                     meter: CpuMeter | None = None) -> list[str]:
     prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
 
     async def direct(index: int) -> float:
@@ -429,7 +430,7 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
         direct_s: list[float] = []
         platform_s: dict[bool, list[float]] = {True: [], False: []}
         direct_pressure = Pressure()
-        platform_pressure = {True: Pressure(), False: Pressure()}
+        platform_pressure = {True: Pressure(meter=meter), False: Pressure()}
         for round_index in range(rounds):
             direct_s += await direct_pressure.over(asyncio.gather(
                 *(direct(round_index * width + i) for i in range(width))))
@@ -457,10 +458,12 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
         for lean, name in ((True, "lean client"), (False, "grpc.aio")):
             pressure = platform_pressure[lean]
             per_run_ms = pressure.busy_s / max(1, len(platform_s[lean])) * 1e3
+            runs = max(1, len(platform_s[lean]))
+            split = ", ".join(f"{component} {spent / runs * 1e3:.1f}" for component, spent in
+                              sorted(pressure.by_component.items(), key=lambda item: -item[1]))
             lines.append(f"  CPU until a round's last first token ({name}): box busy {pressure.busy()}, some"
                          f" task waiting for a CPU {pressure.waited()} of the time, {per_run_ms:.1f} ms of"
-                         f" box"
-                         f" CPU per run")
+                         f" box CPU per run" + (f" ({split}; /proc ticks)" if split else ""))
         lines.append(f"  (direct rounds, start to end: box busy {direct_pressure.busy()},"
                      f" some task waiting {direct_pressure.waited()})")
         outcomes[True].clear()
@@ -577,9 +580,15 @@ class Pressure:
     busy_s: float = 0.0
     wall_s: float = 0.0
     known: bool = True
+    meter: CpuMeter | None = None      # given: each component's CPU over the rounds too (`by_component`)
+    by_component: dict[str, float] = field(default_factory=dict)
     _round: tuple[int | None, float, float, int] | None = None  # (waited, idle, start, firsts awaited)
+    _components: CpuSample | None = None
+    _client_s: float = 0.0            # this process's CPU at the round's start (after sampling the rest)
 
     async def over(self, work: Awaitable[T], firsts: int = 0) -> T:
+        self._components = self.meter.sample_now() if self.meter is not None else None
+        self._client_s = time.process_time()
         self._round = (cpu_waited_us(), box_not_running_s(), time.perf_counter(), firsts)
         result = await work
         self._close()
@@ -597,10 +606,16 @@ class Pressure:
         if self._round is None:
             return
         (waited_before, idle_before, started, _), self._round = self._round, None
+        client_s = time.process_time() - self._client_s        # before sampling the others costs it more
         waited_after = cpu_waited_us()
         wall_s = time.perf_counter() - started
         self.busy_s += wall_s * (os.cpu_count() or 1) - (box_not_running_s() - idle_before)
         self.wall_s += wall_s
+        if self.meter is not None and self._components is not None:
+            spent = self.meter.sample_now().minus(self._components)
+            spent["client"] = client_s
+            for name, seconds in spent.items():
+                self.by_component[name] = self.by_component.get(name, 0.0) + seconds
         if waited_before is None or waited_after is None:
             self.known = False
         else:
@@ -808,7 +823,7 @@ async def bench(args: argparse.Namespace) -> None:
         await print_profiles(profiles, f"{args.py_spy} s of the idle stack")
         phases = set(args.phases.split(","))
         if "ttft" in phases:
-            for line in await phase_ttft(client, stack.replica_addresses, plan, dsn):
+            for line in await phase_ttft(client, stack.replica_addresses, plan, dsn, meter):
                 print(line, flush=True)
         if "runs" in phases:
             cost_runs = args.cost_runs or plan.cost_runs

@@ -71,7 +71,12 @@ class LevelResult:
 
 def group_cpu_seconds(session: int) -> float:
     """utime + stime of every live process in the session `session` (the replica's process group)."""
-    total = 0
+    return sessions_cpu_seconds({session})[session]
+
+
+def sessions_cpu_seconds(sessions: set[int]) -> dict[int, float]:
+    """group_cpu_seconds of several sessions, in one pass over /proc."""
+    totals = dict.fromkeys(sessions, 0)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -79,9 +84,10 @@ def group_cpu_seconds(session: int) -> float:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == session:          # field 6 (session) after the state field
-            total += int(fields[11]) + int(fields[12])
-    return total / CLOCK_TICKS
+        session = int(fields[3])               # field 6 (session) after the state field
+        if session in totals:
+            totals[session] += int(fields[11]) + int(fields[12])
+    return {session: total / CLOCK_TICKS for session, total in totals.items()}
 
 
 def start_replica(settings: dict[str, object], log_path: Path, *, name: str = "bench", pool: str = "bench",

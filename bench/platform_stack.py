@@ -38,7 +38,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sluice.ledger.db import configured_dsn, make_engine, make_sessionmaker
 from sluice.ledger.seed import TINY_CHAT, TenantSeed, ensure_tenant, upsert_model
 
-from bench.bench_replica import free_ports, group_cpu_seconds, start_replica, stop_replica
+from bench.bench_replica import (
+    free_ports,
+    group_cpu_seconds,
+    sessions_cpu_seconds,
+    start_replica,
+    stop_replica,
+)
 from bench.bench_submit import _admin, _migrate, _url
 from sluice.config import load_settings
 
@@ -335,12 +341,25 @@ class CpuMeter:
 
     async def sample(self) -> CpuSample:
         await self._read_backends()
+        return self.sample_now()
+
+    def sample_now(self) -> CpuSample:
+        """A sample from /proc alone, the PostgreSQL backends those last looked up (no query: for an
+        instant inside a phase, e.g. a round's last first token)."""
+        for pid in self._backends:
+            cpu = process_cpu_seconds(pid)
+            if cpu is not None:
+                self._backends[pid] = cpu
         kafka = process_cpu_seconds(self.kafka) if self.kafka else None
+        gateways = [g.process.pid for g in self.stack.gateways]
+        workers = [w.process.pid for w in self.stack.workers]
+        replicas = [p.pid for p, _ in self.stack.replicas]
+        by_session = sessions_cpu_seconds({*gateways, *workers, *replicas})      # one pass over /proc
         groups = {
-            "gateway": sum(g.cpu_seconds() for g in self.stack.gateways),
-            "routing": sum(w.cpu_seconds() for w in self.stack.workers),
+            "gateway": sum(by_session[pid] for pid in gateways),
+            "routing": sum(by_session[pid] for pid in workers),
             "kafka": kafka or 0.0,
-            "replicas": sum(group_cpu_seconds(p.pid) for p, _ in self.stack.replicas),
+            "replicas": sum(by_session[pid] for pid in replicas),
             "client": time.process_time(),
         }
         return CpuSample(groups, dict(self._backends))
