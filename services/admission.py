@@ -300,6 +300,8 @@ class AdmissionService:
                 # again on a fresh read: nothing is refused or rerouted on what is only remembered.
                 try:
                     return await self._admit_on(connection, metadata, intent, span, known)
+                except _Decided as decided:
+                    raise decided.refusal from None
                 except (_NotHeld, SluiceError):
                     self._contexts.forget(key, intent.model)
             return await self._admit_on(connection, metadata, intent, span)
@@ -385,8 +387,15 @@ class AdmissionService:
         elif not retry and not tenant.has_rate_limits:
             admitted = await self._insert_reserving(connection, prepared)
         if admitted is None:
-            async with self._sessionmaker() as session, session.begin():
-                admitted = await self._insert_or_match(session, prepared)
+            try:
+                async with self._sessionmaker() as session, session.begin():
+                    admitted = await self._insert_or_match(session, prepared)
+            except SluiceError as refusal:
+                if known is not None:
+                    # The write held the context it was decided on: a refusal here (the budget, the
+                    # request key) stands, and a fresh read would only make it again.
+                    raise _Decided(refusal) from refusal
+                raise
         if self._recent is not None and not admitted.deduplicated:
             self._recent.admitted(admitted.run_id, key, traceparent())
         log.info(
@@ -631,6 +640,14 @@ class _NotHeld(Exception):
 
 
 _NOT_HELD = _NotHeld()
+
+
+class _Decided(Exception):
+    """A refusal made after a cached context was found to hold: final, not decided again."""
+
+    def __init__(self, refusal: SluiceError) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
 
 
 class _NoFallback(SluiceError):

@@ -14,6 +14,7 @@ import grpc.aio
 import pytest
 from sluice.ledger.pg import HotPool
 from sluice.services import errors
+from sluice.services.submit_contexts import SubmitContexts
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -81,6 +82,9 @@ async def test_a_submit_without_tenant_limits_is_two_statements_then_one_on_the_
     """The first Submit of a key to a model reads its context and writes; the next ones are decided on
     that context (services/submit_contexts.py) and only write, the write checking it still holds."""
     tenant = await setup(api)
+    await api.submit(tenant, prompt_of(10), 5)           # warm: pool, prepared statements, type codecs
+    assert api.service is not None
+    api.service._contexts = SubmitContexts()             # ... but no context kept yet
     orm = record_statements(engine)
     hot = record_hot_statements(api)
     await api.submit(tenant, prompt_of(10), 5)
@@ -90,7 +94,7 @@ async def test_a_submit_without_tenant_limits_is_two_statements_then_one_on_the_
     assert hot.seen == ["WITH counted"]                   # the held write alone
     assert orm == []
     budget = await budget_row(api.sessionmaker, tenant.id)
-    assert budget.reserved_tokens == 2 * (10 + 5)
+    assert budget.reserved_tokens == 3 * (10 + 5)
 
 
 async def test_a_retry_of_an_accepted_submit_falls_back_to_the_transaction_and_reserves_nothing_more(
@@ -106,6 +110,23 @@ async def test_a_retry_of_an_accepted_submit_falls_back_to_the_transaction_and_r
     assert hot.seen == ["WITH counted", "SELECT t.id", "WITH reserved"]
     assert orm and all(isolation is None for _, isolation in orm)   # then the transactional path
     assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 10 + 5
+
+
+async def test_a_budget_refusal_after_the_held_write_stands_without_a_fresh_read(api: Services,
+                                                                                 engine: AsyncEngine):
+    """A Submit decided on a kept context whose write found that context holding but the budget
+    short: the transactional path's refusal is the answer, not decided again on a fresh read (a
+    tenant out of budget would otherwise cost twice the statements on every Submit)."""
+    tenant = await setup(api, token_budget=20)
+    await api.submit(tenant, prompt_of(10), 5)            # 15 of 20 reserved; the context kept
+    hot = record_hot_statements(api)
+    orm = record_statements(engine)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await api.submit(tenant, prompt_of(10), 5)        # 15 more do not fit
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert hot.seen == ["WITH counted"]                   # held, nothing reserved; no read after it
+    assert orm                                            # the transactional path told why
+    assert (await budget_row(api.sessionmaker, tenant.id)).reserved_tokens == 15
 
 
 async def test_a_hot_connection_lost_mid_submit_is_unavailable_and_the_next_submit_reconnects(
