@@ -631,9 +631,25 @@ class Pressure:
         return f"{min(1.0, self.busy_s / self.wall_s / cpus) * 100:.0f}%" if self.wall_s > 0 else "-"
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(all ticks, steal ticks) of the box's CPUs since boot (/proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    return sum(fields), fields[7]
+
+
+_ticks_at_last_load = cpu_ticks()
+
+
 def load() -> str:
+    """The load average, and the share of CPU time the hypervisor gave to others (steal) since the
+    previous such line: a phase run while the VM was starved reads slower in every figure."""
+    global _ticks_at_last_load
     one, five, _ = os.getloadavg()
-    return f"load average {one:.1f} (1 min) {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+    (total, steal), (total_before, steal_before) = cpu_ticks(), _ticks_at_last_load
+    _ticks_at_last_load = (total, steal)
+    stolen = (steal - steal_before) / max(1, total - total_before) * 100
+    return f"load average {one:.1f} (1 min) {five:.1f} (5 min) on {os.cpu_count()} CPUs; steal {stolen:.0f}%"
 
 
 Profile = tuple[str, Path, "subprocess.Popen[bytes]"]
