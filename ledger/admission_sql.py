@@ -47,6 +47,16 @@ from sluice.traffic.route import RouteReason
 
 # The backlog counts name the partial index's predicate (ix_runs_model_version_priority_unclaimed), so
 # the plan can use it; the status stays a literal beside it.
+
+
+def _waiting(version: str, priority: str, limit: str) -> str:
+    """A model's unclaimed ACCEPTED runs of one priority, counted up to `limit` (SQL expressions)."""
+    return f"""(SELECT count(*) FROM (SELECT 1 FROM runs r
+                              WHERE r.model_version = {version} AND r.status = '{RunStatus.ACCEPTED.value}'
+                                AND {unclaimed("r.")} AND r.priority = '{priority}'
+                              LIMIT {limit}) AS waiting)"""
+
+
 # The key is found as ApiKeyRepository.caller finds it (ledger/repositories.py): an unsalted key by
 # its hash, a salted one by its public prefix, then checked against its salted hash here in Python.
 _READ = Statement.of(f"""
@@ -58,14 +68,8 @@ SELECT t.id AS tenant_id, k.id AS key_id, k.key_prefix, k.key_hash, k.key_salt, 
        m.price_card_id, m.canary_share_bp, m.canary_baseline,
        CAST(t.xmin AS text) AS tenant_row, m.model_row,
        EXISTS (SELECT 1 FROM canaries ca WHERE ca.alias = :name AND ca.state = 'active') AS canary_active,
-       (SELECT count(*) FROM (SELECT 1 FROM runs r
-                              WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
-                                AND {unclaimed("r.")} AND r.priority = 'interactive'
-                              LIMIT :backlog_limit) AS waiting) AS backlog,
-       (SELECT count(*) FROM (SELECT 1 FROM runs r
-                              WHERE r.model_version = m.version AND r.status = '{RunStatus.ACCEPTED.value}'
-                                AND {unclaimed("r.")} AND r.priority = 'batch'
-                              LIMIT :batch_backlog_limit) AS waiting) AS batch_backlog
+       {_waiting("m.version", "interactive", ":backlog_limit")} AS backlog,
+       {_waiting("m.version", "batch", ":batch_backlog_limit")} AS batch_backlog
 FROM api_keys k
 LEFT JOIN tenants t ON t.id = k.tenant_id
 LEFT JOIN LATERAL (
@@ -128,16 +132,8 @@ SELECT inserted.id, reserved.tokens_left, reserved.cost_left_micros FROM inserte
 # nothing was written and the caller decides again on a fresh read; true with no id: as for _WRITE.
 _WRITE_HELD = Statement.of(f"""
 WITH counted AS (
-    SELECT (SELECT count(*) FROM (SELECT 1 FROM runs r
-                                  WHERE r.model_version = :model_version
-                                    AND r.status = '{RunStatus.ACCEPTED.value}'
-                                    AND {unclaimed("r.")} AND r.priority = 'interactive'
-                                  LIMIT :backlog_bound + 1) AS waiting) AS backlog,
-           (SELECT count(*) FROM (SELECT 1 FROM runs r
-                                  WHERE r.model_version = :model_version
-                                    AND r.status = '{RunStatus.ACCEPTED.value}'
-                                    AND {unclaimed("r.")} AND r.priority = 'batch'
-                                  LIMIT :batch_count_limit) AS waiting) AS batch_backlog
+    SELECT {_waiting(":model_version", "interactive", ":backlog_bound + 1")} AS backlog,
+           {_waiting(":model_version", "batch", ":batch_count_limit")} AS batch_backlog
 ), held AS (
     SELECT backlog FROM counted
      WHERE backlog <= :backlog_bound AND batch_backlog <= :batch_backlog_bound

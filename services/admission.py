@@ -299,18 +299,17 @@ class AdmissionService:
                 # but a plain admission (a refusal, a fallback, a context that changed) is decided
                 # again on a fresh read: nothing is refused or rerouted on what is only remembered.
                 try:
-                    return await self._admit_on(connection, metadata, intent, span, known)
+                    return await self._admit_on(connection, key, intent, span, known)
                 except _Decided as decided:
                     raise decided.refusal from None
                 except (_NotHeld, SluiceError):
                     self._contexts.forget(key, intent.model)
-            return await self._admit_on(connection, metadata, intent, span)
+            return await self._admit_on(connection, key, intent, span)
 
-    async def _admit_on(self, connection: asyncpg.Connection, metadata: Metadata, intent: SubmitIntent,
+    async def _admit_on(self, connection: asyncpg.Connection, key: str, intent: SubmitIntent,
                         span: trace.Span, known: SubmitContext | None = None) -> Admitted:
-        """Admit on a fresh read, or (`known`) on a cached context: no backlog, and the write checks
-        that what the decision used still holds (_NotHeld when it does not)."""
-        key = api_key_from_metadata(metadata)
+        """Admit `key`'s submit on a fresh read, or (`known`) on a cached context: no backlog, and the
+        write checks that what the decision used still holds (_NotHeld when it does not)."""
         # Every door reaches here (gRPC and the HTTP edge): what PostgreSQL cannot store or a bound
         # the config sets is refused before the first query reads a field.
         priority = intent.priority

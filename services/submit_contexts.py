@@ -8,7 +8,7 @@ skipped: the Submit is decided on the kept context with no backlog at all, and i
 still good (not revoked, not expired, the same tenant and scope), the tenant's and the model's rows at
 the very versions read (any admin change makes a new row version), the name still resolving to that
 model with no canary on it, and the backlogs within the bounds under which the decision is the same
-(services/admission_rules.backlog_bounds). Whatever fails, nothing is written, the entry is dropped
+(services/traffic.backlog_bounds). Whatever fails, nothing is written, the entry is dropped
 and the Submit is decided again on a fresh read: no refusal, no fallback, no admission is ever made
 on what is only remembered. A key revoked or a tenant suspended is refused from the next Submit on,
 as without the cache.
@@ -21,6 +21,7 @@ entries (oldest dropped first).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,11 +64,12 @@ class SubmitContexts:
     def get(self, key: str, model_name: str) -> SubmitContext | None:
         """The context read for this key and name within FRESH_S, with no backlog (the write counts
         it), or None."""
-        entry = self._entries.get((key_digest(key), model_name))
+        slot = (key_digest(key), model_name)
+        entry = self._entries.get(slot)
         if entry is None:
             return None
         if self._clock() - entry.at >= self.fresh_s:
-            del self._entries[(key_digest(key), model_name)]
+            del self._entries[slot]
             return None
         return entry.context
 
@@ -80,9 +82,7 @@ class SubmitContexts:
         entries.pop(slot, None)
         while len(entries) >= self.limit:
             del entries[next(iter(entries))]
-        kept = SubmitContext(context.caller, context.model, 0, context.reason, context.canary, 0,
-                             context.versions, context.canary_active)
-        entries[slot] = _Entry(kept, self._clock())
+        entries[slot] = _Entry(dataclasses.replace(context, backlog=0, batch_backlog=0), self._clock())
 
     def forget(self, key: str, model_name: str) -> None:
         self._entries.pop((key_digest(key), model_name), None)
