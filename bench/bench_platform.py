@@ -364,20 +364,22 @@ async def ttft_split(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
     return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}" for leg, values in legs.items()) + " ms) (p50)"
 
 
-async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
+async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> tuple[str, str]:
     """The first token's path stage by stage, p50/p95 in ms, from the client's, the ledger's and the
     routing worker's clocks (one box): Submit's answer; the run row's INSERT from the Submit call;
     claimed (queued_at) from that INSERT; the first DELTA published by the routing worker from its
     claim (the replica's first token, step boundary included); the RUNNING statement from that
     publish (the STATUS event's acknowledgment and any write in flight before it); the client's
-    first DELTA from the RUNNING statement (commit, NOTIFY, the Stream's hold) and from the publish."""
+    first DELTA from the RUNNING statement (commit, NOTIFY, the Stream's hold) and from the publish.
+    Second, the same legs' medians over the slowest tenth of the runs (TTFT at or above its p90):
+    which leg the tail's time is in."""
     connection = await asyncpg.connect(asyncpg_dsn(dsn))
     try:
         rows = {row["id"]: row for row in await connection.fetch(_LEDGER_TIMES, [o.run_id for o in outcomes])}
     finally:
         await connection.close()
     names = ("answered", "row", "claimed", "published", "RUNNING stmt", "RUNNING→client", "published→client")
-    legs: dict[str, list[float]] = {name: [] for name in names}
+    runs: list[tuple[float, tuple[float, ...]]] = []
     for outcome in outcomes:
         row = rows.get(outcome.run_id)
         if row is None or row["started"] is None or row["queued"] is None or not outcome.first_at \
@@ -385,13 +387,21 @@ async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> str:
             continue
         created, queued, started = float(row["created"]), float(row["queued"]), float(row["started"])
         published = outcome.first_published_ms / 1e3
-        for name, value in zip(names, (outcome.answered_at - outcome.submitted_at,
-                                       created - outcome.submitted_at, queued - created, published - queued,
-                                       started - published, outcome.first_at - started,
-                                       outcome.first_at - published), strict=True):
-            legs[name].append(value)
-    return ", ".join(f"{leg} {pct(values, 50) * 1e3:.1f}/{pct(values, 95) * 1e3:.1f}"
-                     for leg, values in legs.items()) + " ms (p50/p95)"
+        legs = (outcome.answered_at - outcome.submitted_at, created - outcome.submitted_at, queued - created,
+                published - queued, started - published, outcome.first_at - started,
+                outcome.first_at - published)
+        runs.append((outcome.ttft_s, legs))
+    if not runs:
+        return "no run with every stage recorded", ""
+    slow_from = pct([ttft for ttft, _ in runs], 90)
+    slowest = [legs for ttft, legs in runs if ttft >= slow_from]
+    columns = [[legs[i] for _, legs in runs] for i in range(len(names))]
+    every = ", ".join(f"{name} {pct(column, 50) * 1e3:.1f}/{pct(column, 95) * 1e3:.1f}"
+                      for name, column in zip(names, columns, strict=True))
+    tail = ", ".join(f"{name} {pct([legs[i] for legs in slowest], 50) * 1e3:.1f}"
+                     for i, name in enumerate(names))
+    return (every + " ms (p50/p95)",
+            f"{tail} ms (medians of the {len(slowest)} runs with TTFT >= p90 {slow_from * 1e3:.1f} ms)")
 
 
 async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str,
@@ -451,7 +461,9 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
         lines.append(f"  through grpc.aio (the SDK's transport) in the same rounds:"
                      f" {added(platform_s[False], direct_s)}")
         lines.append(f"  where the platform's time goes: {await ttft_split(dsn, outcomes[True])}")
-        lines.append(f"  stages: {await ttft_stages(dsn, outcomes[True])}")
+        stages, tail = await ttft_stages(dsn, outcomes[True])
+        lines.append(f"  stages: {stages}")
+        lines.append(f"  the slowest tenth: {tail}")
         # Whether the rounds were short of CPU: from a platform round's start to its last first token,
         # how busy the box's CPUs were, how long runnable tasks waited for one, and the box's CPU
         # (every process: platform, replicas, this client) spent per run until then.
