@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -132,6 +133,38 @@ def broker_pid(broker: dict[str, str]) -> int:
     return int((Path(broker["SLUICE_PATHS__DATA_DIR"]) / "kafka" / "kafka.pid").read_text())
 
 
+def _threads_running(pid: int) -> list[int]:
+    """The threads of `pid` not (yet) stopped, from /proc (a thread gone meanwhile is not running)."""
+    running = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state not in ("T", "t"):
+                running.append(int(task.name))
+    return running
+
+
+async def pause(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads has stopped. kill() returns before the
+    stop has reached each thread: one running on the other CPU (a JVM has dozens) goes on for a
+    moment, and a request sent right after could still be answered."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within_s
+    while running := _threads_running(pid):
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGCONT)
+            raise AssertionError(f"threads {running} of {pid} still running {within_s} s after SIGSTOP")
+        await asyncio.sleep(0.005)
+
+
+def unanswered(future: asyncio.Future[LogPosition]) -> str:
+    """What a future that should still be waiting holds (for an assertion's message)."""
+    if not future.done():
+        return "waiting"
+    error = future.exception()
+    return f"failed: {error!r}" if error is not None else f"answered: {future.result()}"
+
+
 async def test_an_event_is_reported_durable_only_once_the_broker_acknowledged_it(broker, events):
     """With the broker paused (SIGSTOP) nothing it has not acknowledged resolves, a first token sent
     at once included, however long the linger is past; once it runs again each event gets its own
@@ -139,7 +172,7 @@ async def test_an_event_is_reported_durable_only_once_the_broker_acknowledged_it
     seq = RunEventSequencer(str(uuid.uuid4()))
     warm = await events.append(seq.status(common_pb2.RUN_STATUS_RUNNING, 0))
     pid = broker_pid(broker)
-    os.kill(pid, signal.SIGSTOP)
+    await pause(pid)
     try:
         first = await events.publish(seq.delta([1], "a", 0), at_once=True)
         later = await events.publish(seq.delta([2], "b", 0))
@@ -295,7 +328,7 @@ async def test_a_window_due_while_its_broker_owes_an_answer_leaves_in_one_reques
         # after the broker is resumed, and be counted with the requests under test (seen: 3 == 2).
         await produce_requests(counter, len(partitions))
         pid = broker_pid(broker)
-        os.kill(pid, signal.SIGSTOP)
+        await pause(pid)
         try:
             owed = await events.publish(busy.delta([1], "a", 0), at_once=True)   # unanswered meanwhile
             await asyncio.sleep(0.3)
@@ -303,7 +336,7 @@ async def test_a_window_due_while_its_broker_owes_an_answer_leaves_in_one_reques
             acks = [await events.publish(seq.delta([2], "b", 0)) for seq in (*others, busy)]
             acks.append(await events.publish(busy.delta([3], "c", 0), at_once=True))
             await asyncio.sleep(0.3)
-            assert not owed.done()
+            assert not owed.done(), f"the owed request, with its broker stopped: {unanswered(owed)}"
         finally:
             os.kill(pid, signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(owed, *acks), 30)
