@@ -30,7 +30,11 @@ this client are reported apart, never in the platform figure):
              rounds, through grpc.aio (the SDK's transport); the headline is the former, the same
              client on both sides. For each, from a round's start to its last first token: how
              busy the box's CPUs were, how long runnable tasks waited for one
-             (/proc/pressure/cpu) and the box's CPU per run (is the burst short of CPU?)
+             (/proc/pressure/cpu) and the box's CPU per run (is the burst short of CPU?). Then
+             16 concurrent with their starts spread instead of at once: 16 callers each making
+             its next call of ~1 s of tokens as its last ends, started 1/16 of a call apart
+             (direct, lean client, grpc.aio, direct again): 16 users streaming at once, where the
+             burst is 16 users pressing enter in the same millisecond
   run-cost   platform CPU per run of 2 output tokens (concurrency 16)
   stream-64  platform CPU per delivered token, 64 concurrent 300-token streams
   stream-256 the same at 256
@@ -115,6 +119,7 @@ class Plan:
 
     ttft_serial: int               # one-at-a-time pairs (direct, platform)
     ttft_rounds: int               # rounds of 16 direct then 16 platform at once
+    ttft_steady: int               # calls per caller at 16 staggered callers (next call as one ends)
     cost_runs: int                 # 2-token runs
     stream_tokens: int             # output tokens per stream in stream-64/256
     stream_runs_64: int
@@ -124,10 +129,12 @@ class Plan:
     submit_seconds: float
 
 
-FULL = Plan(ttft_serial=40, ttft_rounds=10, cost_runs=200, stream_tokens=300, stream_runs_64=64,
-            stream_runs_256=256, interrupt_runs=1000, interrupt_tokens=100, submit_seconds=10.0)
-QUICK = Plan(ttft_serial=12, ttft_rounds=2, cost_runs=48, stream_tokens=100, stream_runs_64=64,
-             stream_runs_256=256, interrupt_runs=256, interrupt_tokens=40, submit_seconds=3.0)
+FULL = Plan(ttft_serial=40, ttft_rounds=10, ttft_steady=10, cost_runs=200, stream_tokens=300,
+            stream_runs_64=64, stream_runs_256=256, interrupt_runs=1000, interrupt_tokens=100,
+            submit_seconds=10.0)
+QUICK = Plan(ttft_serial=12, ttft_rounds=2, ttft_steady=3, cost_runs=48, stream_tokens=100,
+             stream_runs_64=64, stream_runs_256=256, interrupt_runs=256, interrupt_tokens=40,
+             submit_seconds=3.0)
 
 
 def pct(values: Sequence[float], p: float) -> float:
@@ -404,18 +411,35 @@ async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> tuple[str, st
             f"{tail} ms (medians of the {len(slowest)} runs with TTFT >= p90 {slow_from * 1e3:.1f} ms)")
 
 
+# The staggered level's runs last about this long: long enough that 16 callers keep 16 streams in
+# flight with their starts spread, short enough that each caller makes several.
+STEADY_RUN_S = 1.0
+STEADY_WIDTH = 16
+
+
+async def staggered(call: Callable[[int], Awaitable[float]], width: int, per_caller: int,
+                    stagger_s: float) -> list[float]:
+    """`width` callers, each making `per_caller` calls back to back (its next as its last ends), the
+    i-th starting after i * stagger_s: `width` calls in flight with their starts spread over a call's
+    length, as `width` users streaming at once, not a burst. Each call's TTFT."""
+    async def caller(index: int) -> list[float]:
+        await asyncio.sleep(index * stagger_s)
+        return [await call(index * per_caller + k) for k in range(per_caller)]
+    return [ttft for ttfts in await asyncio.gather(*(caller(i) for i in range(width))) for ttft in ttfts]
+
+
 async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str,
-                     meter: CpuMeter | None = None) -> list[str]:
+                     meter: CpuMeter | None = None, token_delay_s: float = 0.0) -> list[str]:
     prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
 
-    async def direct(index: int) -> float:
+    async def direct(index: int, tokens: int = 4) -> float:
         # Read to the end, as the platform's client reads its run to the terminal event: a call left
         # generating would keep the replica stepping, and the next call (the platform's) would wait
         # for the step in progress to end: up to one token time added to the platform alone.
         started = time.perf_counter()
         first: float | None = None
         async for _chunk in replica_client.stream_generate(replicas[index % len(replicas)],
-                                                           f"direct-{uuid.uuid4().hex}", prompt_ids, 4,
+                                                           f"direct-{uuid.uuid4().hex}", prompt_ids, tokens,
                                                            seed=index):
             if first is None:
                 first = time.perf_counter() - started
@@ -480,6 +504,44 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
                      f" some task waiting {direct_pressure.waited()})")
         outcomes[True].clear()
         outcomes[False].clear()
+    if plan.ttft_steady > 0 and token_delay_s > 0:
+        lines += await steady_ttft(client, direct, plan.ttft_steady, token_delay_s)
+    return lines
+
+
+async def steady_ttft(client: Client, direct: Callable[[int, int], Awaitable[float]], per_caller: int,
+                      token_delay_s: float) -> list[str]:
+    """TTFT added at STEADY_WIDTH streams in flight whose starts are spread (staggered), beside the
+    bursts above: direct calls, the platform through the lean client, through grpc.aio, direct calls
+    again (the box's drift falls on both sides), each run STEADY_RUN_S long."""
+    tokens = max(4, round(STEADY_RUN_S / token_delay_s))
+    stagger_s = tokens * token_delay_s / STEADY_WIDTH
+
+    async def direct_call(index: int) -> float:
+        return await direct(index, tokens)
+
+    def platform_call(lean: bool) -> Callable[[int], Awaitable[float]]:
+        async def call(_: int) -> float:
+            return (await client.run(tokens, lean=lean)).ttft_s
+        return call
+
+    platform_s: dict[bool, list[float]] = {}
+    pressure = {True: Pressure(), False: Pressure()}
+    direct_s = await staggered(direct_call, STEADY_WIDTH, per_caller, stagger_s)
+    for lean in (True, False):
+        platform_s[lean] = await pressure[lean].over(staggered(platform_call(lean), STEADY_WIDTH, per_caller,
+                                                               stagger_s))
+    direct_s += await staggered(direct_call, STEADY_WIDTH, per_caller, stagger_s)
+    d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
+    lines = [f"TTFT {STEADY_WIDTH} concurrent, staggered ({STEADY_WIDTH} callers each starting its next run"
+             f" of {tokens} tokens as its last ends, their starts {stagger_s * 1e3:.0f} ms apart;"
+             f" {len(platform_s[True])} runs per client, {len(direct_s)} direct calls):"
+             f" direct p50 {d50:.1f} / p95 {d95:.1f} ms"]
+    for lean, name in ((True, "the lean client"), (False, "grpc.aio")):
+        p50, p95 = pct(platform_s[lean], 50) * 1e3, pct(platform_s[lean], 95) * 1e3
+        lines.append(f"  {name}: platform p50 {p50:.1f} / p95 {p95:.1f} ms; added p50 +{p50 - d50:.1f} /"
+                     f" p95 +{p95 - d95:.1f} ms (box busy {pressure[lean].busy()}, some task waiting for a"
+                     f" CPU {pressure[lean].waited()} of the time)")
     return lines
 
 
@@ -851,7 +913,8 @@ async def bench(args: argparse.Namespace) -> None:
         await print_profiles(profiles, f"{args.py_spy} s of the idle stack")
         phases = set(args.phases.split(","))
         if "ttft" in phases:
-            for line in await phase_ttft(client, stack.replica_addresses, plan, dsn, meter):
+            for line in await phase_ttft(client, stack.replica_addresses, plan, dsn, meter,
+                                         token_delay_s=args.token_delay_ms / 1000):
                 print(line, flush=True)
         if "runs" in phases:
             cost_runs = args.cost_runs or plan.cost_runs
