@@ -134,12 +134,13 @@ def broker_pid(broker: dict[str, str]) -> int:
 
 
 def _threads_running(pid: int) -> list[int]:
-    """The threads of `pid` not (yet) stopped, from /proc (a thread gone meanwhile is not running)."""
+    """The threads of `pid` not (yet) stopped, from /proc (a thread exiting or gone meanwhile is not
+    running)."""
     running = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state not in ("T", "t"):
+            if state not in ("T", "t", "Z", "X"):
                 running.append(int(task.name))
     return running
 
