@@ -411,6 +411,14 @@ async def ttft_stages(dsn: str, outcomes: Sequence[RunOutcome]) -> tuple[str, st
             f"{tail} ms (medians of the {len(slowest)} runs with TTFT >= p90 {slow_from * 1e3:.1f} ms)")
 
 
+def added(times: list[float], direct_s: list[float]) -> str:
+    """The platform's TTFT p50/p95 and what it adds over the direct calls' (ms)."""
+    d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
+    p50, p95 = pct(times, 50) * 1e3, pct(times, 95) * 1e3
+    return (f"platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
+            f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
+
+
 # The staggered level's runs last about this long: long enough that 16 callers keep 16 streams in
 # flight with their starts spread, short enough that each caller makes several.
 STEADY_RUN_S = 1.0
@@ -451,12 +459,6 @@ async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: s
         outcome = await client.run(4, pressure.first, lean=lean)
         outcomes[lean].append(outcome)
         return outcome.ttft_s
-
-    def added(times: list[float], direct_s: list[float]) -> str:
-        d50, d95 = pct(direct_s, 50) * 1e3, pct(direct_s, 95) * 1e3
-        p50, p95 = pct(times, 50) * 1e3, pct(times, 95) * 1e3
-        return (f"platform p50 {p50:.1f} / p95 {p95:.1f} ms;"
-                f" added p50 +{p50 - d50:.1f} / p95 +{p95 - d95:.1f} ms")
 
     lines = []
     levels = (("one at a time", 1, plan.ttft_serial), ("16 concurrent", 16, plan.ttft_rounds))
@@ -538,10 +540,8 @@ async def steady_ttft(client: Client, direct: Callable[[int, int], Awaitable[flo
              f" {len(platform_s[True])} runs per client, {len(direct_s)} direct calls):"
              f" direct p50 {d50:.1f} / p95 {d95:.1f} ms"]
     for lean, name in ((True, "the lean client"), (False, "grpc.aio")):
-        p50, p95 = pct(platform_s[lean], 50) * 1e3, pct(platform_s[lean], 95) * 1e3
-        lines.append(f"  {name}: platform p50 {p50:.1f} / p95 {p95:.1f} ms; added p50 +{p50 - d50:.1f} /"
-                     f" p95 +{p95 - d95:.1f} ms (box busy {pressure[lean].busy()}, some task waiting for a"
-                     f" CPU {pressure[lean].waited()} of the time)")
+        lines.append(f"  {name}: {added(platform_s[lean], direct_s)} (box busy {pressure[lean].busy()},"
+                     f" some task waiting for a CPU {pressure[lean].waited()} of the time)")
     return lines
 
 
