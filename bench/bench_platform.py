@@ -109,6 +109,9 @@ from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, r
 
 T = TypeVar("T")
 PROMPT = "Summarise how a sluice gate controls the flow of water, in plain words, for a new operator."
+# What --prompt-tokens repeats to reach its length (seed 002's runs carry ~2,000 prompt tokens).
+FILLER = ("A sluice gate is a sliding barrier in a channel; raising it lets more water through and lowering"
+          " it holds the flow back, so an operator watches the levels upstream and downstream. ")
 TENANTS = 50
 STREAM_TIMEOUT_S = 600.0
 
@@ -167,7 +170,8 @@ class Client:
     """Raw stubs on one channel per gateway; tenant i's calls carry tenant i's key. `run(lean=True)`
     calls through bench/lean_client.py instead of grpc.aio (the TTFT phase: the direct call's client)."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(self, addresses: Sequence[str], prompt: str = PROMPT) -> None:
+        self.prompt = prompt
         self.channels = [grpc.aio.insecure_channel(address) for address in addresses]
         self.admission = [admission_pb2_grpc.AdmissionStub(c) for c in self.channels]
         self.runs = [runs_pb2_grpc.RunsStub(c) for c in self.channels]
@@ -184,9 +188,8 @@ class Client:
         self._next += 1
         return self._next % len(self.channels), self._next % TENANTS
 
-    @staticmethod
-    def _request(tokens: int) -> admission_pb2.SubmitRequest:
-        return admission_pb2.SubmitRequest(model="chat", input=PROMPT.encode(), max_output_tokens=tokens,
+    def _request(self, tokens: int) -> admission_pb2.SubmitRequest:
+        return admission_pb2.SubmitRequest(model="chat", input=self.prompt.encode(), max_output_tokens=tokens,
                                            request_key=uuid.uuid4().hex)
 
     async def submit(self, gateway: int, tenant: int, tokens: int, lean: bool = False) -> str:
@@ -241,6 +244,25 @@ class Client:
             status, detail = f"ERROR {error.code}", error.details
         return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at,
                           tuple(delivery), answered_at, first_published_ms)
+
+
+def prompt_of(tokens: int) -> str:
+    """PROMPT, then FILLER repeated and cut at a word until the model's input (chat template included)
+    is about `tokens` long; PROMPT alone when that is already longer."""
+    text = PROMPT
+    if len(encode(TINY_CHAT.tokenizer, text)) >= tokens:
+        return text
+    while len(encode(TINY_CHAT.tokenizer, text)) < tokens:
+        text += FILLER
+    words = text.split(" ")
+    low, high = 1, len(words)
+    while low < high:          # the fewest words that reach `tokens`
+        middle = (low + high) // 2
+        if len(encode(TINY_CHAT.tokenizer, " ".join(words[:middle]))) >= tokens:
+            high = middle
+        else:
+            low = middle + 1
+    return " ".join(words[:low])
 
 
 async def bounded(count: int, concurrency: int, make: Callable[[], Awaitable[T]]) -> list[T]:
@@ -438,7 +460,7 @@ async def staggered(call: Callable[[int], Awaitable[float]], width: int, per_cal
 
 async def phase_ttft(client: Client, replicas: Sequence[str], plan: Plan, dsn: str,
                      meter: CpuMeter | None = None, token_delay_s: float = 0.0) -> list[str]:
-    prompt_ids = encode(TINY_CHAT.tokenizer, PROMPT)
+    prompt_ids = encode(TINY_CHAT.tokenizer, client.prompt)
 
     async def direct(index: int, tokens: int = 4) -> float:
         # Read to the end, as the platform's client reads its run to the terminal event: a call left
@@ -873,14 +895,15 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         await asyncio.to_thread(stack.start)
         await meter.start()
-        client = Client(stack.gateway_addresses)
+        client = Client(stack.gateway_addresses, prompt_of(args.prompt_tokens))
         kind = "wire replicas (bench/wire_replica.py: the simple engine's bytes without Triton)" \
             if args.wire_replicas else "simple-engine replicas"
         print(f"bench-platform{' --quick' if args.quick else ''}: {kind} x2 at"
               f" {args.token_delay_ms} ms/token, {args.gateways} gateway processes, {args.routing_workers}"
               f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
-              f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants; logs in {log_dir}",
-              flush=True)
+              f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants, prompts of"
+              f" {len(encode(TINY_CHAT.tokenizer, client.prompt))} tokens ({len(client.prompt)} characters);"
+              f" logs in {log_dir}", flush=True)
         # Warm channels, tails and pools at the run-cost phase's concurrency (16): a pool still growing
         # there charged each new connection's start (fork, SCRAM, type introspection: ~25 per bench,
         # ~1 ms a run) to the runs.
@@ -1003,6 +1026,8 @@ def main(argv: list[str] | None = None) -> None:
                              " responses for a few us of CPU per token, so that streams can run at seed 002's"
                              " ~117 tokens/s (--token-delay-ms 8.5) on the platform's own box")
     parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                        help="every run's prompt about N tokens long (seed 002: 2000); 0: one short sentence")
     parser.add_argument("--routing-workers", type=int, default=1)
     parser.add_argument("--submit-rate", type=float, default=500.0)
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
