@@ -37,6 +37,7 @@ import asyncpg
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
 from sluice.ledger.models import RunStatus, unclaimed
 from sluice.ledger.pg import Statement, rows_of
+from sluice.ledger import token_ids
 from sluice.ledger.repositories import Caller, ModelInfo, caller_of
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -275,6 +276,11 @@ async def drained_runs(connection: AsyncConnection, model_version: str, window_s
                                                     "window_s": float(window_s)})).scalar_one())
 
 
+def _stored(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's columns as the statement binds them: its prompt's token ids packed (ledger/token_ids.py)."""
+    return {**run, "prompt_token_ids": token_ids.pack(run["prompt_token_ids"])}
+
+
 async def insert_reserving(connection: asyncpg.Connection, run: Mapping[str, Any], deadline_ms: int,
                            notify: tuple[str, str]) -> Reserved | None:
     """Reserve run["reserved_tokens"/"reserved_cost_micros"] and insert the run, atomically, on a
@@ -286,8 +292,8 @@ async def insert_reserving(connection: asyncpg.Connection, run: Mapping[str, Any
     `run` holds the runs columns the statement names (id, tenant_id, request_key, ...)."""
     channel, pool = notify
     try:
-        row = await rows_of(connection).row(_WRITE, {**run, "deadline_ms": deadline_ms, "channel": channel,
-                                                     "pool": pool})
+        row = await rows_of(connection).row(_WRITE, {**_stored(run), "deadline_ms": deadline_ms,
+                                                     "channel": channel, "pool": pool})
     except asyncpg.IntegrityConstraintViolationError:
         return None
     return None if row is None else Reserved(row["id"], int(row["tokens_left"]), int(row["cost_left_micros"]))
@@ -304,7 +310,7 @@ async def insert_reserving_if_held(connection: asyncpg.Connection, run: Mapping[
     channel, pool = notify
     try:
         row = await rows_of(connection).row(_WRITE_HELD, {
-            **run, "deadline_ms": deadline_ms, "channel": channel, "pool": pool, "scope": scope,
+            **_stored(run), "deadline_ms": deadline_ms, "channel": channel, "pool": pool, "scope": scope,
             "tenant_row": versions.tenant, "model_row": versions.model,
             "backlog_bound": bounds.backlog, "batch_backlog_bound": bounds.batch,
             "batch_count_limit": bounds.batch + 1 if bounds.count_batch else 0,

@@ -36,6 +36,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     Text,
     UniqueConstraint,
@@ -44,6 +45,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from sluice.ledger import token_ids
 
 from sluice.traffic.route import RouteReason
 
@@ -104,6 +108,19 @@ UNFINISHED = unfinished()
 UNCLAIMED = unclaimed()
 _ROUTE_REASON_CHECK = _in_list("route_reason", [r.value for r in RouteReason])
 _UNPUBLISHED_TERMINAL_CHECK = "terminal_published = false AND terminal_sequence IS NOT NULL"
+
+
+class TokenIds(TypeDecorator[list[int]]):
+    """A prompt's token ids, list[int] in Python, stored packed (ledger/token_ids.py, migration 0014)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> bytes | None:
+        return None if value is None else token_ids.pack(value)
+
+    def process_result_value(self, value: Any, dialect: Any) -> list[int] | None:
+        return None if value is None else token_ids.unpack(value)
 
 
 def _timestamp(*, nullable: bool = False, now: bool = False) -> Any:
@@ -267,7 +284,7 @@ class Run(Base):
     payload_hash: Mapped[str] = mapped_column(Text)  # sha256 over model version, input, cap, sampling
     model_version: Mapped[str] = mapped_column(ForeignKey("models.version"))
     status: Mapped[str] = mapped_column(Text, server_default=RunStatus.ACCEPTED.value)
-    prompt_token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    prompt_token_ids: Mapped[list[int]] = mapped_column(TokenIds)   # packed: ledger/token_ids.py
     input_tokens: Mapped[int] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))

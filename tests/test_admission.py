@@ -16,7 +16,7 @@ from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import BudgetRepository
 from sluice.services import errors
 from sluice.services.tokenization import encode
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from sluice.v1 import common_pb2
 from tests.support.ledger_factories import (
@@ -129,6 +129,9 @@ async def test_an_accepted_run_is_committed_with_its_tokens_reservation_and_dead
     assert run.status == RunStatus.ACCEPTED
     assert (run.tenant_id, run.request_key, run.model_version) == (tenant.id, "k-1", "test-model-v1")
     assert run.prompt_token_ids == [2, 3, 4]
+    async with api.sessionmaker() as session:    # stored packed: three big-endian int32s (migration 0014)
+        stored = await session.scalar(text("SELECT prompt_token_ids FROM runs WHERE id = :id"), {"id": run.id})
+    assert stored == b"\x00\x00\x00\x02" b"\x00\x00\x00\x03" b"\x00\x00\x00\x04"
     assert (run.input_tokens, run.max_output_tokens, run.reserved_tokens) == (3, 50, 53)
     assert run.reserved_cost_micros == reservation_cost_micros(ModelSpec(), 3, 50) == 77  # ceil(76.5)
     assert run.sampling == {"temperature": 0.7, "top_p": 0.0, "seed": 0}

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.ledger import claims_sql
+from sluice.ledger import claims_sql, token_ids
 from sluice.ledger.models import Run, RunStatus, unfinished
 from sluice.ledger.pg import Executor, Statement, rows_of
 from sluice.ledger.routes import route_from_columns
@@ -90,7 +90,7 @@ def accepted_run(row: Mapping[str, Any]) -> AcceptedRun:
     """An AcceptedRun from a row of ledger/claims_sql.lock_accepted."""
     return AcceptedRun(
         id=uuid.UUID(str(row["id"])), tenant_id=uuid.UUID(str(row["tenant_id"])),
-        model_version=row["model_version"], prompt_token_ids=list(row["prompt_token_ids"]),
+        model_version=row["model_version"], prompt_token_ids=token_ids.unpack(row["prompt_token_ids"]),
         input_tokens=row["input_tokens"], max_output_tokens=row["max_output_tokens"],
         conversation_id=row["conversation_id"], deadline_at=row["deadline_at"], created_at=row["created_at"],
         cache_scope=row["cache_scope"], sampling=row["sampling"], lease_epoch=row["lease_epoch"],
