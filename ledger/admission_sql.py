@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+from sluice.ledger import token_ids
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
 from sluice.ledger.models import RunStatus, unclaimed
 from sluice.ledger.pg import Statement, rows_of
-from sluice.ledger import token_ids
 from sluice.ledger.repositories import Caller, ModelInfo, caller_of
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection

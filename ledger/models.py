@@ -26,6 +26,7 @@ import enum
 import uuid
 from typing import Any
 
+from sluice.ledger import token_ids
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -46,8 +47,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
-
-from sluice.ledger import token_ids
 
 from sluice.traffic.route import RouteReason
 

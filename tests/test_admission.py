@@ -130,7 +130,8 @@ async def test_an_accepted_run_is_committed_with_its_tokens_reservation_and_dead
     assert (run.tenant_id, run.request_key, run.model_version) == (tenant.id, "k-1", "test-model-v1")
     assert run.prompt_token_ids == [2, 3, 4]
     async with api.sessionmaker() as session:    # stored packed: three big-endian int32s (migration 0014)
-        stored = await session.scalar(text("SELECT prompt_token_ids FROM runs WHERE id = :id"), {"id": run.id})
+        stored = await session.scalar(text("SELECT prompt_token_ids FROM runs WHERE id = :id"),
+                                      {"id": run.id})
     assert stored == b"\x00\x00\x00\x02" b"\x00\x00\x00\x03" b"\x00\x00\x00\x04"
     assert (run.input_tokens, run.max_output_tokens, run.reserved_tokens) == (3, 50, 53)
     assert run.reserved_cost_micros == reservation_cost_micros(ModelSpec(), 3, 50) == 77  # ceil(76.5)
