@@ -5,10 +5,13 @@ data files ship in the wheel; absolute paths are used as they are). Loading pars
 vocabulary, so each file is loaded once and shared; `tokenizers.Tokenizer.encode` is
 thread-safe and holds no per-call state.
 
-A long prompt is encoded in a worker thread through `encode_batch`, the call that releases the
-GIL (`encode` holds it: a 1 MiB prompt stalled the event loop ~0.7 s, in a thread as inline,
-against ~30 ms through `encode_batch`), so one caller's big prompt does not stall every other
-call on the gateway. The size of a prompt is bounded at the RPC edge ([admission].max_input_bytes).
+Every prompt is encoded through `encode_batch_fast` (a batch of one): the same ids as `encode`
+without the character offsets nobody here reads, 17-38% less CPU (2,000 tokens of tiny-chat: ~1.05
+against ~1.4 ms; SmolLM2's tokenizer alike), and it releases the GIL. A long prompt is encoded in
+a worker thread (`encode` holds the GIL: a 1 MiB prompt stalled the event loop ~0.7 s, in a thread
+as inline, against ~30 ms through the batch call), so one caller's big prompt does not stall every
+other call on the gateway. The size of a prompt is bounded at the RPC edge
+([admission].max_input_bytes).
 
 A chat model ships `chat.json` beside its tokenizer.json (sluice/models/build_smollm2.py):
 the input of a run is then one user turn, wrapped in the model's chat template before it is
@@ -57,20 +60,15 @@ def encode(path: str, text: str, wrap: bool = True) -> list[int]:
     """Token ids of `text` as the model sees it (model_input; no other special tokens added).
     `wrap=False`: `text` is already the whole prompt (a chat request rendered at the HTTP edge)."""
     prompt = model_input(path, text) if wrap else text
-    return list(load_tokenizer(path).encode(prompt, add_special_tokens=False).ids)
+    return list(load_tokenizer(path).encode_batch_fast([prompt], add_special_tokens=False)[0].ids)
 
 
 # Below this many characters encoding takes well under 5 ms inline: cheaper than a thread hop.
 OFF_LOOP_MIN_CHARS = 8_192
 
 
-def _encode_releasing_gil(path: str, text: str, wrap: bool) -> list[int]:
-    prompt = model_input(path, text) if wrap else text
-    return list(load_tokenizer(path).encode_batch([prompt], add_special_tokens=False)[0].ids)
-
-
 async def encode_off_loop(path: str, text: str, wrap: bool = True) -> list[int]:
     """`encode`, in a worker thread for long texts so the event loop keeps serving."""
     if len(text) < OFF_LOOP_MIN_CHARS:
         return encode(path, text, wrap)
-    return await asyncio.to_thread(_encode_releasing_gil, path, text, wrap)
+    return await asyncio.to_thread(encode, path, text, wrap)

@@ -6,6 +6,7 @@ from sluice.services import tokenization, validation
 from sluice.services.validation import FieldLimits, Undecodable, decoder
 
 from sluice.config import Settings
+from sluice.models import load_tokenizer
 from sluice.v1 import admission_pb2, routing_pb2
 
 TINY_CHAT = "tiny-chat/tokenizer.json"
@@ -63,7 +64,12 @@ def test_nested_fields_are_named_by_their_path():
                                                                           value=10)
 
 
-async def test_a_long_prompt_tokenized_off_the_loop_gives_the_same_ids():
-    text = "Why do rivers meander? " * 2_000
+async def test_short_and_long_prompts_get_the_tokenizers_own_encode_ids():
+    # The oracle: the library's plain `encode` (with offsets) of the model's input; admission encodes
+    # through `encode_batch_fast`, inline or, for a long prompt, off the event loop.
+    tokenizer = load_tokenizer(TINY_CHAT)
+    for text in ("Why do rivers meander? Ünïcode, 北京, tabs\tand\nlines", "Why do rivers meander? " * 2_000):
+        expected = tokenizer.encode(tokenization.model_input(TINY_CHAT, text), add_special_tokens=False).ids
+        assert tokenization.encode(TINY_CHAT, text) == expected
+        assert await tokenization.encode_off_loop(TINY_CHAT, text) == expected
     assert len(text) >= tokenization.OFF_LOOP_MIN_CHARS
-    assert await tokenization.encode_off_loop(TINY_CHAT, text) == tokenization.encode(TINY_CHAT, text)
