@@ -53,7 +53,9 @@ with py-spy (installed apart: `pip install py-spy`) during stream-64 (--py-spy-p
 during the run-cost phase or with the stack idle instead; submit: the gateway alone during the
 submit phase) and prints each one's top five functions by own time. --cost-runs N sets the
 run-cost phase's size (longer phases: steadier figures, room for a profile). The line "idle
-stack" is each component's CPU per second with nothing to do.
+stack" is each component's CPU per second with nothing to do. --prompt-tokens N gives every run (and
+the direct call beside it) a prompt of about N tokens: seed 002's runs carry ~2,000, which the
+Submit pays for in tokenization and in the run row (`make bench-platform-seed` uses 2,000).
 
 Before anything is measured, --warm-broker RUNS (default 64) stream-length runs at 64 concurrent
 warm the broker: a JVM compiles its produce and fetch paths during its first heavy load, and the
