@@ -119,7 +119,7 @@ class TokenIds(TypeDecorator[list[int]]):
         return None if value is None else token_ids.pack(value)
 
     def process_result_value(self, value: Any, dialect: Any) -> list[int] | None:
-        return None if value is None else token_ids.unpack(value)
+        return None if value is None else list(token_ids.unpack(value))
 
 
 def _timestamp(*, nullable: bool = False, now: bool = False) -> Any:

@@ -29,12 +29,12 @@ def pack(ids: Iterable[int]) -> bytes:
     return packed.tobytes()
 
 
-def unpack(stored: bytes) -> list[int]:
-    """The ids `pack` stored."""
+def unpack(stored: bytes) -> tuple[int, ...]:
+    """The ids `pack` stored, as the routing path keeps them (a tuple: built once, never copied again)."""
     if len(stored) % 4:
         raise ValueError(NOT_WHOLE_IDS.format(size=len(stored)))
     ids = array(_INT32)
     ids.frombytes(stored)
     if _SWAP:
         ids.byteswap()
-    return ids.tolist()
+    return tuple(ids)

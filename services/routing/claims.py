@@ -68,7 +68,7 @@ class AcceptedRun:
     id: uuid.UUID
     tenant_id: uuid.UUID
     model_version: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     input_tokens: int
     max_output_tokens: int
     conversation_id: str | None

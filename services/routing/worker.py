@@ -562,7 +562,7 @@ class RoutingWorker:
         stays ACCEPTED for a later pass)."""
         salt = cache_salt(run.cache_scope or scope_of(run.tenant_id, None))
         request = RouteRequest(request_id=str(run.id), model_version=run.model_version,
-                               token_ids=tuple(run.prompt_token_ids), max_output_tokens=run.max_output_tokens,
+                               token_ids=run.prompt_token_ids, max_output_tokens=run.max_output_tokens,
                                conversation_id=run.conversation_id, cache_salt=salt)
         views = self.registry.views(run.worker_pool, now, self.health, self.loads)
         decision = self._choose(request, views, now)
@@ -574,7 +574,7 @@ class RoutingWorker:
         return ClaimedRun(
             run_id=str(run.id), tenant_id=run.tenant_id, model_version=run.model_version,
             worker_pool=run.worker_pool, tokenizer=run.tokenizer, end_id=run.end_id,
-            prompt_token_ids=tuple(run.prompt_token_ids), input_tokens=run.input_tokens,
+            prompt_token_ids=run.prompt_token_ids, input_tokens=run.input_tokens,
             max_output_tokens=run.max_output_tokens, conversation_id=run.conversation_id,
             deadline_at=run.deadline_at, replica=decision.replica, queued_at=None,
             created_at=run.created_at, cache_salt=request.cache_salt,
