@@ -72,6 +72,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -107,6 +108,7 @@ from bench.platform_stack import (
     tenant_key,
 )
 from sluice.config import load_settings
+from sluice.models import MODELS_DIR
 from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2, runs_pb2, runs_pb2_grpc
 
 T = TypeVar("T")
@@ -172,8 +174,15 @@ class Client:
     """Raw stubs on one channel per gateway; tenant i's calls carry tenant i's key. `run(lean=True)`
     calls through bench/lean_client.py instead of grpc.aio (the TTFT phase: the direct call's client)."""
 
-    def __init__(self, addresses: Sequence[str], prompt: str = PROMPT) -> None:
+    def __init__(self, addresses: Sequence[str], prompt: str = PROMPT, corpus: str = "") -> None:
         self.prompt = prompt
+        # --prompt-source corpus: each Submit a slice of `corpus` of as many tokens as `prompt`, at a random
+        # offset: texts that never repeat whose words do, as real prompts (the tokenizer remembers
+        # pieces: one prompt sent again and again would be its best case).
+        self._corpus = corpus
+        self._offsets = random.Random(17)
+        tokens = len(encode(TINY_CHAT.tokenizer, prompt))
+        self._corpus_chars = corpus_chars_for(corpus, tokens) if corpus else 0
         self.channels = [grpc.aio.insecure_channel(address) for address in addresses]
         self.admission = [admission_pb2_grpc.AdmissionStub(c) for c in self.channels]
         self.runs = [runs_pb2_grpc.RunsStub(c) for c in self.channels]
@@ -190,9 +199,15 @@ class Client:
         self._next += 1
         return self._next % len(self.channels), self._next % TENANTS
 
+    def next_prompt(self) -> str:
+        if not self._corpus:
+            return self.prompt
+        start = self._offsets.randrange(len(self._corpus) - self._corpus_chars)
+        return self._corpus[start:start + self._corpus_chars]
+
     def _request(self, tokens: int) -> admission_pb2.SubmitRequest:
-        return admission_pb2.SubmitRequest(model="chat", input=self.prompt.encode(), max_output_tokens=tokens,
-                                           request_key=uuid.uuid4().hex)
+        return admission_pb2.SubmitRequest(model="chat", input=self.next_prompt().encode(),
+                                           max_output_tokens=tokens, request_key=uuid.uuid4().hex)
 
     async def submit(self, gateway: int, tenant: int, tokens: int, lean: bool = False) -> str:
         if lean:
@@ -246,6 +261,23 @@ class Client:
             status, detail = f"ERROR {error.code}", error.details
         return RunOutcome(first, received, events, status, detail, run_id, submitted_at, first_at,
                           tuple(delivery), answered_at, first_published_ms)
+
+
+def corpus_of(source: str) -> str:
+    """The text --prompt-source corpus slices prompts from: the model's corpus, its ASCII words one
+    space apart ("" for --prompt-source repeat)."""
+    if source != "corpus":
+        return ""
+    text = (MODELS_DIR / "corpus.txt").read_text()
+    return " ".join(word for word in text.split() if word.isascii())
+
+
+def corpus_chars_for(corpus: str, tokens: int) -> int:
+    """How many characters of `corpus` make about `tokens` tokens (the chat template included), from
+    the first 20 slices of 10,000 characters."""
+    samples = [corpus[i * 10_000:(i + 1) * 10_000] for i in range(20)]
+    per_char = sum(len(encode(TINY_CHAT.tokenizer, sample)) for sample in samples) / 200_000
+    return min(round(tokens / per_char), len(corpus) // 2)
 
 
 def prompt_of(tokens: int) -> str:
@@ -897,14 +929,15 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         await asyncio.to_thread(stack.start)
         await meter.start()
-        client = Client(stack.gateway_addresses, prompt_of(args.prompt_tokens))
+        client = Client(stack.gateway_addresses, prompt_of(args.prompt_tokens), corpus_of(args.prompt_source))
         kind = "wire replicas (bench/wire_replica.py: the simple engine's bytes without Triton)" \
             if args.wire_replicas else "simple-engine replicas"
         print(f"bench-platform{' --quick' if args.quick else ''}: {kind} x2 at"
               f" {args.token_delay_ms} ms/token, {args.gateways} gateway processes, {args.routing_workers}"
               f" routing worker process(es) (max_runs_per_worker {settings.max_runs_per_worker}),"
               f" coalesce_ms {config.kafka.coalesce_ms}, {TENANTS} tenants, prompts of"
-              f" {len(encode(TINY_CHAT.tokenizer, client.prompt))} tokens ({len(client.prompt)} characters);"
+              f" {len(encode(TINY_CHAT.tokenizer, client.prompt))} tokens ({len(client.prompt)} characters"
+              f"{', each a random slice of the corpus' if args.prompt_source == 'corpus' else ''});"
               f" logs in {log_dir}", flush=True)
         # Warm channels, tails and pools at the run-cost phase's concurrency (16): a pool still growing
         # there charged each new connection's start (fork, SCRAM, type introspection: ~25 per bench,
@@ -1030,6 +1063,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                         help="every run's prompt about N tokens long (seed 002: 2000); 0: one short sentence")
+    parser.add_argument("--prompt-source", choices=("repeat", "corpus"), default="repeat",
+                        help="repeat: every run sends the same prompt; corpus: each Submit a random slice"
+                             " of sluice/models/corpus.txt of as many tokens (texts that never repeat, words"
+                             " that do)")
     parser.add_argument("--routing-workers", type=int, default=1)
     parser.add_argument("--submit-rate", type=float, default=500.0)
     parser.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",

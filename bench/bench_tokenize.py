@@ -23,17 +23,18 @@ import string
 import time
 from collections.abc import Callable
 
-from bench.bench_platform import prompt_of
-from sluice.models import MODELS_DIR, load_tokenizer
 from sluice.services import tokenization
 from sluice.services.token_pieces import PieceTokenizer
+
+from bench.bench_platform import prompt_of
+from sluice.models import MODELS_DIR, load_tokenizer
 
 TOKENIZERS = ["tiny-chat/tokenizer.json", "smollm2-135m-instruct/tokenizer.json"]
 
 
-def cpu_us(call: Callable[[], list[int]]) -> tuple[float, list[int]]:
+def cpu_us(encode: Callable[[str], list[int]], text: str) -> tuple[float, list[int]]:
     start = time.process_time()
-    ids = call()
+    ids = encode(text)
     return (time.process_time() - start) * 1e6, ids
 
 
@@ -56,9 +57,12 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
     whole_us: list[float] = []
     pieces_us: list[float] = []
     tokens: list[int] = []
+    def library(text: str) -> list[int]:
+        return list(tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
     for text in texts(kind, prompts, chars):
-        whole, expected = cpu_us(lambda: list(tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids))
-        piecewise, ids = cpu_us(lambda: pieces.encode(text))
+        whole, expected = cpu_us(library, text)
+        piecewise, ids = cpu_us(pieces.encode, text)
         assert ids == expected, f"{path} {kind}: pieces differ from the library"
         whole_us.append(whole)
         pieces_us.append(piecewise)
@@ -69,18 +73,19 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
                                                           (" the rest", slice(count // 10, None))]
     for label, span in spans:
         w, p = statistics.median(whole_us[span]), statistics.median(pieces_us[span])
-        lines.append(f"  {kind}{label}: library {w:.0f} us, pieces {p:.0f} us per prompt "
-                     f"(x{w / p:.1f} less CPU; {len(tokens[span])} prompts of ~{statistics.median(tokens):.0f} tokens)")
+        lines.append(f"  {kind}{label}: library {w:.0f} us, pieces {p:.0f} us per prompt (x{w / p:.1f} less"
+                     f" CPU; {len(tokens[span])} prompts of ~{statistics.median(tokens):.0f} tokens)")
     return "\n".join(lines) + f"; {pieces.cached_pieces()} pieces remembered"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--chars", type=int, default=6_300)
     args = parser.parse_args()
-    print(f"bench-tokenize: {args.prompts} prompts of {args.chars} characters per kind, process CPU per prompt "
-          "(median), both paths alternated prompt by prompt")
+    print(f"bench-tokenize: {args.prompts} prompts of {args.chars} characters per kind, process CPU per"
+          " prompt (median), both paths alternated prompt by prompt")
     for path in TOKENIZERS:
         print(path)
         for kind in ["corpus", "repeat", "noise"]:
