@@ -15,9 +15,10 @@ from sluice.ledger.models import Budget, RunStatus
 from sluice.ledger.pricing import reservation_cost_micros
 from sluice.ledger.repositories import BudgetRepository
 from sluice.services import errors
-from sluice.services.tokenization import encode
+from sluice.services.tokenization import model_input
 from sqlalchemy import select, text
 
+from sluice.models import load_tokenizer
 from sluice.v1 import common_pb2
 from tests.support.ledger_factories import (
     DEFAULT_MODEL,
@@ -171,17 +172,36 @@ async def test_the_bearer_authorization_header_is_accepted_too(api):
     assert response.status == common_pb2.RUN_STATUS_ACCEPTED
 
 
-async def test_the_models_own_tokenizer_counts_the_prompt(api):
-    await make_model(api, ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=4096),
+@pytest.mark.parametrize("text", ["Sluice admits work under budgets — héllo, wörld!",
+                                  "A gate's 12 levels don't move;\n\n  they're 'held'. " * 150])
+async def test_the_models_own_tokenizer_counts_the_prompt(api, text):
+    await make_model(api, ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=8192),
                      tokenizer="tiny-chat/tokenizer.json")
     tenant = await make_tenant(api)
-    text = "Sluice admits work under budgets — héllo, wörld!"
 
     response = await api.submit(tenant, text, 16, model="chat")
 
-    expected = encode("tiny-chat/tokenizer.json", text)
+    # The oracle: the tokenizer library's own encode of the chat-wrapped prompt (the service takes
+    # a faster path for ASCII, services/token_pieces.py).
+    expected = load_tokenizer("tiny-chat/tokenizer.json").encode(
+        model_input("tiny-chat/tokenizer.json", text), add_special_tokens=False).ids
     assert response.input_tokens == len(expected)
     assert (await get_run(api.sessionmaker, response.run_id)).prompt_token_ids == expected
+
+
+async def test_a_long_prompts_ids_are_stored_lz4_compressed(api):
+    await make_model(api, ModelSpec(version="tiny-chat-v1", alias="chat", context_limit=8192),
+                     tokenizer="tiny-chat/tokenizer.json")
+    tenant = await make_tenant(api)
+    prompt = " ".join(f"word{n} {n * 7919 % 10007}" for n in range(700))   # ~3,500 ids: 14 KB, toasted
+
+    response = await api.submit(tenant, prompt, 16, model="chat")
+
+    async with api.sessionmaker() as session:    # migration 0015: lz4, not pglz
+        stored = (await session.execute(text(
+            "SELECT pg_column_compression(prompt_token_ids), length(prompt_token_ids)"
+            " FROM runs WHERE id = :id"), {"id": uuid.UUID(response.run_id)})).one()
+    assert stored == ("lz4", 4 * response.input_tokens)
 
 
 async def test_a_new_month_opens_with_the_previous_months_limits(api):
