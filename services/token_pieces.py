@@ -39,10 +39,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-# The GPT-2 pre-tokenizer pattern (tokenizers' ByteLevel, use_regex=True) with its Unicode classes
-# written out for ASCII text.
+# The GPT-2 pre-tokenizer pattern (tokenizers' ByteLevel, use_regex=True:
+#   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ )
+# with its Unicode classes written out for ASCII text. Words and numbers are tried before the
+# contractions (a third less time in `re`, which tries alternatives in order): no contraction
+# starts where a word or a number can, so every position matches the same alternative.
 GPT2_PATTERN_ASCII = re.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII)
+    r""" ?[A-Za-z]+| ?[0-9]+|'(?:[stmd]|re|ve|ll)| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII)
 DIGIT_EACH = re.compile(r"([0-9])")
 DIGIT_RUNS = re.compile(r"([0-9]+)")
 
@@ -102,9 +105,12 @@ class PieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         pieces = self.pieces(text)
+        try:    # every piece remembered: one pass in C
+            return list(itertools.chain.from_iterable(map(self._cache.__getitem__, pieces)))
+        except KeyError:
+            pass
         found = list(map(self._cache.get, pieces))
-        if None in found:
-            self._fill(pieces, found)
+        self._fill(pieces, found)
         return list(itertools.chain.from_iterable(found))   # type: ignore[arg-type]
 
     def cached_pieces(self) -> int:
