@@ -1,6 +1,6 @@
 """CPU of tokenizing a prompt: the library's whole-text call against remembered pieces.
 
-`python -m bench.bench_tokenize [--prompts 200] [--chars 6300]`
+`python -m bench.bench_tokenize [--prompts 1000] [--chars 6300]`
 
 For each shipped tokenizer, --prompts different prompts of --chars characters (~2,000 tiny-chat
 tokens at 6,300), encoded once each in order by both paths (services/token_pieces.py starts with
@@ -8,6 +8,9 @@ an empty cache), alternating path by path so that the box's drift falls on both:
   corpus   consecutive slices of sluice/models/corpus.txt's ASCII (varied English, each slice read
            once: a cache that keeps meeting new words; as many as the corpus holds, ~100 at 6,300
            characters); the first tenth and the rest are reported apart
+  slices   random slices of the same text (what `make bench-platform-seed` sends: each Submit its own
+           slice; a slice's first and last words are cut at random, so most prompts bring a piece
+           never seen); the first tenth and the rest are reported apart
   repeat   the bench's prompt (bench_platform.prompt_of), the same text every time
   noise    12-character random hex words (no piece repeats: the worst case for a cache)
 Prints the median process-CPU microseconds per prompt of each path and their ratio, and the pieces
@@ -39,9 +42,13 @@ def cpu_us(encode: Callable[[str], list[int]], text: str) -> tuple[float, list[i
 
 
 def texts(kind: str, prompts: int, chars: int) -> list[str]:
-    if kind == "corpus":
+    if kind in ("corpus", "slices"):
         corpus = "".join(ch for ch in (MODELS_DIR / "corpus.txt").read_text() if ch.isascii())
-        return [corpus[i * chars:(i + 1) * chars] for i in range(min(prompts, len(corpus) // chars))]
+        if kind == "corpus":
+            return [corpus[i * chars:(i + 1) * chars] for i in range(min(prompts, len(corpus) // chars))]
+        starts = random.Random(17)
+        return [corpus[start:start + chars] for start in
+                (starts.randrange(len(corpus) - chars) for _ in range(prompts))]
     if kind == "repeat":
         return [prompt_of(round(chars / 3.15))] * prompts
     rng = random.Random(5)
@@ -69,8 +76,9 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
         tokens.append(len(ids))
     count = len(tokens)
     lines = []
-    spans = [("", slice(None))] if kind != "corpus" else [(" first tenth", slice(0, count // 10)),
-                                                          (" the rest", slice(count // 10, None))]
+    spans = [("", slice(None))]
+    if kind in ("corpus", "slices"):
+        spans = [(" first tenth", slice(0, count // 10)), (" the rest", slice(count // 10, None))]
     for label, span in spans:
         w, p = statistics.median(whole_us[span]), statistics.median(pieces_us[span])
         lines.append(f"  {kind}{label}: library {w:.0f} us, pieces {p:.0f} us per prompt (x{w / p:.1f} less"
@@ -81,14 +89,14 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=1000)
     parser.add_argument("--chars", type=int, default=6_300)
     args = parser.parse_args()
     print(f"bench-tokenize: {args.prompts} prompts of {args.chars} characters per kind, process CPU per"
           " prompt (median), both paths alternated prompt by prompt")
     for path in TOKENIZERS:
         print(path)
-        for kind in ["corpus", "repeat", "noise"]:
+        for kind in ["corpus", "slices", "repeat", "noise"]:
             print(measure(path, kind, args.prompts, args.chars))
 
 

@@ -38,6 +38,7 @@ import re
 from typing import Any
 
 from tokenizers import Tokenizer
+from tokenizers.models import Model
 
 # The GPT-2 pre-tokenizer pattern (tokenizers' ByteLevel, use_regex=True:
 #   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ )
@@ -69,19 +70,41 @@ def _gpt2_bytes_to_unicode() -> dict[int, str]:
 BYTE_LEVEL_ASCII = {byte: char for byte, char in _gpt2_bytes_to_unicode().items() if byte < 128}
 
 
+class _RememberedPieces(dict[str, list[int]]):
+    """Piece -> ids. A piece looked up and not found is tokenized by the tokenizer's own BPE model on
+    its byte-level form (what its ByteLevel pre-tokenizer hands the model: ~1 us, where the
+    library's encode costs ~4 us per piece) and remembered when short (`__missing__`: the lookup of
+    a remembered piece stays dict's own, in C). Full, it empties down to the added tokens."""
+
+    def __init__(self, model: Model, added_ids: dict[str, list[int]]):
+        super().__init__(added_ids)
+        self._tokenize = model.tokenize
+        self._added_ids = added_ids
+        self._limit = MAX_CACHED_PIECES + len(added_ids)
+
+    def __missing__(self, piece: str) -> list[int]:
+        ids = [token.id for token in self._tokenize(piece.translate(BYTE_LEVEL_ASCII))]
+        if len(piece) <= MAX_CACHED_PIECE_CHARS:
+            if len(self) >= self._limit:
+                self.clear()
+                self.update(self._added_ids)
+            self[piece] = ids
+        return ids
+
+
 class PieceTokenizer:
     """The ids `tokenizer.encode(text, add_special_tokens=False)` gives, for ASCII text, from
     remembered pieces. Build with `piece_tokenizer_from`, which checks the tokenizer qualifies."""
 
     def __init__(self, tokenizer: Tokenizer, added_tokens: list[str], digits: re.Pattern[str] | None):
-        self._tokenizer = tokenizer
         # Longest first: at a position, `re` takes the first alternative that matches.
         alternatives = sorted(added_tokens, key=len, reverse=True)
         self._added = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
         self._digits = digits
         # Added tokens are pieces of their own, remembered for good (kept when the cache empties).
-        self._added_ids = {content: [_id_of(tokenizer, content)] for content in added_tokens}
-        self._cache: dict[str, list[int]] = dict(self._added_ids)
+        added_ids = {content: [_id_of(tokenizer, content)] for content in added_tokens}
+        self._cache = _RememberedPieces(tokenizer.model, added_ids)
+        self._added_count = len(added_ids)
 
     def takes(self, text: str) -> bool:
         return text.isascii()
@@ -104,36 +127,10 @@ class PieceTokenizer:
         return pieces
 
     def encode(self, text: str) -> list[int]:
-        pieces = self.pieces(text)
-        try:    # every piece remembered: one pass in C
-            return list(itertools.chain.from_iterable(map(self._cache.__getitem__, pieces)))
-        except KeyError:
-            pass
-        found = list(map(self._cache.get, pieces))
-        self._fill(pieces, found)
-        return list(itertools.chain.from_iterable(found))   # type: ignore[arg-type]
+        return list(itertools.chain.from_iterable(map(self._cache.__getitem__, self.pieces(text))))
 
     def cached_pieces(self) -> int:
-        return len(self._cache) - len(self._added_ids)
-
-    def _fill(self, pieces: list[str], found: list[list[int] | None]) -> None:
-        """Tokenize the pieces not remembered with the tokenizer's own BPE model, one call each on
-        the piece's byte-level form (what its ByteLevel pre-tokenizer hands the model: ~1 us, where
-        the library's encode costs ~4 us per piece), and remember the short ones."""
-        cache = self._cache
-        limit = MAX_CACHED_PIECES + len(self._added_ids)
-        if len(cache) + found.count(None) > limit:
-            cache.clear()
-            cache.update(self._added_ids)
-        tokenize = self._tokenizer.model.tokenize
-        for index in [index for index, ids in enumerate(found) if ids is None]:
-            piece = pieces[index]
-            ids = cache.get(piece)          # a piece seen twice in this text is tokenized once
-            if ids is None:
-                ids = [token.id for token in tokenize(piece.translate(BYTE_LEVEL_ASCII))]
-                if len(piece) <= MAX_CACHED_PIECE_CHARS and len(cache) < limit:
-                    cache[piece] = ids
-            found[index] = ids
+        return len(self._cache) - self._added_count
 
 
 def _id_of(tokenizer: Tokenizer, added_token: str) -> int:
