@@ -51,8 +51,8 @@ bench: infra-up              ## benchmarks print figures and ratios; they never 
 bench-platform: infra-up     ## platform CPU per token/run/Submit, Submit p95, TTFT added, INTERRUPTED (issue 9); QUICK=1: small; PHASES=ttft,runs,...
 	$(PY) -m bench.bench_platform $(if $(QUICK),--quick,) $(if $(PHASES),--phases $(PHASES),) $(if $(PROMPT_TOKENS),--prompt-tokens $(PROMPT_TOKENS),)
 
-bench-platform-seed: infra-up  ## the same at seed 002's load: 2,000-token prompts (PROMPT_TOKENS=0: one sentence), ~117 tokens/s per stream from wire replicas (bench/wire_replica.py) at 8.5 ms/token
-	$(PY) -m bench.bench_platform --wire-replicas --token-delay-ms 8.5 --prompt-tokens $(or $(PROMPT_TOKENS),2000) $(if $(QUICK),--quick,) $(if $(PHASES),--phases $(PHASES),)
+bench-platform-seed: infra-up  ## the same at seed 002's load: 2,000-token prompts, each Submit's its own corpus slice (PROMPT_SOURCE=repeat: one text; PROMPT_TOKENS=0: one sentence), ~117 tokens/s per stream from wire replicas (bench/wire_replica.py) at 8.5 ms/token
+	$(PY) -m bench.bench_platform --wire-replicas --token-delay-ms 8.5 --prompt-tokens $(or $(PROMPT_TOKENS),2000) --prompt-source $(or $(PROMPT_SOURCE),corpus) $(if $(QUICK),--quick,) $(if $(PHASES),--phases $(PHASES),)
 
 bench-hops: infra-up           ## one process hop (pipe, PostgreSQL, Kafka) by how long it was idle: the VM's wake-up cost in TTFT
 	$(PY) -m bench.bench_hops
