@@ -6,7 +6,7 @@ vocabulary, so each file is loaded once and shared; `tokenizers.Tokenizer.encode
 thread-safe and holds no per-call state.
 
 An ASCII prompt of a byte-level BPE tokenizer (both shipped models) is encoded from remembered
-pieces (services/token_pieces.py: the same ids, ~3-4x less CPU for natural text) inline up to
+pieces (services/token_pieces.py: the same ids, 2-4x less CPU for natural text) inline up to
 PIECES_INLINE_MAX_CHARS. Any other prompt goes through the library's `encode_batch_fast` (a batch
 of one): the same ids as `encode` without the character offsets nobody here reads, 17-38% less CPU,
 and it releases the GIL. A long prompt is encoded that way in a worker thread (`encode` holds the
@@ -63,8 +63,8 @@ def encode(path: str, text: str, wrap: bool = True) -> list[int]:
     """Token ids of `text` as the model sees it (model_input; no other special tokens added).
     `wrap=False`: `text` is already the whole prompt (a chat request rendered at the HTTP edge)."""
     prompt = model_input(path, text) if wrap else text
-    pieces = load_piece_tokenizer(path)
-    if pieces is not None and len(prompt) <= PIECES_INLINE_MAX_CHARS and pieces.takes(prompt):
+    pieces = _pieces_taking(path, prompt)
+    if pieces is not None:
         return pieces.encode(prompt)
     return list(load_tokenizer(path).encode_batch_fast([prompt], add_special_tokens=False)[0].ids)
 
@@ -78,20 +78,21 @@ def load_piece_tokenizer(path: str) -> PieceTokenizer | None:
 
 # Below this many characters the library encodes well under 5 ms inline: cheaper than a thread hop.
 OFF_LOOP_MIN_CHARS = 8_192
-# Pieces take ~45 us per 1,000 characters of English on these machines (holding the GIL): up to
-# 32 KiB (~10k tokens, ~1.5 ms) inline; a longer prompt goes to the library in a worker thread.
+# Pieces take ~40-85 us per 1,000 characters of English on these machines (holding the GIL): up to
+# 32 KiB (~10k tokens, ~1.5-3 ms) inline; a longer prompt goes to the library in a worker thread.
 PIECES_INLINE_MAX_CHARS = 32_768
 
 
-def _inline(path: str, text: str) -> bool:
-    if len(text) < OFF_LOOP_MIN_CHARS:
-        return True
+def _pieces_taking(path: str, text: str) -> PieceTokenizer | None:
+    """The piece tokenizer that encodes `text` inline, or None: the library's path."""
     pieces = load_piece_tokenizer(path)
-    return pieces is not None and len(text) <= PIECES_INLINE_MAX_CHARS and pieces.takes(text)
+    if pieces is None or len(text) > PIECES_INLINE_MAX_CHARS or not pieces.takes(text):
+        return None
+    return pieces
 
 
 async def encode_off_loop(path: str, text: str, wrap: bool = True) -> list[int]:
     """`encode`, in a worker thread for long texts so the event loop keeps serving."""
-    if _inline(path, text):
+    if len(text) < OFF_LOOP_MIN_CHARS or _pieces_taking(path, text) is not None:
         return encode(path, text, wrap)
     return await asyncio.to_thread(encode, path, text, wrap)
