@@ -264,12 +264,11 @@ class Client:
 
 
 def corpus_of(source: str) -> str:
-    """The text --prompt-source corpus slices prompts from: the model's corpus, its ASCII words one
-    space apart ("" for --prompt-source repeat)."""
+    """The text --prompt-source corpus slices prompts from: the model's corpus, its words one space
+    apart ("" for --prompt-source repeat). ~10% of 2,000-token slices hold a non-ASCII character."""
     if source != "corpus":
         return ""
-    text = (MODELS_DIR / "corpus.txt").read_text()
-    return " ".join(word for word in text.split() if word.isascii())
+    return " ".join((MODELS_DIR / "corpus.txt").read_text().split())
 
 
 def corpus_chars_for(corpus: str, tokens: int) -> int:

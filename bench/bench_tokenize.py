@@ -5,9 +5,10 @@
 For each shipped tokenizer, --prompts different prompts of --chars characters (~2,000 tiny-chat
 tokens at 6,300), encoded once each in order by both paths (services/token_pieces.py starts with
 an empty cache), alternating path by path so that the box's drift falls on both:
-  corpus   consecutive slices of sluice/models/corpus.txt's ASCII (varied English, each slice read
-           once: a cache that keeps meeting new words; as many as the corpus holds, ~100 at 6,300
-           characters); the first tenth and the rest are reported apart
+  corpus   consecutive slices of sluice/models/corpus.txt, words one space apart (varied English,
+           ~10% of slices with a non-ASCII character; each slice read once: a cache that keeps
+           meeting new words; as many as the corpus holds, ~100 at 6,300 characters); the first
+           tenth and the rest are reported apart
   slices   random slices of the same text (what `make bench-platform-seed` sends: each Submit its own
            slice; a slice's first and last words are cut at random, so most prompts bring a piece
            never seen); the first tenth and the rest are reported apart
@@ -29,8 +30,8 @@ from collections.abc import Callable
 from sluice.services import tokenization
 from sluice.services.token_pieces import PieceTokenizer
 
-from bench.bench_platform import prompt_of
-from sluice.models import MODELS_DIR, load_tokenizer
+from bench.bench_platform import corpus_of, prompt_of
+from sluice.models import load_tokenizer
 
 TOKENIZERS = ["tiny-chat/tokenizer.json", "smollm2-135m-instruct/tokenizer.json"]
 
@@ -43,7 +44,7 @@ def cpu_us(encode: Callable[[str], list[int]], text: str) -> tuple[float, list[i
 
 def texts(kind: str, prompts: int, chars: int) -> list[str]:
     if kind in ("corpus", "slices"):
-        corpus = "".join(ch for ch in (MODELS_DIR / "corpus.txt").read_text() if ch.isascii())
+        corpus = corpus_of("corpus")
         if kind == "corpus":
             return [corpus[i * chars:(i + 1) * chars] for i in range(min(prompts, len(corpus) // chars))]
         starts = random.Random(17)

@@ -13,17 +13,23 @@ the tokenizer's own BPE model once, then remembered: 2,000 tokens in ~0.3-0.6 ms
 
 Exact by construction, not by approximation: the ids of every piece come from the tokenizer's own
 model, and the split reproduces the library's pre-tokenizer for the configurations accepted by
-`piece_tokenizer_from` (anything else, and any text that is not ASCII, goes to the library whole):
+`piece_tokenizer_from` (anything else goes to the library whole):
 - no normalizer; added tokens matched as they are written (no lstrip/rstrip/single_word, not
   normalized), leftmost-longest, as the library's Aho-Corasick pass does;
 - pre-tokenizer ByteLevel(use_regex, no prefix space), optionally after Digits: on ASCII the GPT-2
   pattern's classes are exactly \\p{L} = [A-Za-z], \\p{N} = [0-9], \\s = [ \\t\\n\\v\\f\\r]
   (Unicode White_Space); other scripts' classes depend on the regex engines' Unicode tables, so
-  non-ASCII text is not split here;
+  non-ASCII text is never split here: each run of it goes to the library within an "island" that
+  reaches out to the nearest space standing between two printable ASCII characters on each side.
+  Such a space always starts a piece (no alternative of the pattern matches a non-space followed by a
+  space, and " x" starts one for any non-space x), whatever the tables say about the characters
+  further away, so the library's ids for an island alone are its ids in the whole text (added tokens
+  hold no whitespace, so none straddles an island's edge);
 - a BPE model without dropout (deterministic per piece).
 tests/test_token_pieces.py compares every path with the library's plain `encode` on random ASCII
 built to hit each branch of the pattern (contractions, whitespace runs before words, digits,
-control characters, added tokens inside words).
+control characters, added tokens inside words) and on ASCII mixed with other scripts, Unicode
+spaces, smart quotes, combining marks and emoji.
 
 One PieceTokenizer is shared by a process and used from its event loop's thread only (a prompt
 sent to a worker thread, services/tokenization.py, is one the library encodes). The memory is
@@ -73,6 +79,46 @@ def _gpt2_bytes_to_unicode() -> dict[int, str]:
 BYTE_LEVEL_ASCII = {byte: char for byte, char in _gpt2_bytes_to_unicode().items() if byte < 128}
 
 
+def _is_graph(char: str) -> bool:
+    return "!" <= char <= "~"
+
+
+def _island_start(text: str, at: int) -> int:
+    """The last space before `at` that stands between two printable ASCII characters, or 0."""
+    space = text.rfind(" ", 0, at)
+    while space > 0 and not (_is_graph(text[space - 1]) and _is_graph(text[space + 1])):
+        space = text.rfind(" ", 0, space)
+    return max(space, 0)
+
+
+def _island_end(text: str, at: int) -> int:
+    """The first space from `at` on that stands between two printable ASCII characters, or the end."""
+    space = text.find(" ", at)
+    while space != -1 and not (0 < space < len(text) - 1 and _is_graph(text[space - 1])
+                               and _is_graph(text[space + 1])):
+        space = text.find(" ", space + 1)
+    return len(text) if space == -1 else space
+
+
+NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
+
+
+def non_ascii_islands(text: str) -> list[tuple[int, int]]:
+    """[start, end) spans of `text` holding its non-ASCII characters, each reaching out to piece
+    boundaries that hold whatever those characters are (see the module docstring), in order and
+    merged where they touch."""
+    islands: list[tuple[int, int]] = []
+    for run in NON_ASCII_RUN.finditer(text):
+        if islands and run.start() < islands[-1][1]:
+            continue                                  # inside the island just made
+        start, end = _island_start(text, run.start()), _island_end(text, run.end())
+        if islands and start <= islands[-1][1]:
+            islands[-1] = (islands[-1][0], end)
+        else:
+            islands.append((start, end))
+    return islands
+
+
 class _RememberedPieces(dict[str, list[int]]):
     """Piece -> ids. A piece looked up and not found is tokenized by the tokenizer's own BPE model on
     its byte-level form (what its ByteLevel pre-tokenizer hands the model: ~1 us, where the
@@ -100,6 +146,7 @@ class PieceTokenizer:
     remembered pieces. Build with `piece_tokenizer_from`, which checks the tokenizer qualifies."""
 
     def __init__(self, tokenizer: Tokenizer, added_tokens: list[str], digits: re.Pattern[str] | None):
+        self._tokenizer = tokenizer
         # Longest first: at a position, `re` takes the first alternative that matches.
         alternatives = sorted(added_tokens, key=len, reverse=True)
         self._added = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
@@ -110,7 +157,9 @@ class PieceTokenizer:
         self._added_count = len(added_ids)
 
     def takes(self, text: str) -> bool:
-        return text.isascii()
+        """Whether `text` is mostly ASCII: at most one byte in 16 of its UTF-8 comes from characters
+        beyond it (a text in another script goes to the library whole, in a thread when long)."""
+        return text.isascii() or len(text.encode()) - len(text) <= len(text) // 16
 
     def pieces(self, text: str) -> list[str]:
         """`text` split as the tokenizer's added-token pass and pre-tokenizer split it."""
@@ -130,6 +179,23 @@ class PieceTokenizer:
         return pieces
 
     def encode(self, text: str) -> list[int]:
+        if text.isascii():
+            return self._encode_ascii(text)
+        islands = non_ascii_islands(text)
+        encoded = self._tokenizer.encode_batch_fast([text[start:end] for start, end in islands],
+                                                   add_special_tokens=False)
+        ids: list[int] = []
+        at = 0
+        for (start, end), encoding in zip(islands, encoded, strict=True):
+            if at < start:
+                ids += self._encode_ascii(text[at:start])
+            ids += encoding.ids
+            at = end
+        if at < len(text):
+            ids += self._encode_ascii(text[at:])
+        return ids
+
+    def _encode_ascii(self, text: str) -> list[int]:
         return list(itertools.chain.from_iterable(map(self._cache.__getitem__, self.pieces(text))))
 
     def cached_pieces(self) -> int:
@@ -165,7 +231,8 @@ def _pre_tokenizer(spec: dict[str, Any] | None) -> tuple[bool, re.Pattern[str] |
 
 def _added_tokens_ok(added: list[dict[str, Any]]) -> bool:
     return all(not (token.get("lstrip") or token.get("rstrip") or token.get("single_word")
-                    or token.get("normalized")) for token in added)
+                    or token.get("normalized") or any(char.isspace() for char in token["content"]))
+               for token in added)
 
 
 def _model_ok(model: dict[str, Any]) -> bool:

@@ -5,14 +5,15 @@ data files ship in the wheel; absolute paths are used as they are). Loading pars
 vocabulary, so each file is loaded once and shared; `tokenizers.Tokenizer.encode` is
 thread-safe and holds no per-call state.
 
-An ASCII prompt of a byte-level BPE tokenizer (both shipped models) is encoded from remembered
-pieces (services/token_pieces.py: the same ids, 2-4x less CPU for natural text) inline up to
-PIECES_INLINE_MAX_CHARS. Any other prompt goes through the library's `encode_batch_fast` (a batch
-of one): the same ids as `encode` without the character offsets nobody here reads, 17-38% less CPU,
-and it releases the GIL. A long prompt is encoded that way in a worker thread (`encode` holds the
-GIL: a 1 MiB prompt stalled the event loop ~0.7 s, in a thread as inline, against ~30 ms through
-the batch call), so one caller's big prompt does not stall every other call on the gateway. The
-size of a prompt is bounded at the RPC edge ([admission].max_input_bytes).
+A mostly-ASCII prompt of a byte-level BPE tokenizer (both shipped models) is encoded from
+remembered pieces (services/token_pieces.py: the same ids, 2-4x less CPU for natural text; its
+non-ASCII runs through the library) inline up to PIECES_INLINE_MAX_CHARS. Any other prompt goes
+through the library's `encode_batch_fast` (a batch of one): the same ids as `encode` without the
+character offsets nobody here reads, 17-38% less CPU, and it releases the GIL. A long prompt is
+encoded that way in a worker thread (`encode` holds the GIL: a 1 MiB prompt stalled the event loop
+~0.7 s, in a thread as inline, against ~30 ms through the batch call), so one caller's big prompt
+does not stall every other call on the gateway. The size of a prompt is bounded at the RPC edge
+([admission].max_input_bytes).
 
 A chat model ships `chat.json` beside its tokenizer.json (sluice/models/build_smollm2.py):
 the input of a run is then one user turn, wrapped in the model's chat template before it is

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sluice.services import token_pieces, tokenization
-from sluice.services.token_pieces import PieceTokenizer, piece_tokenizer_from
+from sluice.services.token_pieces import PieceTokenizer, non_ascii_islands, piece_tokenizer_from
 from tokenizers import Tokenizer
 
 from sluice.models import MODELS_DIR, load_tokenizer, resolve_tokenizer_path
@@ -125,10 +125,50 @@ def test_the_service_encodes_chat_wrapped_prompts_exactly(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", TOKENIZERS)
-def test_non_ascii_text_goes_to_the_library_whole(path: str) -> None:
+def test_text_mostly_in_another_script_goes_to_the_library_whole(path: str) -> None:
     text = "naïve café — 12345 tokens! 🙂 東京 ＡＢＣ Ⅻ"
     assert not fresh(path).takes(text)
     assert tokenization.encode(path, text, wrap=False) == library_ids(path, text)
+
+
+def test_a_non_ascii_island_reaches_out_to_spaces_between_printable_ascii() -> None:
+    #          0123456789012345
+    text = "the café is open"
+    assert non_ascii_islands(text) == [(3, 11)]                 # " café is": the space at 8 follows é
+    assert non_ascii_islands("a “quoted” word") == [(0, 15)]    # no such space on either side
+    assert non_ascii_islands("x — y and z é w") == [(0, 5), (9, 15)]      # " z é w": 11 is beside é
+    assert non_ascii_islands("é  é") == [(0, 4)]                # a space beside a space is no edge
+    assert non_ascii_islands("plain") == []
+
+
+NON_ASCII = ["é", "café", "naïve", "’", "“", "”", "—", "…", "\u00a0", "\u2003", "\u2028", "e\u0301",
+             "🙂", "東京", "Ⅻ", "١٢٣", "ＡＢＣ", "ß", "İ", "\u200b", "\ufeff", "\x85", "\u3000"]
+
+
+@pytest.mark.parametrize("path", TOKENIZERS)
+def test_ascii_mixed_with_other_scripts_matches_the_library(path: str) -> None:
+    shared = fresh(path)
+    fragments = st.one_of(ascii_fragments(path), st.sampled_from(NON_ASCII))
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.lists(fragments, max_size=40).map("".join))
+    def check(text: str) -> None:
+        expected = library_ids(path, text)
+        assert shared.encode(text) == expected
+        assert shared.encode(text) == expected
+
+    check()
+
+
+@pytest.mark.parametrize("path", TOKENIZERS)
+def test_non_ascii_characters_around_each_ascii_boundary_match_the_library(path: str) -> None:
+    pieces = fresh(path)
+    boundary = ["a", "7", " ", "  ", "'", ".", "\n", "'s", " x", "x "]
+    texts = [f"one two {left}{odd}{right} three four" for odd in NON_ASCII
+             for left in boundary for right in boundary]
+    texts += [f"one {first}{middle}{second} two" for first in NON_ASCII for second in NON_ASCII
+              for middle in boundary]
+    assert [text for text in texts if pieces.encode(text) != library_ids(path, text)] == []
 
 
 def test_text_that_never_repeats_is_exact_and_remembered_within_bounds(
@@ -176,6 +216,8 @@ def unsupported(change: str) -> dict:
         config["pre_tokenizer"]["pretokenizers"][0] = {"type": "Punctuation", "behavior": "Isolated"}
     elif change == "lstrip":
         config["added_tokens"][1]["lstrip"] = True
+    elif change == "added token with a space":
+        config["added_tokens"][1]["content"] = "<|im start|>"
     elif change == "normalized added token":
         config["added_tokens"][1]["normalized"] = True
     elif change == "dropout":
@@ -186,7 +228,8 @@ def unsupported(change: str) -> dict:
 
 
 @pytest.mark.parametrize("change", ["normalizer", "prefix space", "no regex", "other pre-tokenizer",
-                                    "lstrip", "normalized added token", "dropout", "unigram"])
+                                    "lstrip", "added token with a space", "normalized added token",
+                                    "dropout", "unigram"])
 def test_a_tokenizer_the_split_does_not_reproduce_is_left_to_the_library(change: str) -> None:
     assert piece_tokenizer_from(load_tokenizer(SMOLLM2), unsupported(change)) is None
 
