@@ -142,8 +142,9 @@ class _RememberedPieces(dict[str, list[int]]):
 
 
 class PieceTokenizer:
-    """The ids `tokenizer.encode(text, add_special_tokens=False)` gives, for ASCII text, from
-    remembered pieces. Build with `piece_tokenizer_from`, which checks the tokenizer qualifies."""
+    """The ids `tokenizer.encode(text, add_special_tokens=False)` gives: ASCII from remembered
+    pieces, each non-ASCII island from the library. Build with `piece_tokenizer_from`, which checks
+    the tokenizer qualifies."""
 
     def __init__(self, tokenizer: Tokenizer, added_tokens: list[str], digits: re.Pattern[str] | None):
         self._tokenizer = tokenizer
@@ -159,7 +160,7 @@ class PieceTokenizer:
     def takes(self, text: str) -> bool:
         """Whether `text` is mostly ASCII: at most one byte in 16 of its UTF-8 comes from characters
         beyond it (a text in another script goes to the library whole, in a thread when long)."""
-        return text.isascii() or len(text.encode()) - len(text) <= len(text) // 16
+        return text.isascii() or len(text.encode(errors="surrogatepass")) - len(text) <= len(text) // 16
 
     def pieces(self, text: str) -> list[str]:
         """`text` split as the tokenizer's added-token pass and pre-tokenizer split it."""
