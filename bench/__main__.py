@@ -13,6 +13,8 @@ import time
 BENCHES = [
     ("admission Submit latency (real PostgreSQL)", ["-m", "bench.bench_submit", "-n", "1000"]),
     ("what tracing and metrics add per Submit and per run", ["-m", "bench.bench_telemetry"]),
+    ("prompt tokenization: the library against remembered pieces", ["-m", "bench.bench_tokenize"]),
+    ("prompt ids in PostgreSQL: pglz, lz4, uncompressed", ["-m", "bench.bench_prompt_storage"]),
     ("routing policies on the fleet simulator + decision cost", ["-m", "bench.bench_router"]),
     ("replica: engine core behind real Triton", ["bench/bench_replica.py", "--concurrency", "1,8"]),
     ("routing worker's per-token paths: replica reads, the driver loop", ["-m", "bench.bench_data_path"]),
