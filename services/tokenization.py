@@ -27,7 +27,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from sluice.services.token_pieces import PieceTokenizer, piece_tokenizer_from
+from sluice.services.token_pieces import PieceTokenizer, configuration_of, piece_tokenizer_from
 
 from sluice.models import load_tokenizer, resolve_tokenizer_path
 
@@ -73,8 +73,8 @@ def encode(path: str, text: str, wrap: bool = True) -> list[int]:
 @functools.lru_cache(maxsize=32)
 def load_piece_tokenizer(path: str) -> PieceTokenizer | None:
     """The piece tokenizer of the tokenizer at `path`, or None where it would not be exact."""
-    config = json.loads(resolve_tokenizer_path(path).read_text())
-    return piece_tokenizer_from(load_tokenizer(path), config)
+    tokenizer = load_tokenizer(path)
+    return piece_tokenizer_from(tokenizer, configuration_of(tokenizer))
 
 
 # Below this many characters the library encodes well under 5 ms inline: cheaper than a thread hop.

@@ -14,7 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sluice.services import token_pieces, tokenization
-from sluice.services.token_pieces import PieceTokenizer, non_ascii_islands, piece_tokenizer_from
+from sluice.services.token_pieces import (
+    PieceTokenizer,
+    configuration_of,
+    non_ascii_islands,
+    piece_tokenizer_from,
+)
 from tokenizers import Tokenizer
 
 from sluice.models import MODELS_DIR, load_tokenizer, resolve_tokenizer_path
@@ -232,6 +237,18 @@ def unsupported(change: str) -> dict:
                                     "dropout", "unigram"])
 def test_a_tokenizer_the_split_does_not_reproduce_is_left_to_the_library(change: str) -> None:
     assert piece_tokenizer_from(load_tokenizer(SMOLLM2), unsupported(change)) is None
+
+
+@pytest.mark.parametrize("path", TOKENIZERS)
+def test_the_configuration_read_from_a_loaded_tokenizer_is_its_files(path: str) -> None:
+    read = configuration_of(load_tokenizer(path))
+    written = config_of(path)
+    flags = ("content", "lstrip", "rstrip", "single_word", "normalized")
+    assert read["normalizer"] == written["normalizer"]
+    assert read["pre_tokenizer"] == written["pre_tokenizer"]
+    added = [{flag: token[flag] for flag in flags} for token in written["added_tokens"]]
+    assert read["added_tokens"] == added
+    assert read["model"] == {"type": written["model"]["type"], "dropout": written["model"]["dropout"]}
 
 
 def test_the_shipped_tokenizers_qualify_with_their_own_digit_rules() -> None:
