@@ -27,16 +27,16 @@ from sluice.ledger.token_ids import pack
 from sluice.services.tokenization import encode
 
 from bench.bench_platform import corpus_chars_for, corpus_of
-from bench.platform_stack import CLOCK_TICKS
+from bench.platform_stack import process_cpu_seconds
 
 DEV_DSN = "postgresql+asyncpg://sluice:sluice@127.0.0.1:54329/sluice"
 COLUMN = {"pglz": "SET COMPRESSION pglz", "lz4": "SET COMPRESSION lz4", "none": "SET STORAGE EXTERNAL"}
 
 
 def backend_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    seconds = process_cpu_seconds(pid)
+    assert seconds is not None, f"the PostgreSQL backend {pid} is gone"
+    return seconds
 
 
 async def one_round(conn: asyncpg.Connection, pid: int, mode: str,
