@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
-from sluice.ledger import claims_sql
+from sluice.ledger import claims_sql, token_ids
 from sluice.ledger.admission_sql import insert_reserving, read_submit_context
 from sluice.ledger.channels import CANCEL_CHANNEL, EVENTS_CHANNEL, REPLICAS_CHANNEL, RUNS_ACCEPTED_CHANNEL
 from sluice.ledger.models import RunStatus
@@ -79,7 +79,8 @@ async def submit(lane: Lane, index: int, model: str, tenants: int) -> None:
     context = await read_submit_context(lane.connections["submit read"], tenant_key(tenant), model, 1000)
     assert context.caller is not None and context.caller.tenant is not None and context.model is not None
     run = {"id": uuid.uuid4(), "tenant_id": context.caller.tenant.id, "request_key": uuid.uuid4().hex,
-           "payload_hash": "x", "model_version": context.model.version, "prompt_token_ids": [5] * 24,
+           "payload_hash": "x", "model_version": context.model.version,
+           "prompt_token_ids": token_ids.pack([5] * 24),
            "input_tokens": 24, "max_output_tokens": 2, "sampling": {}, "conversation_id": None,
            "cache_scope": None, "reserved_tokens": 26, "reserved_cost_micros": 10,
            "api_key_id": context.caller.key_id, "price_card_id": context.model.price_card_id,

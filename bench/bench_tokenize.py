@@ -1,10 +1,11 @@
-"""CPU of tokenizing a prompt: the library's whole-text call against remembered pieces.
+"""CPU of tokenizing a prompt: the library's whole-text call against remembered words and pieces.
 
 `python -m bench.bench_tokenize [--prompts 1000] [--chars 6300]`
 
 For each shipped tokenizer, --prompts different prompts of --chars characters (~2,000 tiny-chat
-tokens at 6,300), encoded once each in order by both paths (services/token_pieces.py starts with
-an empty cache), alternating path by path so that the box's drift falls on both:
+tokens at 6,300), encoded once each in order by both paths into the ids as admission stores them
+(ledger/token_ids.py: the library's ids packed; services/token_pieces.py's encode_packed, starting
+with empty caches), alternating path by path so that the box's drift falls on both:
   corpus   consecutive slices of sluice/models/corpus.txt, words one space apart (varied English,
            ~10% of slices with a non-ASCII character; each slice read once: a cache that keeps
            meeting new words; as many as the corpus holds, ~100 at 6,300 characters); the first
@@ -14,8 +15,9 @@ an empty cache), alternating path by path so that the box's drift falls on both:
            never seen); the first tenth and the rest are reported apart
   repeat   the bench's prompt (bench_platform.prompt_of), the same text every time
   noise    12-character random hex words (no piece repeats: the worst case for a cache)
-Prints the median process-CPU microseconds per prompt of each path and their ratio, and the pieces
-remembered at the end. Every id list is checked against the library's; never fails on timing.
+Prints the median process-CPU microseconds per prompt of each path and their ratio, and the words
+and pieces remembered at the end. Every prompt's ids are checked against the library's; never fails
+on timing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import string
 import time
 from collections.abc import Callable
 
+from sluice.ledger import token_ids
 from sluice.services import tokenization
 from sluice.services.token_pieces import PieceTokenizer
 
@@ -36,10 +39,10 @@ from sluice.models import load_tokenizer
 TOKENIZERS = ["tiny-chat/tokenizer.json", "smollm2-135m-instruct/tokenizer.json"]
 
 
-def cpu_us(encode: Callable[[str], list[int]], text: str) -> tuple[float, list[int]]:
+def cpu_us(encode: Callable[[str], bytes], text: str) -> tuple[float, bytes]:
     start = time.process_time()
-    ids = encode(text)
-    return (time.process_time() - start) * 1e6, ids
+    packed = encode(text)
+    return (time.process_time() - start) * 1e6, packed
 
 
 def texts(kind: str, prompts: int, chars: int) -> list[str]:
@@ -65,16 +68,16 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
     whole_us: list[float] = []
     pieces_us: list[float] = []
     tokens: list[int] = []
-    def library(text: str) -> list[int]:
-        return list(tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+    def library(text: str) -> bytes:
+        return token_ids.pack(tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     for text in texts(kind, prompts, chars):
         whole, expected = cpu_us(library, text)
-        piecewise, ids = cpu_us(pieces.encode, text)
-        assert ids == expected, f"{path} {kind}: pieces differ from the library"
+        piecewise, packed = cpu_us(pieces.encode_packed, text)
+        assert packed == expected, f"{path} {kind}: pieces differ from the library"
         whole_us.append(whole)
         pieces_us.append(piecewise)
-        tokens.append(len(ids))
+        tokens.append(token_ids.count(packed))
     count = len(tokens)
     lines = []
     spans = [("", slice(None))]
@@ -84,7 +87,7 @@ def measure(path: str, kind: str, prompts: int, chars: int) -> str:
         w, p = statistics.median(whole_us[span]), statistics.median(pieces_us[span])
         lines.append(f"  {kind}{label}: library {w:.0f} us, pieces {p:.0f} us per prompt (x{w / p:.1f} less"
                      f" CPU; {len(tokens[span])} prompts of ~{statistics.median(tokens):.0f} tokens)")
-    return "\n".join(lines) + f"; {pieces.cached_pieces()} pieces remembered"
+    return "\n".join(lines) + f"; {pieces.cached_words()} words, {pieces.cached_pieces()} pieces remembered"
 
 
 def main() -> None:

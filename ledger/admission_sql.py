@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-from sluice.ledger import token_ids
 from sluice.ledger.keys import matches, salted_prefix, unsalted_hash
 from sluice.ledger.models import RunStatus, unclaimed
 from sluice.ledger.pg import Statement, rows_of
@@ -276,11 +275,6 @@ async def drained_runs(connection: AsyncConnection, model_version: str, window_s
                                                     "window_s": float(window_s)})).scalar_one())
 
 
-def _stored(run: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's columns as the statement binds them: its prompt's token ids packed (ledger/token_ids.py)."""
-    return {**run, "prompt_token_ids": token_ids.pack(run["prompt_token_ids"])}
-
-
 async def insert_reserving(connection: asyncpg.Connection, run: Mapping[str, Any], deadline_ms: int,
                            notify: tuple[str, str]) -> Reserved | None:
     """Reserve run["reserved_tokens"/"reserved_cost_micros"] and insert the run, atomically, on a
@@ -289,10 +283,11 @@ async def insert_reserving(connection: asyncpg.Connection, run: Mapping[str, Any
     request key is taken (the unique index aborts the whole statement; the transactional path
     then tells which and answers).
 
-    `run` holds the runs columns the statement names (id, tenant_id, request_key, ...)."""
+    `run` holds the runs columns the statement names (id, tenant_id, request_key, ...), the prompt's
+    token ids as stored (ledger/token_ids.py: admission tokenizes straight into that form)."""
     channel, pool = notify
     try:
-        row = await rows_of(connection).row(_WRITE, {**_stored(run), "deadline_ms": deadline_ms,
+        row = await rows_of(connection).row(_WRITE, {**run, "deadline_ms": deadline_ms,
                                                      "channel": channel, "pool": pool})
     except asyncpg.IntegrityConstraintViolationError:
         return None
@@ -310,7 +305,7 @@ async def insert_reserving_if_held(connection: asyncpg.Connection, run: Mapping[
     channel, pool = notify
     try:
         row = await rows_of(connection).row(_WRITE_HELD, {
-            **_stored(run), "deadline_ms": deadline_ms, "channel": channel, "pool": pool, "scope": scope,
+            **run, "deadline_ms": deadline_ms, "channel": channel, "pool": pool, "scope": scope,
             "tenant_row": versions.tenant, "model_row": versions.model,
             "backlog_bound": bounds.backlog, "batch_backlog_bound": bounds.batch,
             "batch_count_limit": bounds.batch + 1 if bounds.count_batch else 0,

@@ -29,6 +29,13 @@ def pack(ids: Iterable[int]) -> bytes:
     return packed.tobytes()
 
 
+def count(stored: bytes) -> int:
+    """How many ids `stored` holds, without unpacking them."""
+    if len(stored) % 4:
+        raise ValueError(NOT_WHOLE_IDS.format(size=len(stored)))
+    return len(stored) // 4
+
+
 def unpack(stored: bytes) -> tuple[int, ...]:
     """The ids `pack` stored, as the routing path keeps them (a tuple: built once, never copied again)."""
     if len(stored) % 4:

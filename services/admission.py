@@ -75,6 +75,7 @@ from typing import Any, cast
 import asyncpg
 import grpc.aio
 from opentelemetry import trace
+from sluice.ledger import token_ids
 from sluice.ledger.admission_sql import (
     Reserved,
     SubmitContext,
@@ -227,7 +228,8 @@ class _Prepared:
     model: ModelInfo
     route: RouteRecord
     intent: SubmitIntent
-    prompt_token_ids: list[int] = field(repr=False)
+    prompt_token_ids: bytes = field(repr=False)   # as runs stores them (ledger/token_ids.py)
+    input_tokens: int
     payload_hash: str
     deadline_ms: int                 # the request's, or [admission].default_deadline_ms for 0
     reserved_tokens: int
@@ -357,16 +359,16 @@ class AdmissionService:
                 tenant, intent, text, deadline_ms, model, Condition.BACKLOG,
                 f"backlog {context.backlog} >= {traffic.ladder.fallback_backlog} (degradation ladder)")
         prepared = fallback or await self._prepare(tenant, model, route, intent, text, deadline_ms)
-        check_kv_budget(tenant, len(prepared.prompt_token_ids), intent.max_output_tokens)
+        check_kv_budget(tenant, prepared.input_tokens, intent.max_output_tokens)
         if fallback is None:
             # A batch run waits behind every interactive run as well as the batch runs before it.
             waiting = context.backlog + (context.batch_backlog if priority is Priority.BATCH else 0)
             try:
                 retry = retry or await self._unless_a_retry(tenant, intent, lambda: check_deadline(
-                    prepared.deadline_ms, waiting, len(prepared.prompt_token_ids),
+                    prepared.deadline_ms, waiting, prepared.input_tokens,
                     intent.max_output_tokens, pace))
             except DeadlineExceeded as refusal:
-                floor = deadline_floor(waiting, len(prepared.prompt_token_ids),
+                floor = deadline_floor(waiting, prepared.input_tokens,
                                        intent.max_output_tokens, pace)
                 if priority is Priority.BATCH or \
                         not queue_bound(deadline_ms, floor.queue_ms, floor.prefill_ms + floor.decode_ms):
@@ -448,13 +450,13 @@ class AdmissionService:
     async def _counted_on(self, tenant: TenantInfo, model: ModelInfo, backlog: int, route: RouteRecord,
                           intent: SubmitIntent, text: str, deadline_ms: int) -> _Prepared | Unusable:
         """The request counted with a fallback's tokenizer: prepared, or why it does not fit there."""
-        token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
-        cap = intent.max_output_tokens
-        if len(token_ids) + cap > model.context_limit:
+        packed = await tokenization.encode_packed_off_loop(model.tokenizer, text, wrap=not intent.rendered)
+        tokens, cap = token_ids.count(packed), intent.max_output_tokens
+        if tokens + cap > model.context_limit:
             return Unusable.CONTEXT
-        if deadline_ms < deadline_floor(backlog, len(token_ids), cap, self._settings.pace).total_ms:
+        if deadline_ms < deadline_floor(backlog, tokens, cap, self._settings.pace).total_ms:
             return Unusable.DEADLINE
-        return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
+        return _prepared(tenant, model, route, intent, packed, deadline_ms)
     async def _climb_ladder(self, model: ModelInfo, priority: Priority, context: SubmitContext,
                             counted: bool = True) -> Rung:
         """The degradation ladder's step for the model's pool (counted in its metric unless not
@@ -506,7 +508,7 @@ class AdmissionService:
         self.metrics.budget_left(prepared.tenant.name, reserved.tokens_left, reserved.cost_left_micros)
         return Admitted(run_id=reserved.run_id, status=RunStatus.ACCEPTED,
                         model_version=prepared.model.version,
-                        input_tokens=len(prepared.prompt_token_ids),
+                        input_tokens=prepared.input_tokens,
                         max_output_tokens=prepared.intent.max_output_tokens, deduplicated=False,
                         route=prepared.route,
                         priority=prepared.intent.priority)
@@ -517,7 +519,7 @@ class AdmissionService:
         that context still holds and the backlogs are within the bounds where the decision is the same;
         raises _NotHeld (nothing written) otherwise."""
         intent, settings = prepared.intent, self._settings
-        waiting = largest_waiting_within(prepared.deadline_ms, len(prepared.prompt_token_ids),
+        waiting = largest_waiting_within(prepared.deadline_ms, prepared.input_tokens,
                                          intent.max_output_tokens, settings.pace)
         bounds = backlog_bounds(intent.priority, waiting, settings.traffic)
         caller = known.caller
@@ -536,9 +538,9 @@ class AdmissionService:
     @staticmethod
     async def _prepare(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
                        text: str, deadline_ms: int) -> _Prepared:
-        token_ids = await tokenization.encode_off_loop(model.tokenizer, text, wrap=not intent.rendered)
-        check_context(model.version, model.context_limit, len(token_ids), intent.max_output_tokens)
-        return _prepared(tenant, model, route, intent, token_ids, deadline_ms)
+        packed = await tokenization.encode_packed_off_loop(model.tokenizer, text, wrap=not intent.rendered)
+        check_context(model.version, model.context_limit, token_ids.count(packed), intent.max_output_tokens)
+        return _prepared(tenant, model, route, intent, packed, deadline_ms)
 
     async def _insert_or_match(self, session: AsyncSession, prepared: _Prepared) -> Admitted:
         """Runs inside the caller's write transaction; raising rolls everything back."""
@@ -573,7 +575,7 @@ class AdmissionService:
             run_id=run_id,
             status=RunStatus.ACCEPTED,
             model_version=prepared.model.version,
-            input_tokens=len(prepared.prompt_token_ids),
+            input_tokens=prepared.input_tokens,
             max_output_tokens=intent.max_output_tokens,
             deduplicated=False,
             route=prepared.route,
@@ -583,6 +585,7 @@ class AdmissionService:
     def _run_values(self, prepared: _Prepared) -> dict[str, Any]:
         return {
             **self._written_values(prepared),
+            "prompt_token_ids": list(token_ids.unpack(prepared.prompt_token_ids)),   # the ORM's type packs
             "status": RunStatus.ACCEPTED.value,
             # On the database clock, like created_at, so routing compares like with like.
             "deadline_at": func.now() + dt.timedelta(milliseconds=prepared.deadline_ms),
@@ -599,7 +602,7 @@ class AdmissionService:
             "payload_hash": prepared.payload_hash,
             "model_version": prepared.model.version,
             "prompt_token_ids": prepared.prompt_token_ids,
-            "input_tokens": len(prepared.prompt_token_ids),
+            "input_tokens": prepared.input_tokens,
             "max_output_tokens": intent.max_output_tokens,
             "sampling": intent.sampling.as_json(),
             "conversation_id": intent.conversation_id,
@@ -657,19 +660,21 @@ _NO_FALLBACK = _NoFallback("no permitted fallback")
 
 
 def _prepared(tenant: TenantInfo, model: ModelInfo, route: RouteRecord, intent: SubmitIntent,
-              token_ids: list[int], deadline_ms: int) -> _Prepared:
-    """A request counted with `model`'s tokenizer (`token_ids`) and priced at its card."""
+              packed: bytes, deadline_ms: int) -> _Prepared:
+    """A request counted with `model`'s tokenizer (`packed`: its ids as stored) and priced at its card."""
+    tokens = token_ids.count(packed)
     return _Prepared(
         tenant=tenant,
         model=model,
         route=route,
         intent=intent,
-        prompt_token_ids=token_ids,
+        prompt_token_ids=packed,
+        input_tokens=tokens,
         payload_hash=payload_hash(intent.model, intent.input, intent.max_output_tokens, intent.sampling,
                                   intent.rendered),
         deadline_ms=deadline_ms,
-        reserved_tokens=len(token_ids) + intent.max_output_tokens,
-        reserved_cost_micros=reservation_cost_micros(model, len(token_ids), intent.max_output_tokens),
+        reserved_tokens=tokens + intent.max_output_tokens,
+        reserved_cost_micros=reservation_cost_micros(model, tokens, intent.max_output_tokens),
     )
 
 
@@ -701,7 +706,7 @@ async def _check_rate_limits(session: AsyncSession, prepared: _Prepared, run_id:
     if limit is None or usage.tokens_in_window + needed <= limit:
         return
     if needed > limit:
-        advice = limit_advice(limit, len(prepared.prompt_token_ids))
+        advice = limit_advice(limit, prepared.input_tokens)
         raise ResourceExhausted(
             TOKENS_PER_MINUTE_NEVER_FITS.format(needed=needed, limit=limit, advice=advice),
             reason="TOKENS_PER_MINUTE",
@@ -721,7 +726,7 @@ async def _budget_refusal(budgets: BudgetRepository, prepared: _Prepared) -> Res
     state = await budgets.current(prepared.tenant.id)
     if state is None:
         return ResourceExhausted(NO_BUDGET, reason="NO_BUDGET")
-    prompt = len(prepared.prompt_token_ids)
+    prompt = prepared.input_tokens
     fit = largest_cap_that_fits(
         prepared.model, prompt, state.tokens_left, state.cost_left_micros, prepared.model.context_limit
     )

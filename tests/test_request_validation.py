@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 from sluice.services import tokenization, validation
 from sluice.services.validation import FieldLimits, Undecodable, decoder
 
@@ -71,5 +73,7 @@ async def test_short_and_long_prompts_get_the_tokenizers_own_encode_ids():
     for text in ("Why do rivers meander? Ünïcode, 北京, tabs\tand\nlines", "Why do rivers meander? " * 2_000):
         expected = tokenizer.encode(tokenization.model_input(TINY_CHAT, text), add_special_tokens=False).ids
         assert tokenization.encode(TINY_CHAT, text) == expected
-        assert await tokenization.encode_off_loop(TINY_CHAT, text) == expected
+        # As runs.prompt_token_ids stores them: 4-byte big-endian integers back to back.
+        packed = struct.pack(f">{len(expected)}i", *expected)
+        assert await tokenization.encode_packed_off_loop(TINY_CHAT, text) == packed
     assert len(text) >= tokenization.OFF_LOOP_MIN_CHARS

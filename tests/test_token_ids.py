@@ -24,7 +24,8 @@ def test_ids_are_stored_as_big_endian_int32s_back_to_back():
     assert token_ids.pack(IDS) == STORED
     assert token_ids.pack(tuple(IDS)) == STORED
     assert token_ids.unpack(STORED) == tuple(IDS)
-    assert token_ids.pack([]) == b"" and token_ids.unpack(b"") == ()
+    assert token_ids.count(STORED) == len(IDS)
+    assert token_ids.pack([]) == b"" and token_ids.unpack(b"") == () and token_ids.count(b"") == 0
 
 
 def test_what_an_int4_column_refused_is_refused():
@@ -39,6 +40,8 @@ def test_what_an_int4_column_refused_is_refused():
 def test_stored_bytes_that_are_not_whole_ids_are_an_error():
     with pytest.raises(ValueError, match="6 bytes"):
         token_ids.unpack(STORED[:6])
+    with pytest.raises(ValueError, match="6 bytes"):
+        token_ids.count(STORED[:6])
 
 
 def _migration() -> ModuleType:

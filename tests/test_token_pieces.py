@@ -17,7 +17,8 @@ from sluice.services import token_pieces, tokenization
 from sluice.services.token_pieces import (
     PieceTokenizer,
     configuration_of,
-    non_ascii_islands,
+    irregular_spans,
+    islands,
     piece_tokenizer_from,
 )
 from tokenizers import Tokenizer
@@ -136,14 +137,31 @@ def test_text_mostly_in_another_script_goes_to_the_library_whole(path: str) -> N
     assert tokenization.encode(path, text, wrap=False) == library_ids(path, text)
 
 
-def test_a_non_ascii_island_reaches_out_to_spaces_between_printable_ascii() -> None:
+def islands_of(text: str) -> list[tuple[int, int]]:
+    return islands(text, irregular_spans(text))
+
+
+def test_an_island_reaches_out_to_spaces_between_printable_ascii() -> None:
     #          0123456789012345
     text = "the café is open"
-    assert non_ascii_islands(text) == [(3, 11)]                 # " café is": the space at 8 follows é
-    assert non_ascii_islands("a “quoted” word") == [(0, 15)]    # no such space on either side
-    assert non_ascii_islands("x — y and z é w") == [(0, 5), (9, 15)]      # " z é w": 11 is beside é
-    assert non_ascii_islands("é  é") == [(0, 4)]                # a space beside a space is no edge
-    assert non_ascii_islands("plain") == []
+    assert islands_of(text) == [(3, 11)]                     # " café is": the space at 8 follows é
+    assert islands_of("a “quoted” word") == [(0, 15)]        # no such space on either side
+    assert islands_of("x — y and z é w") == [(0, 5), (9, 15)]      # " z é w": 11 is beside é
+    assert islands_of("é  é") == [(0, 4)]                    # a space beside a space is no edge
+    assert islands_of("plain words only") == []
+    # ASCII the word split cannot cut beside: double spaces, newlines and controls, the ends.
+    assert islands_of("a  b c") == [(0, 4)]                  # "a  b", up to the space between b and c
+    assert islands_of("one x\ny two") == [(3, 7)]            # " x\ny", from the spaces around it
+    assert islands_of("x\x00y z") == [(0, 3)]
+    assert islands_of(" lead and trail ") == [(0, 5), (9, 16)]
+    assert islands_of("tab\there and\tthere too") == [(0, 18)]     # (0, 8) and (8, 18) touch: merged
+
+
+def test_irregular_spans_name_what_the_word_split_cannot_cut_beside() -> None:
+    assert irregular_spans("a  b\n c\té") == [(1, 3), (4, 5), (7, 9)]      # not ASCII: runs
+    assert irregular_spans("a\n\nb  ") == [(1, 2), (2, 3), (4, 6), (5, 6)]
+    assert irregular_spans("naïve  x") == [(2, 3), (5, 7)]
+    assert irregular_spans("plain words") == []
 
 
 NON_ASCII = ["é", "café", "naïve", "’", "“", "”", "—", "…", "\u00a0", "\u2003", "\u2028", "e\u0301",
